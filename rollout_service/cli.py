@@ -1,0 +1,74 @@
+"""``rollout-service`` command line: ``serve``, ``demo`` and ``make-model``.
+
+``serve`` runs the service standalone under uvicorn in this process (the engine
+spawns its own worker process). ``demo`` starts ``serve`` as a child process and
+talks to it over HTTP, as a trainer would.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+app = typer.Typer(add_completion=False, no_args_is_help=True,
+                  help="RL rollout service with MTP speculative decoding.")
+
+
+@app.command()
+def serve(
+    config: Annotated[Optional[Path], typer.Option(help="Service config (YAML or JSON).")] = None,
+    host: Annotated[Optional[str], typer.Option(help="Bind address (overrides the config).")] = None,
+    port: Annotated[Optional[int], typer.Option(help="Port (overrides the config).")] = None,
+    model: Annotated[Optional[str], typer.Option(
+        help="Checkpoint dir or embedded:tiny / embedded:small (overrides the config).")] = None,
+) -> None:
+    """Serve the HTTP API on one engine (the embedded tiny MTP model by default)."""
+    import uvicorn
+
+    from rollout_service.api import create_app
+    from rollout_service.config import load_config
+    from rollout_service.engines import create_engine
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        cfg = load_config(config, host=host, port=port, model=model)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc)) from exc
+
+    async def engine_factory():  # noqa: ANN202 - typed by create_app
+        return await create_engine(cfg)
+
+    uvicorn.run(create_app(engine_factory, api_key=cfg.resolved_api_key()),
+                host=cfg.host, port=cfg.port, log_level="info")
+
+
+@app.command()
+def demo(
+    num_prompts: Annotated[int, typer.Option(help="Prompts in the batch.")] = 32,
+    max_tokens: Annotated[int, typer.Option(help="Tokens per answer.")] = 48,
+    temperature: Annotated[float, typer.Option(help="Sampling temperature.")] = 1.0,
+    model: Annotated[str, typer.Option(help="Model to serve.")] = "embedded:tiny",
+) -> None:
+    """Start the service, roll out a batch, show per-request and macro acceptance."""
+    from rollout_service.demo import run_demo
+
+    run_demo(num_prompts=num_prompts, max_tokens=max_tokens, temperature=temperature,
+             model=model)
+
+
+@app.command("make-model")
+def make_model(
+    size: Annotated[str, typer.Option(help="tiny or small.")] = "tiny",
+    out: Annotated[Optional[Path], typer.Option(help="Directory (default: the cache).")] = None,
+) -> None:
+    """Generate the embedded MiMo checkpoint with one MTP layer and print its path."""
+    from rollout_service.model import ensure_model
+
+    typer.echo(ensure_model(size, cache_dir=out))
+
+
+if __name__ == "__main__":
+    app()

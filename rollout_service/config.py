@@ -1,0 +1,101 @@
+"""The service configuration: one pydantic model, loadable from YAML or JSON.
+
+Read by the ``rollout-service`` CLI (and, later, the Ray Serve app builder) in
+the service process before the engine starts; every field is validated there, so
+a bad config fails at startup with the field's name, not at the first request.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError
+
+from rollout_service.speculative import MTPSettings
+
+EMBEDDED_PREFIX = "embedded:"
+API_KEY_ENV = "ROLLOUT_API_KEY"
+
+# What the embedded default needs on a 2-core CPU: a short context keeps the KV
+# cache small, eager mode skips minutes of torch.compile at startup.
+EMBEDDED_ENGINE_KWARGS: dict[str, Any] = {"max_model_len": 1024, "enforce_eager": True}
+
+
+class ServiceConfig(BaseModel):
+    """Everything one rollout service replica needs."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    model: str = Field(
+        f"{EMBEDDED_PREFIX}tiny",
+        description=("A local checkpoint directory, or 'embedded:tiny' / 'embedded:small' "
+                     "for the generated MiMo checkpoints (built and cached on first use)."))
+    served_model_name: str | None = Field(
+        None, description="Name in responses and metrics labels; defaults to the model field.")
+    engine: Literal["vllm"] = Field("vllm", description="Inference engine behind the service.")
+    engine_kwargs: dict[str, Any] = Field(
+        default_factory=dict,
+        description=("Passed to the engine as is (vLLM: AsyncEngineArgs fields), except "
+                     "'speculative_config', which is merged with 'mtp'. For the embedded "
+                     f"model, {EMBEDDED_ENGINE_KWARGS} are the defaults."))
+    mtp: MTPSettings = Field(default_factory=MTPSettings,
+                             description="MTP speculative decoding settings.")
+    host: str = Field("127.0.0.1", description="Address the HTTP server binds.")
+    port: int = Field(8000, ge=0, le=65535, description="HTTP port; 0 picks a free one.")
+    api_key: SecretStr | None = Field(
+        None, description=(f"Bearer token required on generation endpoints; falls back to "
+                           f"${API_KEY_ENV}; none means open."))
+
+    @property
+    def model_name(self) -> str:
+        """The name clients and metrics see."""
+        return self.served_model_name or self.model
+
+    def resolved_api_key(self) -> str | None:
+        """The generation API key from the config or the environment."""
+        if self.api_key is not None:
+            return self.api_key.get_secret_value()
+        return os.environ.get(API_KEY_ENV) or None
+
+    def resolve_model(self) -> tuple[str, dict[str, Any]]:
+        """The checkpoint path and engine kwargs with the embedded defaults applied.
+
+        Raises:
+            ValueError: an unknown embedded size or a missing checkpoint directory.
+        """
+        if not self.model.startswith(EMBEDDED_PREFIX):
+            if not Path(self.model).is_dir():
+                raise ValueError(f"model: {self.model!r} is not a local checkpoint directory")
+            return self.model, dict(self.engine_kwargs)
+        from rollout_service.model import ensure_model
+
+        size = self.model.removeprefix(EMBEDDED_PREFIX)
+        path = ensure_model(size)
+        return str(path), {**EMBEDDED_ENGINE_KWARGS, **self.engine_kwargs}
+
+
+def load_config(path: str | Path | None = None, **overrides: Any) -> ServiceConfig:
+    """Load a config file (YAML or JSON) and apply non-None overrides.
+
+    Raises:
+        ValueError: unreadable file or invalid fields (pydantic names each field).
+    """
+    data: dict[str, Any] = {}
+    if path is not None:
+        text = Path(path).read_text()
+        if str(path).endswith((".yaml", ".yml")):
+            import yaml
+
+            data = yaml.safe_load(text) or {}
+        else:
+            data = json.loads(text)
+        if not isinstance(data, dict):
+            raise ValueError(f"{path}: the config must be a mapping of fields")
+    data.update({k: v for k, v in overrides.items() if v is not None})
+    try:
+        return ServiceConfig.model_validate(data)
+    except ValidationError as exc:
+        raise ValueError(f"invalid service config: {exc}") from exc

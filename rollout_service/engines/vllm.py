@@ -1,0 +1,177 @@
+"""vLLM engine: ``AsyncLLM`` with MTP speculative decoding and per-request stats.
+
+Runs inside the rollout service process; ``AsyncLLM`` spawns the engine-core
+process (and its workers) and talks to it over ZMQ. Each ``generate`` call is one
+engine request with ``n == 1``, so vLLM attaches exact spec-decode counts to the
+finished output (``per_request_spec_decode_metrics``), which this module turns
+into :class:`~rollout_service.telemetry.SpecDecodeStats`.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from typing import Any
+
+from vllm import SamplingParams
+from vllm.engine.arg_utils import AsyncEngineArgs
+from vllm.sampling_params import RequestOutputKind
+from vllm.v1.engine.async_llm import AsyncLLM
+from vllm.v1.engine.exceptions import EngineDeadError
+
+from rollout_service.engines.base import (
+    EngineInfo,
+    EngineUnavailableError,
+    GenerationResult,
+    InvalidRequestError,
+    SamplingOptions,
+    WeightVersionSpan,
+)
+from rollout_service.speculative import MTPSettings, build_vllm_speculative_config
+from rollout_service.telemetry import SpecDecodeStats
+
+logger = logging.getLogger(__name__)
+
+# Per-request stats are what this service is for; "summary" has everything the
+# telemetry needs without per-step arrays.
+_SERVICE_ENGINE_DEFAULTS: dict[str, Any] = {"per_request_spec_decode_metrics": "summary"}
+
+
+def build_engine_args(model: str, engine_kwargs: Mapping[str, Any], mtp: MTPSettings,
+                      checkpoint_config: Mapping[str, Any] | None) -> AsyncEngineArgs:
+    """Merge the user's engine kwargs with the service's MTP settings.
+
+    The user's kwargs win except ``speculative_config``, which is merged key by
+    key (see :mod:`rollout_service.speculative`).
+
+    Raises:
+        ValueError: a bad speculative config or an engine kwarg vLLM does not know.
+    """
+    kwargs = {**_SERVICE_ENGINE_DEFAULTS, **engine_kwargs, "model": model}
+    speculative_config = build_vllm_speculative_config(mtp, engine_kwargs, checkpoint_config)
+    kwargs["speculative_config"] = speculative_config
+    if kwargs.get("per_request_spec_decode_metrics") == "none" and speculative_config:
+        raise ValueError("engine_kwargs.per_request_spec_decode_metrics: 'none' disables the "
+                         "per-request acceptance this service exports; use 'summary' or "
+                         "'detailed'")
+    try:
+        return AsyncEngineArgs(**kwargs)
+    except TypeError as exc:
+        raise ValueError(f"engine_kwargs: {exc} (accepted: the fields of vLLM's "
+                         "AsyncEngineArgs)") from exc
+
+
+class VLLMEngine:
+    """:class:`~rollout_service.engines.base.Engine` on vLLM's ``AsyncLLM``.
+
+    Create it with :meth:`start` inside the event loop that will serve it.
+    """
+
+    def __init__(self, llm: AsyncLLM, info: EngineInfo) -> None:
+        self._llm = llm
+        self.info = info
+        self._tokenizer = llm.get_tokenizer()
+
+    @classmethod
+    def start(cls, engine_args: AsyncEngineArgs, served_model_name: str) -> VLLMEngine:
+        """Start the engine (spawns vLLM's engine-core process)."""
+        llm = AsyncLLM.from_engine_args(engine_args)
+        model_config = llm.model_config
+        spec = llm.vllm_config.speculative_config
+        info = EngineInfo(
+            model=served_model_name,
+            engine="vllm",
+            max_model_len=model_config.max_model_len,
+            vocab_size=model_config.get_vocab_size(),
+            num_speculative_tokens=spec.num_speculative_tokens if spec else 0,
+        )
+        return cls(llm, info)
+
+    def tokenize(self, text: str) -> list[int]:
+        """Token ids of ``text`` as the engine would see them."""
+        return list(self._tokenizer.encode(text))
+
+    async def generate(self, prompt: str | list[int], sampling: SamplingOptions,
+                       request_id: str) -> GenerationResult:
+        prompt_ids = self.tokenize(prompt) if isinstance(prompt, str) else list(prompt)
+        self._check_prompt(prompt_ids, sampling.max_tokens)
+        params = SamplingParams(
+            n=1,
+            max_tokens=sampling.max_tokens,
+            temperature=sampling.temperature,
+            top_p=sampling.top_p,
+            top_k=sampling.top_k,
+            seed=sampling.seed,
+            stop=list(sampling.stop) or None,
+            ignore_eos=sampling.ignore_eos,
+            logprobs=0 if sampling.logprobs else None,
+            output_kind=RequestOutputKind.FINAL_ONLY,
+        )
+        final = None
+        try:
+            async for output in self._llm.generate({"prompt_token_ids": prompt_ids}, params,
+                                                   request_id):
+                final = output
+        except EngineDeadError as exc:
+            raise EngineUnavailableError(f"vLLM engine died: {exc}") from exc
+        except ValueError as exc:
+            raise InvalidRequestError(str(exc)) from exc
+        assert final is not None and final.finished, "AsyncLLM ended without a final output"
+        return _to_result(prompt_ids, final.outputs[0])
+
+    def _check_prompt(self, prompt_ids: list[int], max_tokens: int) -> None:
+        info = self.info
+        if not prompt_ids:
+            raise InvalidRequestError("prompt: empty (it must hold at least one token)")
+        bad = next((t for t in prompt_ids if not 0 <= t < info.vocab_size), None)
+        if bad is not None:
+            raise InvalidRequestError(
+                f"prompt_token_ids: token id {bad} is outside the vocabulary [0, {info.vocab_size})")
+        if len(prompt_ids) + max_tokens > info.max_model_len:
+            raise InvalidRequestError(
+                f"prompt: {len(prompt_ids)} prompt tokens + max_tokens {max_tokens} exceed the "
+                f"model's context length {info.max_model_len}")
+
+    async def pause(self, mode: str = "wait") -> None:
+        await self._llm.pause_generation(mode=mode)
+
+    async def resume(self) -> None:
+        await self._llm.resume_generation()
+
+    async def health(self) -> None:
+        try:
+            await self._llm.check_health()
+        except EngineDeadError as exc:
+            raise EngineUnavailableError(f"vLLM engine died: {exc}") from exc
+
+    async def weight_version(self) -> str | None:
+        return await self._llm.get_weight_version() or None
+
+    async def shutdown(self) -> None:
+        self._llm.shutdown()
+
+
+def _to_result(prompt_ids: list[int], completion: Any) -> GenerationResult:
+    """Convert a finished ``CompletionOutput`` to the engine-neutral result."""
+    logprobs = None
+    if completion.logprobs is not None:
+        logprobs = tuple(step[token].logprob
+                         for step, token in zip(completion.logprobs, completion.token_ids))
+    spans = tuple(WeightVersionSpan(version=s.version, start=s.start, end=s.end)
+                  for s in completion.weight_versions or ())
+    return GenerationResult(
+        prompt_token_ids=tuple(prompt_ids),
+        token_ids=tuple(completion.token_ids),
+        text=completion.text,
+        finish_reason=completion.finish_reason or "abort",
+        logprobs=logprobs,
+        weight_versions=spans,
+        spec_decode=_to_stats(completion.spec_decode_metrics),
+    )
+
+
+def _to_stats(metrics: Any) -> SpecDecodeStats | None:
+    """vLLM's ``RequestSpecDecodeMetrics`` -> :class:`SpecDecodeStats` (None passes)."""
+    if metrics is None:
+        return None
+    return SpecDecodeStats.from_histogram(metrics.histogram, metrics.num_draft_tokens)

@@ -1,0 +1,79 @@
+"""Start ``rollout-service serve`` as a child process and stop it again.
+
+Used by the demo, the benchmarks and the tests: the service runs exactly as in
+production (its own process, its own engine), and the caller talks HTTP to it.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+from types import TracebackType
+
+
+def free_port() -> int:
+    """A TCP port free on loopback right now."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class ServiceProcess:
+    """``with ServiceProcess(...) as proc:`` runs the service until the block ends.
+
+    Args:
+        log_path: where the child's stdout and stderr go.
+        config: optional config file passed as ``--config``.
+        model: optional ``--model`` override.
+        env: extra environment variables for the child.
+    """
+
+    def __init__(self, log_path: Path, *, config: Path | None = None, model: str | None = None,
+                 env: dict[str, str] | None = None) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = log_path
+        self._args = [sys.executable, "-m", "rollout_service.cli", "serve",
+                      "--host", "127.0.0.1", "--port", str(self.port)]
+        if config is not None:
+            self._args += ["--config", str(config)]
+        if model is not None:
+            self._args += ["--model", model]
+        self._env = {**os.environ, **(env or {})}
+        self._proc: subprocess.Popen[bytes] | None = None
+
+    def __enter__(self) -> ServiceProcess:
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        log = self.log_path.open("wb")
+        self._proc = subprocess.Popen(self._args, stdout=log, stderr=subprocess.STDOUT,
+                                      env=self._env, start_new_session=True)
+        log.close()
+        return self
+
+    def is_alive(self) -> bool:
+        return self._proc is not None and self._proc.poll() is None
+
+    @property
+    def returncode(self) -> int | None:
+        assert self._proc is not None
+        return self._proc.poll()
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.stop()
+
+    def stop(self, timeout_s: float = 30.0) -> None:
+        """SIGTERM the whole process group (engine workers too), then SIGKILL."""
+        if self._proc is None or self._proc.poll() is not None:
+            return
+        pgid = os.getpgid(self._proc.pid)
+        os.killpg(pgid, signal.SIGTERM)
+        try:
+            self._proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(pgid, signal.SIGKILL)
+            self._proc.wait()

@@ -1,0 +1,194 @@
+"""HTTP messages of the rollout service (pydantic); this module holds nothing else.
+
+Shared by the server (``api.py``) and by clients (the demo, the trainer client,
+tests), so both sides validate the same shapes. Unknown fields are rejected.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+_STRICT = ConfigDict(extra="forbid")
+
+MAX_N = 64
+MAX_BATCH = 4096
+
+
+class SamplingFields(BaseModel):
+    """Sampling parameters shared by ``/generate`` requests."""
+
+    model_config = _STRICT
+
+    max_tokens: int = Field(16, ge=1, description="Tokens to generate at most.")
+    temperature: float = Field(1.0, ge=0.0, le=2.0,
+                               description="Sampling temperature; 0 is greedy (OpenAI's range).")
+    top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus probability mass kept.")
+    top_k: int = Field(0, ge=0, description="Tokens kept by rank; 0 keeps all.")
+    seed: int | None = Field(None, ge=0, description=(
+        "Seed for reproducible sampling; sequence i of a request with n > 1 uses seed + i."))
+    stop: list[str] = Field(default_factory=list, max_length=16,
+                            description="Strings that end a sequence.")
+    ignore_eos: bool = Field(False, description="Generate past end-of-sequence (benchmarks).")
+    logprobs: bool = Field(False, description="Return each sampled token's log-probability.")
+
+
+class GenerateRequest(SamplingFields):
+    """One prompt, ``n`` sequences; give exactly one of ``prompt`` and ``prompt_token_ids``."""
+
+    prompt: str | None = Field(None, description="Prompt text (tokenized by the server).")
+    prompt_token_ids: list[int] | None = Field(None, description="Prompt as token ids.")
+    n: int = Field(1, ge=1, le=MAX_N, description=(
+        "Sequences to sample; each runs as its own engine request so each has exact stats."))
+
+    @model_validator(mode="after")
+    def _one_prompt(self) -> GenerateRequest:
+        if (self.prompt is None) == (self.prompt_token_ids is None):
+            raise ValueError("give exactly one of 'prompt' and 'prompt_token_ids'")
+        if self.prompt == "" or self.prompt_token_ids == []:
+            raise ValueError("the prompt is empty")
+        return self
+
+
+class WeightVersionSpan(BaseModel):
+    """Output tokens ``[start, end)`` were produced by weights labelled ``version``."""
+
+    version: str
+    start: int
+    end: int
+
+
+class SpecDecodeInfo(BaseModel):
+    """One sequence's speculative-decoding counts and ratios (see ``telemetry``)."""
+
+    num_drafts: int
+    num_draft_tokens: int
+    num_accepted_tokens: int
+    num_verify_steps: int
+    accepted_per_position: list[int]
+    accept_rate: float | None = Field(description="None when nothing was drafted.")
+    accept_length: float = Field(description="1 + accepted / drafts; 1.0 without drafts.")
+
+
+class AcceptanceSummary(BaseModel):
+    """Acceptance over the sequences of a response (``telemetry.summarize``)."""
+
+    num_sequences: int
+    num_with_speculation: int
+    num_without_speculation: int
+    num_missing_stats: int
+    macro_accept_rate: float | None
+    macro_accept_length: float | None
+    micro_accept_rate: float | None
+    micro_accept_length: float | None
+    micro_accept_rate_per_position: list[float]
+
+
+class SequenceOutput(BaseModel):
+    """One generated sequence."""
+
+    index: int
+    token_ids: list[int]
+    text: str
+    finish_reason: str
+    logprobs: list[float] | None
+    weight_versions: list[WeightVersionSpan]
+    spec_decode: SpecDecodeInfo | None
+
+
+class GenerateResponse(BaseModel):
+    """The ``n`` sequences of one prompt and their acceptance summary."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: list[SequenceOutput]
+    acceptance: AcceptanceSummary
+
+
+class BatchGenerateRequest(BaseModel):
+    """Many prompts in one call; the answer summarizes acceptance over all of them."""
+
+    model_config = _STRICT
+
+    requests: list[GenerateRequest] = Field(min_length=1, max_length=MAX_BATCH)
+
+
+class BatchGenerateResponse(BaseModel):
+    """One response per request, in order, and the batch's acceptance summary."""
+
+    responses: list[GenerateResponse]
+    acceptance: AcceptanceSummary
+
+
+class HealthResponse(BaseModel):
+    """Service and engine state."""
+
+    status: Literal["ok", "unavailable"]
+    model: str
+    engine: str
+    weight_version: str | None
+    detail: str | None = None
+
+
+# --- OpenAI-compatible completions (the subset the `openai` client uses) ---------
+
+class CompletionRequest(BaseModel):
+    """``POST /v1/completions``; fields outside this subset are rejected."""
+
+    model_config = _STRICT
+
+    model: str
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int = Field(16, ge=1)
+    temperature: float = Field(1.0, ge=0.0, le=2.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    n: int = Field(1, ge=1, le=MAX_N)
+    stop: str | list[str] | None = None
+    seed: int | None = Field(None, ge=0)
+    logprobs: int | None = Field(None, ge=0, le=0, description="Only 0 (the sampled token).")
+    stream: Literal[False] = Field(False, description="Streaming is not supported.")
+    echo: Literal[False] = False
+    user: str | None = None
+
+
+class CompletionLogprobs(BaseModel):
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: None = None
+    text_offset: list[int]
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    finish_reason: str
+    logprobs: CompletionLogprobs | None = None
+
+
+class CompletionUsage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: CompletionUsage
+    acceptance: AcceptanceSummary = Field(description="Extension: this call's acceptance.")
+
+
+class ErrorBody(BaseModel):
+    message: str
+    type: str
+    code: int
+
+
+class ErrorResponse(BaseModel):
+    """Every 4xx/5xx answer: OpenAI's error shape, so OpenAI clients show the message."""
+
+    error: ErrorBody
