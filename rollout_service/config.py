@@ -19,9 +19,15 @@ from rollout_service.speculative import MTPSettings
 EMBEDDED_PREFIX = "embedded:"
 API_KEY_ENV = "ROLLOUT_API_KEY"
 
-# What the embedded default needs on a 2-core CPU: a short context keeps the KV
-# cache small, eager mode skips minutes of torch.compile at startup.
-EMBEDDED_ENGINE_KWARGS: dict[str, Any] = {"max_model_len": 1024, "enforce_eager": True}
+# What the embedded default needs on a small CPU machine: eager mode skips minutes
+# of torch.compile at startup, and an explicit KV-cache size stops vLLM's CPU
+# backend from reserving a fraction of the node's memory (its default 0.92 fails
+# whenever anything else is running) and lets it skip the warm-up pass.
+EMBEDDED_ENGINE_KWARGS: dict[str, Any] = {
+    "max_model_len": 1024,
+    "enforce_eager": True,
+    "kv_cache_memory_bytes": 512 * 1024**2,
+}
 
 
 class ServiceConfig(BaseModel):

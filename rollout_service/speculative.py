@@ -67,7 +67,11 @@ _SGLANG_DEFAULT_FIELDS = {
 
 
 class MTPSettings(BaseModel):
-    """The service's MTP speculative-decoding settings (embedded in the service config)."""
+    """The service's MTP speculative-decoding settings (embedded in the service config).
+
+    `method` is checked against the installed vLLM by `build_vllm_speculative_config`, not
+    here, so that parsing the service config never imports vLLM.
+    """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -114,6 +118,9 @@ def _literal_values(tp: object) -> set[str]:
 
 def load_checkpoint_config(model_path: str | Path) -> dict[str, Any]:
     """Read a local checkpoint's config.json.
+
+    Args:
+        model_path: a local checkpoint directory.
 
     Raises:
         ValueError: config.json is missing, is not valid JSON or is not a JSON object.

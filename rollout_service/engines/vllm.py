@@ -15,6 +15,7 @@ from typing import Any
 
 from vllm import SamplingParams
 from vllm.engine.arg_utils import AsyncEngineArgs
+from vllm.exceptions import VLLMClientError
 from vllm.sampling_params import RequestOutputKind
 from vllm.v1.engine.async_llm import AsyncLLM
 from vllm.v1.engine.exceptions import EngineDeadError
@@ -95,26 +96,16 @@ class VLLMEngine:
                        request_id: str) -> GenerationResult:
         prompt_ids = self.tokenize(prompt) if isinstance(prompt, str) else list(prompt)
         self._check_prompt(prompt_ids, sampling.max_tokens)
-        params = SamplingParams(
-            n=1,
-            max_tokens=sampling.max_tokens,
-            temperature=sampling.temperature,
-            top_p=sampling.top_p,
-            top_k=sampling.top_k,
-            seed=sampling.seed,
-            stop=list(sampling.stop) or None,
-            ignore_eos=sampling.ignore_eos,
-            logprobs=0 if sampling.logprobs else None,
-            output_kind=RequestOutputKind.FINAL_ONLY,
-        )
         final = None
         try:
+            params = _sampling_params(sampling)
             async for output in self._llm.generate({"prompt_token_ids": prompt_ids}, params,
                                                    request_id):
                 final = output
         except EngineDeadError as exc:
             raise EngineUnavailableError(f"vLLM engine died: {exc}") from exc
-        except ValueError as exc:
+        except (ValueError, VLLMClientError) as exc:
+            # vLLM's own request validation: the request's fault, not the engine's.
             raise InvalidRequestError(str(exc)) from exc
         assert final is not None and final.finished, "AsyncLLM ended without a final output"
         return _to_result(prompt_ids, final.outputs[0])
@@ -149,6 +140,22 @@ class VLLMEngine:
 
     async def shutdown(self) -> None:
         self._llm.shutdown()
+
+
+def _sampling_params(sampling: SamplingOptions) -> SamplingParams:
+    """One sequence, final output only (no per-token streaming overhead)."""
+    return SamplingParams(
+        n=1,
+        max_tokens=sampling.max_tokens,
+        temperature=sampling.temperature,
+        top_p=sampling.top_p,
+        top_k=sampling.top_k,
+        seed=sampling.seed,
+        stop=list(sampling.stop) or None,
+        ignore_eos=sampling.ignore_eos,
+        logprobs=0 if sampling.logprobs else None,
+        output_kind=RequestOutputKind.FINAL_ONLY,
+    )
 
 
 def _to_result(prompt_ids: list[int], completion: Any) -> GenerationResult:

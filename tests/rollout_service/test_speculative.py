@@ -57,11 +57,8 @@ def test_user_none_means_service_default():
 
 def test_json_string_equals_mapping():
     user = {"num_speculative_tokens": 3, "rejection_sample_method": "standard", "x": None}
-    assert vllm(json.dumps(user)) == vllm(user) == {
-        "method": "mtp",
-        "num_speculative_tokens": 3,
-        "rejection_sample_method": "standard",
-    }
+    expected = {"method": "mtp", "num_speculative_tokens": 3, "rejection_sample_method": "standard"}
+    assert vllm(json.dumps(user)) == vllm(user) == expected
 
 
 def test_disabled_without_user_config_is_none():
@@ -134,7 +131,7 @@ def test_accepted_methods_come_from_installed_vllm():
 
 
 def test_fallback_matches_installed_vllm():
-    assert FALLBACK_VLLM_METHODS == accepted_vllm_methods(), (
+    assert accepted_vllm_methods() == FALLBACK_VLLM_METHODS, (
         "update FALLBACK_VLLM_METHODS to the installed vLLM's SpeculativeMethod"
     )
 
@@ -264,9 +261,8 @@ def test_sglang_tree_defaults_and_bounds():
     kwargs = {"speculative_num_draft_tokens": 64}
     assert build_sglang_server_args(tree, kwargs)["speculative_num_draft_tokens"] == 64
     small = MTPSettings(num_speculative_tokens=2, sglang_eagle_topk=2)
-    assert build_sglang_server_args(small, {"speculative_num_draft_tokens": 7})[
-        "speculative_num_draft_tokens"
-    ] == 7
+    args = build_sglang_server_args(small, {"speculative_num_draft_tokens": 7})
+    assert args["speculative_num_draft_tokens"] == 7
     with pytest.raises(ValueError, match=r"^engine_kwargs\.speculative_num_draft_tokens=8: .* 7"):
         build_sglang_server_args(small, {"speculative_num_draft_tokens": 8})
 

@@ -1,0 +1,103 @@
+"""Session fixtures: one real service process (vLLM CPU engine), one real Prometheus.
+
+Starting vLLM costs ~20-40 s on two cores, so the whole session shares one
+service. It runs with an API key and two speculative tokens (so per-position
+acceptance has two positions), exactly as ``rollout-service serve`` runs.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from rollout_service.client import RolloutClient
+from rollout_service.launch import ServiceProcess, free_port
+
+API_KEY = "test-generation-key"
+NUM_SPECULATIVE_TOKENS = 2
+
+
+@pytest.fixture(scope="session")
+def service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServiceProcess]:
+    """The rollout service on the embedded tiny model, up and healthy."""
+    workdir = tmp_path_factory.mktemp("service")
+    config = workdir / "service.json"
+    config.write_text(json.dumps({
+        "model": "embedded:tiny",
+        "mtp": {"num_speculative_tokens": NUM_SPECULATIVE_TOKENS},
+        "api_key": API_KEY,
+    }))
+    with ServiceProcess(workdir / "service.log", config=config) as proc:
+        deadline = time.monotonic() + 600
+        while True:
+            if not proc.is_alive():
+                pytest.fail(f"service exited at startup:\n{_tail(proc.log_path)}")
+            try:
+                if httpx.get(f"{proc.url}/health", timeout=5).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            if time.monotonic() > deadline:
+                pytest.fail(f"service not healthy in time:\n{_tail(proc.log_path)}")
+            time.sleep(0.5)
+        yield proc
+
+
+def _tail(path: Path, num_lines: int = 60) -> str:
+    return "\n".join(path.read_text(errors="replace").splitlines()[-num_lines:])
+
+
+@pytest.fixture
+async def client(service: ServiceProcess) -> RolloutClient:
+    async with RolloutClient(service.url, api_key=API_KEY) as c:
+        yield c
+
+
+@pytest.fixture(scope="session")
+def prometheus(service: ServiceProcess, tmp_path_factory: pytest.TempPathFactory
+               ) -> Iterator[str]:
+    """A real Prometheus server scraping the service every second; yields its URL.
+
+    `make test` installs the Debian package; without it this fails, not skips:
+    the telemetry claims are only proven against a real Prometheus.
+    """
+    binary = shutil.which("prometheus")
+    if binary is None:
+        pytest.fail("the prometheus binary is missing: run the tests with `make test`, "
+                    "which installs it (Debian package 'prometheus')")
+    workdir = tmp_path_factory.mktemp("prometheus")
+    target = service.url.removeprefix("http://")
+    (workdir / "prometheus.yml").write_text(
+        "global:\n  scrape_interval: 1s\n  evaluation_interval: 1s\n"
+        "scrape_configs:\n  - job_name: rollout\n    static_configs:\n"
+        f"      - targets: ['{target}']\n")
+    port = free_port()
+    log = (workdir / "prometheus.log").open("wb")
+    proc = subprocess.Popen(
+        [binary, f"--config.file={workdir / 'prometheus.yml'}",
+         f"--storage.tsdb.path={workdir / 'data'}", f"--web.listen-address=127.0.0.1:{port}"],
+        stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                if httpx.get(f"{url}/-/ready", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            if proc.poll() is not None or time.monotonic() > deadline:
+                pytest.fail(f"prometheus did not start:\n{_tail(workdir / 'prometheus.log')}")
+            time.sleep(0.3)
+        yield url
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+        log.close()
