@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 import secrets
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
 from fastapi import Depends, FastAPI, Request
@@ -22,17 +22,24 @@ from prometheus_client import REGISTRY, CollectorRegistry, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from rollout_service import wire
-from rollout_service.engines.base import Engine, EngineUnavailableError, InvalidRequestError
+from rollout_service.config import ServiceConfig
+from rollout_service.engines.base import EngineUnavailableError, InvalidRequestError
 from rollout_service.service import RolloutService
 from rollout_service.telemetry import SpecDecodeMetrics
+from rollout_service.weights.checkpoint import checkpoint_tensors
+from rollout_service.weights.metrics import WeightMetrics
+from rollout_service.weights.session import PushError, WeightPushManager
 
 logger = logging.getLogger(__name__)
 
-EngineFactory = Callable[[], Awaitable[Engine]]
 
 
 class Unauthorized(Exception):
-    """Missing or wrong API key."""
+    """Missing or wrong bearer token."""
+
+
+class Forbidden(Exception):
+    """The endpoint is disabled by configuration."""
 
 
 def _error(status: int, message: str, kind: str) -> JSONResponse:
@@ -48,22 +55,35 @@ def _validation_message(exc: RequestValidationError) -> str:
     return "; ".join(parts)
 
 
-def create_app(engine_factory: EngineFactory, *, api_key: str | None = None) -> FastAPI:
-    """Build the app; ``engine_factory`` runs inside the server's event loop at startup.
+def _check_bearer(request: Request, token: str) -> None:
+    scheme, _, given = request.headers.get("authorization", "").partition(" ")
+    if scheme.lower() != "bearer" or not secrets.compare_digest(given.encode(), token.encode()):
+        raise Unauthorized()
+
+
+def create_app(config: ServiceConfig) -> FastAPI:
+    """Build the app; the engine starts inside the server's event loop (``lifespan``).
 
     Args:
-        engine_factory: coroutine returning a started engine.
-        api_key: bearer token required on generation endpoints (None: open).
+        config: the service configuration (tokens are resolved here, at startup).
     """
+    api_key = config.resolved_api_key()
+    weights_token = config.resolved_weights_token()
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        engine = await engine_factory()
+        from rollout_service.engines import create_engine
+
+        engine = await create_engine(config)
+        info = engine.info
         registry = CollectorRegistry()
-        metrics = SpecDecodeMetrics(registry=registry, model=engine.info.model,
-                                    engine=engine.info.engine,
-                                    num_speculative_tokens=engine.info.num_speculative_tokens)
-        app.state.service = RolloutService(engine, metrics)
+        metrics = SpecDecodeMetrics(registry=registry, model=info.model, engine=info.engine,
+                                    num_speculative_tokens=info.num_speculative_tokens)
+        weights = WeightPushManager(
+            engine, checkpoint_tensors(info.model_path),
+            WeightMetrics(registry=registry, model=info.model, engine=info.engine),
+            timeout_s=config.push_timeout_s, has_draft=info.num_speculative_tokens > 0)
+        app.state.service = RolloutService(engine, metrics, weights)
         app.state.registry = registry
         try:
             yield
@@ -76,11 +96,17 @@ def create_app(engine_factory: EngineFactory, *, api_key: str | None = None) -> 
         return request.app.state.service
 
     def authorized(request: Request) -> None:
-        if api_key is None:
-            return
-        scheme, _, token = request.headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not secrets.compare_digest(token, api_key):
-            raise Unauthorized()
+        if api_key is not None:
+            _check_bearer(request, api_key)
+
+    def may_push(request: Request) -> None:
+        if weights_token is None:
+            raise Forbidden("weight pushes are disabled: no weights token is configured "
+                            "(weights_token, weights_token_file or $ROLLOUT_WEIGHTS_TOKEN)")
+        _check_bearer(request, weights_token)
+
+    def weights(request: Request) -> WeightPushManager:
+        return request.app.state.service.weights
 
     @app.exception_handler(RequestValidationError)
     async def on_validation(_: Request, exc: RequestValidationError) -> JSONResponse:
@@ -93,6 +119,14 @@ def create_app(engine_factory: EngineFactory, *, api_key: str | None = None) -> 
     @app.exception_handler(Unauthorized)
     async def on_unauthorized(_: Request, exc: Unauthorized) -> JSONResponse:
         return _error(401, "missing or invalid bearer token", "authentication_error")
+
+    @app.exception_handler(Forbidden)
+    async def on_forbidden(_: Request, exc: Forbidden) -> JSONResponse:
+        return _error(403, str(exc), "permission_error")
+
+    @app.exception_handler(PushError)
+    async def on_push_error(_: Request, exc: PushError) -> JSONResponse:
+        return _error(exc.status, str(exc), "weight_push_error")
 
     @app.exception_handler(EngineUnavailableError)
     async def on_unavailable(_: Request, exc: EngineUnavailableError) -> JSONResponse:
@@ -121,19 +155,42 @@ def create_app(engine_factory: EngineFactory, *, api_key: str | None = None) -> 
                           svc: RolloutService = Depends(service)) -> wire.CompletionResponse:
         return await svc.complete(req)
 
+    pushers = [Depends(may_push)]
+
+    @app.post("/weights/begin", dependencies=pushers)
+    async def weights_begin(req: wire.PushBeginRequest,
+                            mgr: WeightPushManager = Depends(weights)) -> wire.PushBeginResponse:
+        return await mgr.begin(req)
+
+    @app.post("/weights/update", dependencies=pushers)
+    async def weights_update(req: wire.PushUpdateRequest,
+                             mgr: WeightPushManager = Depends(weights)
+                             ) -> wire.PushUpdateResponse:
+        return await mgr.update(req)
+
+    @app.post("/weights/finish", dependencies=pushers)
+    async def weights_finish(req: wire.PushFinishRequest,
+                             mgr: WeightPushManager = Depends(weights)
+                             ) -> wire.PushFinishResponse:
+        return await mgr.finish(req)
+
+    @app.post("/weights/abort", dependencies=pushers)
+    async def weights_abort(req: wire.PushAbortRequest,
+                            mgr: WeightPushManager = Depends(weights)) -> wire.WeightStatus:
+        return await mgr.abort(req)
+
+    @app.get("/weights/status", dependencies=pushers)
+    async def weights_status(mgr: WeightPushManager = Depends(weights)) -> wire.WeightStatus:
+        return mgr.status()
+
+    @app.get("/weights/checksums", dependencies=pushers)
+    async def weights_checksums(svc: RolloutService = Depends(service)) -> dict[str, str]:
+        return await svc.engine.weight_checksums()
+
     @app.get("/health")
     async def health(svc: RolloutService = Depends(service)) -> JSONResponse:
-        info = svc.engine.info
-        try:
-            await svc.engine.health()
-            version = await svc.engine.weight_version()
-        except EngineUnavailableError as exc:
-            body = wire.HealthResponse(status="unavailable", model=info.model,
-                                       engine=info.engine, weight_version=None, detail=str(exc))
-            return JSONResponse(body.model_dump(), status_code=503)
-        body = wire.HealthResponse(status="ok", model=info.model, engine=info.engine,
-                                   weight_version=version)
-        return JSONResponse(body.model_dump())
+        body, status = await svc.health()
+        return JSONResponse(body.model_dump(), status_code=status)
 
     @app.get("/metrics")
     async def metrics(request: Request) -> Response:

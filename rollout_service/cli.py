@@ -30,19 +30,15 @@ def serve(
 
     from rollout_service.api import create_app
     from rollout_service.config import load_config
-    from rollout_service.engines import create_engine
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         cfg = load_config(config, host=host, port=port, model=model)
+
+        app_ = create_app(cfg)
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from exc
-
-    async def engine_factory():  # noqa: ANN202 - typed by create_app
-        return await create_engine(cfg)
-
-    uvicorn.run(create_app(engine_factory, api_key=cfg.resolved_api_key()),
-                host=cfg.host, port=cfg.port, log_level="info")
+    uvicorn.run(app_, host=cfg.host, port=cfg.port, log_level="info")
 
 
 @app.command()

@@ -17,11 +17,13 @@ from typing import TypeVar
 from rollout_service import wire
 from rollout_service.engines.base import (
     Engine,
+    EngineUnavailableError,
     GenerationResult,
     InvalidRequestError,
     SamplingOptions,
 )
 from rollout_service.telemetry import SpecDecodeMetrics, SpecDecodeStats, summarize
+from rollout_service.weights.session import WeightPushManager
 
 T = TypeVar("T")
 
@@ -87,12 +89,32 @@ def to_sequence(index: int, result: GenerationResult) -> wire.SequenceOutput:
 class RolloutService:
     """Generation on one engine, with per-request acceptance telemetry."""
 
-    def __init__(self, engine: Engine, metrics: SpecDecodeMetrics) -> None:
+    def __init__(self, engine: Engine, metrics: SpecDecodeMetrics,
+                 weights: WeightPushManager) -> None:
         self.engine = engine
         self.metrics = metrics
+        self.weights = weights
+
+    async def health(self) -> tuple[wire.HealthResponse, int]:
+        """The health body and HTTP status: 503 if the engine is dead or weights are torn."""
+        info = self.engine.info
+        detail = None
+        try:
+            await self.engine.health()
+        except EngineUnavailableError as exc:
+            detail = str(exc)
+        if detail is None and not self.weights.is_consistent:
+            detail = "a weight load failed midway; generation is refused until a full push"
+        body = wire.HealthResponse(status="ok" if detail is None else "unavailable",
+                                   model=info.model, engine=info.engine,
+                                   weights=self.weights.status(), detail=detail)
+        return body, 200 if detail is None else 503
 
     async def _sequence(self, prompt: str | list[int], sampling: SamplingOptions,
                         request_id: str) -> GenerationResult:
+        if not self.weights.is_consistent:
+            raise EngineUnavailableError("a weight load failed midway; generation is refused "
+                                         "until a complete weight push succeeds")
         result = await self.engine.generate(prompt, sampling, request_id)
         self.metrics.observe(result.spec_decode)
         return result

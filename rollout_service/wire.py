@@ -127,7 +127,7 @@ class HealthResponse(BaseModel):
     status: Literal["ok", "unavailable"]
     model: str
     engine: str
-    weight_version: str | None
+    weights: WeightStatus
     detail: str | None = None
 
 
@@ -192,3 +192,124 @@ class ErrorResponse(BaseModel):
     """Every 4xx/5xx answer: OpenAI's error shape, so OpenAI clients show the message."""
 
     error: ErrorBody
+
+
+# --- Weight pushes (/weights/*): JSON control messages only --------------------
+# Tensor bytes never travel in these messages: they go through the transport
+# (a shared-memory segment on one host). Nothing here is ever unpickled.
+
+PushTarget = Literal["main", "draft", "both"]
+PauseMode = Literal["wait", "abort", "keep"]
+SEGMENT_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,200}$"
+
+
+class ParamSpec(BaseModel):
+    """One tensor the push will carry, by its checkpoint (Hugging Face) name."""
+
+    model_config = _STRICT
+
+    name: str = Field(min_length=1, max_length=512)
+    shape: list[int] = Field(max_length=8)
+    dtype: str = Field(description="torch dtype name without the prefix, e.g. 'bfloat16'.")
+
+
+class PushBeginRequest(BaseModel):
+    """Announce a push: everything is validated before any byte is loaded."""
+
+    model_config = _STRICT
+
+    version: int = Field(ge=0, description=(
+        "New weight version; must be greater than the current version of every target."))
+    target: PushTarget = Field("both", description="Which model(s) load the stream.")
+    transport: Literal["shm"] = Field("shm", description=(
+        "Data path. 'shm': a POSIX shared-memory segment on this host (CPU and same-host "
+        "GPU trainers). CUDA IPC and NCCL are not reachable over this API yet."))
+    segment: str = Field(pattern=SEGMENT_NAME_PATTERN, description=(
+        "Name of the trainer's segment under /dev/shm."))
+    segment_bytes: int = Field(gt=0, description="Size of the segment in bytes.")
+    total_bytes: int = Field(gt=0, description="Sum of the announced tensors' sizes.")
+    params: list[ParamSpec] = Field(min_length=1)
+    pause_mode: PauseMode = Field("wait", description=(
+        "How generation is paused while the engine loads: 'wait' lets running requests "
+        "finish, 'abort' aborts them, 'keep' freezes them until the load is done."))
+
+
+class PushBeginResponse(BaseModel):
+    push_id: str
+    timeout_s: float = Field(description="The push is aborted after this long without a call.")
+
+
+class TensorSlot(BaseModel):
+    """Where one announced tensor lies in the segment."""
+
+    model_config = _STRICT
+
+    name: str
+    offset: int = Field(ge=0)
+    nbytes: int = Field(gt=0)
+
+
+class PushUpdateRequest(BaseModel):
+    """One bucket: these tensors are now written in the segment."""
+
+    model_config = _STRICT
+
+    push_id: str
+    tensors: list[TensorSlot] = Field(min_length=1)
+
+
+class PushUpdateResponse(BaseModel):
+    num_received: int
+    num_expected: int
+
+
+class PushFinishRequest(BaseModel):
+    model_config = _STRICT
+
+    push_id: str
+
+
+class PushAbortRequest(BaseModel):
+    model_config = _STRICT
+
+    push_id: str
+    reason: str = "aborted by the client"
+
+
+class PushTimings(BaseModel):
+    """Where a completed push spent its time (seconds)."""
+
+    pause_s: float
+    load_main_s: float
+    load_draft_s: float
+    resume_s: float
+    total_s: float
+
+
+class PushFinishResponse(BaseModel):
+    version: int
+    target: PushTarget
+    num_bytes: int
+    timings: PushTimings
+
+
+class LastPush(BaseModel):
+    version: int
+    target: PushTarget
+    outcome: Literal["loaded", "aborted", "rejected", "failed"]
+    detail: str
+
+
+class WeightStatus(BaseModel):
+    """``GET /weights/status`` and the ``weights`` part of ``/health``."""
+
+    main_version: int | None
+    draft_version: int | None
+    active_push_id: str | None
+    consistent: bool = Field(description=(
+        "False only after an engine failure in the middle of a load: the service then "
+        "refuses generation until a complete push arrives."))
+    last_push: LastPush | None
+
+
+HealthResponse.model_rebuild()

@@ -21,6 +21,8 @@ from rollout_service.client import RolloutClient
 from rollout_service.launch import ServiceProcess, free_port
 
 API_KEY = "test-generation-key"
+WEIGHTS_TOKEN = "test-weights-token"
+PUSH_TIMEOUT_S = 3.0
 NUM_SPECULATIVE_TOKENS = 2
 
 
@@ -33,6 +35,8 @@ def service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServiceProcess
         "model": "embedded:tiny",
         "mtp": {"num_speculative_tokens": NUM_SPECULATIVE_TOKENS},
         "api_key": API_KEY,
+        "weights_token": WEIGHTS_TOKEN,
+        "push_timeout_s": PUSH_TIMEOUT_S,
     }))
     with ServiceProcess(workdir / "service.log", config=config) as proc:
         deadline = time.monotonic() + 600

@@ -78,12 +78,24 @@ class EngineInfo:
     """Served model name."""
     engine: str
     """``vllm`` or ``sglang``."""
+    model_path: str
+    """The served checkpoint directory (weight pushes are validated against it)."""
     max_model_len: int
     """Prompt plus output tokens must fit in this."""
     vocab_size: int
     """Token ids must be below this."""
     num_speculative_tokens: int
     """Draft tokens per step; 0 when speculative decoding is off."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class WeightUpdate:
+    """A complete, validated set of checkpoint-named tensors in a shared segment."""
+
+    segment: str
+    """Shared-memory segment name (the ``shm`` transport)."""
+    tensors: tuple[tuple[str, str, tuple[int, ...], int], ...]
+    """``(name, dtype name, shape, byte offset)`` per tensor."""
 
 
 @runtime_checkable
@@ -111,12 +123,24 @@ class Engine(Protocol):
         """Resume scheduling after :meth:`pause`."""
         ...
 
-    async def health(self) -> None:
-        """Return if the engine can serve; raise EngineUnavailableError if not."""
+    async def load_weights(self, update: WeightUpdate, *, draft: bool,
+                           version: str | None) -> None:
+        """Load a full update into the main model (``draft=False``) or the MTP drafter.
+
+        ``version`` (None: unchanged) labels the weights in later responses' version
+        spans. Called only while generation is paused."""
         ...
 
-    async def weight_version(self) -> str | None:
-        """Label of the weights now served (None before any push)."""
+    async def reset_prefix_cache(self) -> None:
+        """Drop cached KV computed with old weights."""
+        ...
+
+    async def weight_checksums(self) -> dict[str, str]:
+        """A digest of the main model's (``main``) and drafter's (``draft``) parameters."""
+        ...
+
+    async def health(self) -> None:
+        """Return if the engine can serve; raise EngineUnavailableError if not."""
         ...
 
     async def shutdown(self) -> None:

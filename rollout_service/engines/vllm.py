@@ -14,6 +14,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from vllm import SamplingParams
+from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
 from vllm.engine.arg_utils import AsyncEngineArgs
 from vllm.exceptions import VLLMClientError
 from vllm.sampling_params import RequestOutputKind
@@ -26,6 +27,7 @@ from rollout_service.engines.base import (
     GenerationResult,
     InvalidRequestError,
     SamplingOptions,
+    WeightUpdate,
     WeightVersionSpan,
 )
 from rollout_service.speculative import MTPSettings, build_vllm_speculative_config
@@ -35,7 +37,14 @@ logger = logging.getLogger(__name__)
 
 # Per-request stats are what this service is for; "summary" has everything the
 # telemetry needs without per-step arrays.
-_SERVICE_ENGINE_DEFAULTS: dict[str, Any] = {"per_request_spec_decode_metrics": "summary"}
+# Weight pushes go through vLLM's weight-transfer API with this project's `shm`
+# backend (registered by the `vllm.general_plugins` entry point); the worker
+# extension adds a checksum RPC used to prove rejected pushes change nothing.
+_SERVICE_ENGINE_DEFAULTS: dict[str, Any] = {
+    "per_request_spec_decode_metrics": "summary",
+    "weight_transfer_config": {"backend": "shm"},
+    "worker_extension_cls": "rollout_service.weights.vllm_backend.RolloutWorkerExtension",
+}
 
 
 def build_engine_args(model: str, engine_kwargs: Mapping[str, Any], mtp: MTPSettings,
@@ -82,6 +91,7 @@ class VLLMEngine:
         info = EngineInfo(
             model=served_model_name,
             engine="vllm",
+            model_path=model_config.model,
             max_model_len=model_config.max_model_len,
             vocab_size=model_config.get_vocab_size(),
             num_speculative_tokens=spec.num_speculative_tokens if spec else 0,
@@ -129,14 +139,31 @@ class VLLMEngine:
     async def resume(self) -> None:
         await self._llm.resume_generation()
 
+    async def load_weights(self, update: WeightUpdate, *, draft: bool,
+                           version: str | None) -> None:
+        # One vLLM weight-update session per model; the same stream feeds both.
+        if draft:
+            await self._llm.start_draft_weight_update()
+        else:
+            await self._llm.start_weight_update()
+        info = {"segment": update.segment,
+                "tensors": [[name, dtype, list(shape), offset]
+                            for name, dtype, shape, offset in update.tensors]}
+        await self._llm.update_weights(WeightTransferUpdateRequest(update_info=info))
+        await self._llm.finish_weight_update(weight_version=version)
+
+    async def reset_prefix_cache(self) -> None:
+        await self._llm.reset_prefix_cache()
+
+    async def weight_checksums(self) -> dict[str, str]:
+        """SHA-256 of the main model's and the drafter's parameters (worker 0)."""
+        return (await self._llm.collective_rpc("rollout_weight_checksums"))[0]
+
     async def health(self) -> None:
         try:
             await self._llm.check_health()
         except EngineDeadError as exc:
             raise EngineUnavailableError(f"vLLM engine died: {exc}") from exc
-
-    async def weight_version(self) -> str | None:
-        return await self._llm.get_weight_version() or None
 
     async def shutdown(self) -> None:
         self._llm.shutdown()

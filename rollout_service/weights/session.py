@@ -1,0 +1,303 @@
+"""One weight push at a time: validate, collect, load, version — or change nothing.
+
+Runs in the service process, driven by the ``/weights/*`` handlers. A push is
+``begin`` (announce every tensor) -> ``update`` x N (buckets written into the
+trainer's shared-memory segment) -> ``finish`` (load) or ``abort``.
+
+Consistency rule: the engine loads nothing until ``finish`` has seen the whole
+announced stream, validated. Until then generation runs on the old weights, so
+a rejected, aborted or abandoned push (no call within ``timeout_s``) leaves the
+served weights and versions exactly as they were. Only an engine failure in the
+middle of a load can leave a model half-written; the service then marks itself
+inconsistent and refuses generation (503) until a complete push succeeds. It
+never serves a mix silently.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+import uuid
+from dataclasses import dataclass, field
+
+from rollout_service import wire
+from rollout_service.engines.base import Engine, WeightUpdate
+from rollout_service.weights.checkpoint import DTYPE_BYTES, TensorMeta
+from rollout_service.weights.metrics import WeightMetrics
+from rollout_service.weights.shm import segment_path
+
+logger = logging.getLogger(__name__)
+
+
+class PushError(Exception):
+    """A push call that cannot proceed; ``status`` is the HTTP code to answer."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+@dataclass(kw_only=True, slots=True)
+class _ActivePush:
+    push_id: str
+    request: wire.PushBeginRequest
+    expected: dict[str, TensorMeta]
+    slots: dict[str, wire.TensorSlot] = field(default_factory=dict)
+    last_call_s: float = field(default_factory=time.monotonic)
+    is_loading: bool = False
+
+
+def validate_announcement(req: wire.PushBeginRequest, checkpoint: dict[str, TensorMeta]
+                          ) -> dict[str, TensorMeta]:
+    """The announced tensors, checked against the checkpoint; first problem raises.
+
+    A push carries every checkpoint tensor: the engine reloads whole layers, and
+    an RL step changes every trained tensor anyway.
+
+    Raises:
+        PushError(400): unknown, duplicate, missing, mis-shaped or mis-typed tensors,
+            or sizes that do not add up.
+    """
+    announced: dict[str, TensorMeta] = {}
+    for spec in req.params:
+        expected = checkpoint.get(spec.name)
+        if expected is None:
+            raise PushError(400, f"params: tensor {spec.name!r} is not in the served model")
+        if spec.name in announced:
+            raise PushError(400, f"params: tensor {spec.name!r} is announced twice")
+        if tuple(spec.shape) != expected.shape:
+            raise PushError(400, f"params: tensor {spec.name!r} has shape {spec.shape}, the "
+                                 f"model expects {list(expected.shape)}")
+        if spec.dtype != expected.dtype:
+            raise PushError(400, f"params: tensor {spec.name!r} has dtype {spec.dtype}, the "
+                                 f"model expects {expected.dtype}")
+        announced[spec.name] = expected
+    missing = sorted(set(checkpoint) - set(announced))
+    if missing:
+        raise PushError(400, f"params: tensor {missing[0]!r} is missing ({len(missing)} "
+                             "missing in all); a push carries every tensor of the model")
+    total = sum(meta.nbytes for meta in announced.values())
+    if req.total_bytes != total:
+        raise PushError(400, f"total_bytes: {req.total_bytes} announced, the tensors hold {total}")
+    if req.segment_bytes < total:
+        raise PushError(400, f"segment_bytes: {req.segment_bytes} cannot hold {total} bytes")
+    try:
+        actual = os.stat(segment_path(req.segment)).st_size
+    except (ValueError, FileNotFoundError) as exc:
+        raise PushError(400, f"segment: {req.segment!r} does not exist on this host "
+                             f"({exc})") from exc
+    if actual < req.segment_bytes:
+        raise PushError(400, f"segment_bytes: {req.segment_bytes} announced, the segment "
+                             f"holds {actual}")
+    return announced
+
+
+def validate_slot(push: _ActivePush, slot: wire.TensorSlot) -> None:
+    """Check one bucket entry against the announcement and the segment.
+
+    Raises:
+        PushError(400): naming the tensor.
+    """
+    meta = push.expected.get(slot.name)
+    if meta is None:
+        raise PushError(400, f"tensors: {slot.name!r} was not announced in begin")
+    if slot.name in push.slots:
+        raise PushError(400, f"tensors: {slot.name!r} was already sent in this push")
+    if slot.nbytes != meta.nbytes:
+        raise PushError(400, f"tensors: {slot.name!r} has {slot.nbytes} bytes, its shape and "
+                             f"dtype need {meta.nbytes}")
+    if slot.offset % DTYPE_BYTES[meta.dtype]:
+        raise PushError(400, f"tensors: {slot.name!r} offset {slot.offset} is not aligned to "
+                             f"its {DTYPE_BYTES[meta.dtype]}-byte {meta.dtype} elements")
+    if slot.offset + slot.nbytes > push.request.segment_bytes:
+        raise PushError(400, f"tensors: {slot.name!r} [{slot.offset}, "
+                             f"{slot.offset + slot.nbytes}) lies outside the "
+                             f"{push.request.segment_bytes}-byte segment")
+
+
+def check_no_overlap(slots: list[wire.TensorSlot]) -> None:
+    """Raises PushError(400) naming the first tensor that overlaps its predecessor."""
+    ordered = sorted(slots, key=lambda s: s.offset)
+    for before, after in zip(ordered, ordered[1:]):
+        if after.offset < before.offset + before.nbytes:
+            raise PushError(400, f"tensors: {after.name!r} overlaps {before.name!r} in the "
+                                 "segment")
+
+
+class WeightPushManager:
+    """Owns the push protocol and the served weight versions of one engine.
+
+    Args:
+        engine: the engine to load into.
+        checkpoint: the served checkpoint's tensors (names as the loader accepts).
+        metrics: version gauges and push counters.
+        timeout_s: a push with no call for this long is aborted.
+        has_draft: whether the engine serves an MTP drafter.
+    """
+
+    def __init__(self, engine: Engine, checkpoint: dict[str, TensorMeta],
+                 metrics: WeightMetrics, *, timeout_s: float, has_draft: bool) -> None:
+        self._engine = engine
+        self._checkpoint = checkpoint
+        self._metrics = metrics
+        self._timeout_s = timeout_s
+        self._has_draft = has_draft
+        self._lock = asyncio.Lock()
+        self._active: _ActivePush | None = None
+        self._watchdog: asyncio.Task[None] | None = None
+        self.main_version: int | None = None
+        self.draft_version: int | None = None
+        self.is_consistent = True
+        self.last_push: wire.LastPush | None = None
+
+    def status(self) -> wire.WeightStatus:
+        return wire.WeightStatus(
+            main_version=self.main_version, draft_version=self.draft_version,
+            active_push_id=self._active.push_id if self._active else None,
+            consistent=self.is_consistent, last_push=self.last_push)
+
+    async def begin(self, req: wire.PushBeginRequest) -> wire.PushBeginResponse:
+        async with self._lock:
+            if self._active is not None:
+                raise PushError(409, f"push {self._active.push_id} is in progress; one push "
+                                     "at a time")
+            self._check_target_and_version(req)
+            try:
+                expected = validate_announcement(req, self._checkpoint)
+            except PushError as exc:
+                self._record(req, "rejected", str(exc))
+                raise
+            self._active = _ActivePush(push_id=uuid.uuid4().hex, request=req, expected=expected)
+            self._watchdog = asyncio.create_task(self._expire(self._active))
+            return wire.PushBeginResponse(push_id=self._active.push_id, timeout_s=self._timeout_s)
+
+    def _check_target_and_version(self, req: wire.PushBeginRequest) -> None:
+        if req.target != "main" and not self._has_draft:
+            raise PushError(400, f"target: {req.target!r} needs an MTP drafter, and this "
+                                 "service runs without speculative decoding (use 'main')")
+        for role, current in self._versions_of(req.target):
+            if current is not None and req.version <= current:
+                raise PushError(409, f"version: {req.version} is not newer than the {role} "
+                                     f"model's version {current}")
+
+    def _versions_of(self, target: wire.PushTarget) -> list[tuple[str, int | None]]:
+        roles = {"main": ["main"], "draft": ["draft"], "both": ["main", "draft"]}[target]
+        current = {"main": self.main_version, "draft": self.draft_version}
+        return [(role, current[role]) for role in roles]
+
+    def _get(self, push_id: str) -> _ActivePush:
+        push = self._active
+        if push is None or push.push_id != push_id:
+            raise PushError(404, f"push_id: {push_id!r} is not the active push "
+                                 f"(active: {push.push_id if push else None})")
+        if push.is_loading:
+            raise PushError(409, f"push {push_id} is already loading")
+        push.last_call_s = time.monotonic()
+        return push
+
+    async def update(self, req: wire.PushUpdateRequest) -> wire.PushUpdateResponse:
+        async with self._lock:
+            push = self._get(req.push_id)
+            try:
+                for slot in req.tensors:
+                    validate_slot(push, slot)
+                    push.slots[slot.name] = slot
+            except PushError as exc:
+                self._end(push, "rejected", str(exc))
+                raise
+            return wire.PushUpdateResponse(num_received=len(push.slots),
+                                           num_expected=len(push.expected))
+
+    async def abort(self, req: wire.PushAbortRequest) -> wire.WeightStatus:
+        async with self._lock:
+            push = self._get(req.push_id)
+            self._end(push, "aborted", req.reason)
+            return self.status()
+
+    async def finish(self, req: wire.PushFinishRequest) -> wire.PushFinishResponse:
+        async with self._lock:
+            push = self._get(req.push_id)
+            try:
+                missing = sorted(set(push.expected) - set(push.slots))
+                if missing:
+                    raise PushError(400, f"finish: tensor {missing[0]!r} was never sent "
+                                         f"({len(missing)} missing in all)")
+                check_no_overlap(list(push.slots.values()))
+            except PushError as exc:
+                self._end(push, "rejected", str(exc))
+                raise
+            push.is_loading = True
+            if self._watchdog is not None:
+                self._watchdog.cancel()
+            try:
+                timings = await self._load(push)
+            except Exception as exc:
+                self.is_consistent = False
+                self._end(push, "failed", f"engine failed while loading: {exc}")
+                logger.exception("weight load failed; generation refused until a full push")
+                raise PushError(500, f"the engine failed while loading; generation is refused "
+                                     f"until a complete push succeeds: {exc}") from exc
+            self.is_consistent = True
+            for role, _ in self._versions_of(push.request.target):
+                setattr(self, f"{role}_version", push.request.version)
+                self._metrics.set_version(role, push.request.version)
+            self._metrics.observe_push(push.request.total_bytes, timings.total_s)
+            self._end(push, "loaded", f"{push.request.total_bytes} bytes in "
+                                      f"{timings.total_s:.3f} s")
+            return wire.PushFinishResponse(version=push.request.version,
+                                           target=push.request.target,
+                                           num_bytes=push.request.total_bytes, timings=timings)
+
+    async def _load(self, push: _ActivePush) -> wire.PushTimings:
+        req = push.request
+        update = WeightUpdate(segment=req.segment, tensors=tuple(
+            (name, meta.dtype, meta.shape, push.slots[name].offset)
+            for name, meta in push.expected.items()))
+        version = str(req.version)
+        t0 = time.perf_counter()
+        await self._engine.pause(req.pause_mode)
+        t1 = time.perf_counter()
+        try:
+            if req.target in ("main", "both"):
+                await self._engine.load_weights(update, draft=False, version=version)
+            t2 = time.perf_counter()
+            if req.target in ("draft", "both"):
+                # Version spans label what produced the tokens: the main model's weights
+                # (verification keeps the output distribution the target's alone).
+                await self._engine.load_weights(update, draft=True, version=None)
+            t3 = time.perf_counter()
+            await self._engine.reset_prefix_cache()
+        finally:
+            await self._engine.resume()
+        t4 = time.perf_counter()
+        return wire.PushTimings(pause_s=t1 - t0, load_main_s=t2 - t1, load_draft_s=t3 - t2,
+                                resume_s=t4 - t3, total_s=t4 - t0)
+
+    def _record(self, req: wire.PushBeginRequest, outcome: str, detail: str) -> None:
+        self.last_push = wire.LastPush(version=req.version, target=req.target,
+                                       outcome=outcome, detail=detail)  # type: ignore[arg-type]
+        self._metrics.count_outcome(outcome)
+        if outcome != "loaded":
+            logger.warning("weight push %s (version %d): %s", outcome, req.version, detail)
+
+    def _end(self, push: _ActivePush, outcome: str, detail: str) -> None:
+        self._record(push.request, outcome, detail)
+        if self._active is push:
+            self._active = None
+        if self._watchdog is not None and self._watchdog is not asyncio.current_task():
+            self._watchdog.cancel()
+        self._watchdog = None
+
+    async def _expire(self, push: _ActivePush) -> None:
+        """Abort ``push`` once it has gone ``timeout_s`` without a call."""
+        while True:
+            remaining = push.last_call_s + self._timeout_s - time.monotonic()
+            if remaining <= 0:
+                break
+            await asyncio.sleep(remaining)
+        async with self._lock:
+            if self._active is push and not push.is_loading:
+                self._end(push, "aborted", f"no call from the trainer for {self._timeout_s:g} s; "
+                                           "the old weights are still served")

@@ -1,0 +1,298 @@
+"""Weight pushes into the real engine: main model and MTP drafter, and every refusal.
+
+Every test leaves the session's service serving the original checkpoint again
+(the ``restore`` fixture pushes it back), so other test modules see the model
+they expect.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from rollout_service import wire
+from rollout_service.client import RolloutClient
+from rollout_service.launch import ServiceProcess
+from rollout_service.model import ensure_model
+from rollout_service.weights.shm import Segment
+from tests.conftest import PUSH_TIMEOUT_S, WEIGHTS_TOKEN
+from trainer_client.push import PushRejected, WeightPusher, layout, param_spec, spec_nbytes
+
+PROBE_PROMPTS = [[5 + i, 17, 42, 9] for i in range(6)]
+DRAFT_PARAM = "model.mtp_layers.0.input_proj.weight"
+MAIN_PARAM = "lm_head.weight"
+
+
+@pytest.fixture(scope="module")
+def original() -> dict[str, torch.Tensor]:
+    return load_file(str(Path(ensure_model("tiny")) / "model.safetensors"))
+
+
+@pytest.fixture
+def pusher(service: ServiceProcess) -> Iterator[WeightPusher]:
+    with WeightPusher(service.url, WEIGHTS_TOKEN, bucket_bytes=256 * 1024) as p:
+        yield p
+
+
+def http(service: ServiceProcess, token: str | None = WEIGHTS_TOKEN) -> httpx.Client:
+    headers = {"authorization": f"Bearer {token}"} if token else {}
+    return httpx.Client(base_url=service.url, headers=headers, timeout=60)
+
+
+def status(service: ServiceProcess) -> wire.WeightStatus:
+    with http(service) as c:
+        return wire.WeightStatus.model_validate(c.get("/weights/status").json())
+
+
+def checksums(service: ServiceProcess) -> dict[str, str]:
+    with http(service) as c:
+        return c.get("/weights/checksums").json()
+
+
+def next_version(service: ServiceProcess) -> int:
+    versions = [v for v in (status(service).main_version, status(service).draft_version)
+                if v is not None]
+    return max(versions, default=0) + 1
+
+
+@pytest.fixture
+def restore(service: ServiceProcess, pusher: WeightPusher,
+            original: dict[str, torch.Tensor]) -> Iterator[None]:
+    yield
+    pusher.push(original.items(), version=next_version(service), target="both")
+
+
+def with_change(original: dict[str, torch.Tensor], name: str, seed: int
+                ) -> dict[str, torch.Tensor]:
+    changed = dict(original)
+    g = torch.Generator().manual_seed(seed)
+    changed[name] = (torch.randn(original[name].shape, generator=g)
+                     * original[name].float().std() * 3).to(original[name].dtype)
+    return changed
+
+
+async def probe(client: RolloutClient) -> list[wire.SequenceOutput]:
+    responses = await asyncio.gather(*(client.generate(wire.GenerateRequest(
+        prompt_token_ids=p, max_tokens=24, temperature=0.0, ignore_eos=True))
+        for p in PROBE_PROMPTS))
+    return [r.outputs[0] for r in responses]
+
+
+def accept_rate(outs: list[wire.SequenceOutput]) -> float:
+    return (sum(o.spec_decode.num_accepted_tokens for o in outs)
+            / sum(o.spec_decode.num_draft_tokens for o in outs))
+
+
+async def test_main_push_changes_outputs_and_versions_not_drafter(
+        service: ServiceProcess, client: RolloutClient, pusher: WeightPusher,
+        original: dict[str, torch.Tensor], restore: None) -> None:
+    before_outputs = await probe(client)
+    before = checksums(service)
+    version = next_version(service)
+    report = pusher.push(with_change(original, MAIN_PARAM, seed=1).items(), version=version,
+                         target="main")
+    assert report.num_buckets > 1 and report.num_bytes == sum(
+        t.numel() * t.element_size() for t in original.values())
+    after = checksums(service)
+    assert after["main"] != before["main"]
+    assert after["draft"] == before["draft"]
+    outs = await probe(client)
+    assert [o.token_ids for o in outs] != [o.token_ids for o in before_outputs]
+    assert all(o.weight_versions == [wire.WeightVersionSpan(version=str(version), start=0,
+                                                            end=24)] for o in outs)
+    state = status(service)
+    assert state.main_version == version and state.draft_version != version
+
+
+async def test_draft_push_moves_acceptance_not_outputs(
+        service: ServiceProcess, client: RolloutClient, pusher: WeightPusher,
+        original: dict[str, torch.Tensor], restore: None) -> None:
+    before_outputs = await probe(client)
+    before = checksums(service)
+    version = next_version(service)
+    pusher.push(with_change(original, DRAFT_PARAM, seed=2).items(), version=version,
+                target="draft")
+    after = checksums(service)
+    assert after["draft"] != before["draft"] and after["main"] == before["main"]
+    outs = await probe(client)
+    # greedy speculative decoding is lossless: same tokens, worse drafts
+    assert [o.token_ids for o in outs] == [o.token_ids for o in before_outputs]
+    assert accept_rate(outs) < accept_rate(before_outputs) - 0.2
+    assert status(service).draft_version == version
+    with httpx.Client() as c:
+        metrics = c.get(f"{service.url}/metrics").text
+    assert f'rollout_weight_version{{engine="vllm",model="embedded:tiny",role="draft"}} ' \
+           f'{float(version)}' in metrics
+
+
+def _begin_body(original: dict[str, torch.Tensor], segment: str, version: int,
+                **changes: object) -> dict:
+    specs = [param_spec(n, t) for n, t in original.items()]
+    _, seg_bytes = layout([spec_nbytes(s) for s in specs])
+    body = wire.PushBeginRequest(version=version, segment=segment, segment_bytes=seg_bytes,
+                                 total_bytes=sum(spec_nbytes(s) for s in specs),
+                                 params=specs).model_dump()
+    body.update(changes)
+    return body
+
+
+@pytest.fixture
+def segment(original: dict[str, torch.Tensor]) -> Iterator[Segment]:
+    specs = [param_spec(n, t) for n, t in original.items()]
+    _, nbytes = layout([spec_nbytes(s) for s in specs])
+    with Segment.create("mtp-rollout-test-bad", nbytes) as seg:
+        yield seg
+
+
+def _bad_params(original: dict[str, torch.Tensor], kind: str) -> list[dict]:
+    specs = [param_spec(n, t).model_dump() for n, t in original.items()]
+    first = specs[0]
+    if kind == "name":
+        first["name"] = "model.layers.99.mlp.up_proj.weight"
+    elif kind == "shape":
+        first["shape"] = [first["shape"][0] + 1, *first["shape"][1:]]
+    elif kind == "dtype":
+        first["dtype"] = "float32"
+    elif kind == "missing":
+        specs.pop()
+    return specs
+
+
+@pytest.mark.parametrize("kind,needle", [("name", "not in the served model"),
+                                         ("shape", "has shape"), ("dtype", "has dtype"),
+                                         ("missing", "is missing")])
+def test_bad_announcement_changes_nothing(service: ServiceProcess, segment: Segment,
+                                          original: dict[str, torch.Tensor], kind: str,
+                                          needle: str) -> None:
+    before, state = checksums(service), status(service)
+    body = _begin_body(original, segment.name, next_version(service),
+                       params=_bad_params(original, kind))
+    if kind == "missing":
+        body["total_bytes"] = sum(spec_nbytes(wire.ParamSpec(**p)) for p in body["params"])
+    with http(service) as c:
+        response = c.post("/weights/begin", json=body)
+    assert response.status_code == 400, response.text
+    message = response.json()["error"]["message"]
+    assert needle in message
+    assert checksums(service) == before
+    after = status(service)
+    assert (after.main_version, after.draft_version) == (state.main_version, state.draft_version)
+    assert after.active_push_id is None and after.last_push.outcome == "rejected"
+
+
+@pytest.mark.parametrize("slot_change,needle", [
+    ({"offset": 10**12}, "outside"), ({"offset": 1}, "not aligned"),
+    ({"nbytes": 2}, "bytes"), ({"name": "lm_head.bias"}, "not announced")])
+def test_bad_bucket_changes_nothing(service: ServiceProcess, segment: Segment,
+                                    original: dict[str, torch.Tensor], slot_change: dict,
+                                    needle: str) -> None:
+    before, state = checksums(service), status(service)
+    name, tensor = next(iter(original.items()))
+    with http(service) as c:
+        begin = c.post("/weights/begin",
+                       json=_begin_body(original, segment.name, next_version(service)))
+        assert begin.status_code == 200, begin.text
+        slot = {"name": name, "offset": 0, "nbytes": tensor.numel() * tensor.element_size()}
+        slot.update(slot_change)
+        response = c.post("/weights/update",
+                          json={"push_id": begin.json()["push_id"], "tensors": [slot]})
+    assert response.status_code == 400, response.text
+    assert needle in response.json()["error"]["message"]
+    assert checksums(service) == before
+    assert status(service).main_version == state.main_version
+    assert status(service).active_push_id is None
+
+
+def test_finish_with_missing_tensors_changes_nothing(service: ServiceProcess,
+                                                     segment: Segment,
+                                                     original: dict[str, torch.Tensor]) -> None:
+    before = checksums(service)
+    with http(service) as c:
+        begin = c.post("/weights/begin",
+                       json=_begin_body(original, segment.name, next_version(service))).json()
+        response = c.post("/weights/finish", json={"push_id": begin["push_id"]})
+    assert response.status_code == 400 and "never sent" in response.json()["error"]["message"]
+    assert checksums(service) == before
+
+
+def test_auth_and_one_push_at_a_time(service: ServiceProcess, segment: Segment,
+                                     original: dict[str, torch.Tensor]) -> None:
+    before, state = checksums(service), status(service)
+    body = _begin_body(original, segment.name, next_version(service))
+    with http(service, token=None) as c:
+        assert c.post("/weights/begin", json=body).status_code == 401
+    with http(service, token="wrong") as c:
+        assert c.post("/weights/begin", json=body).status_code == 401
+    with http(service) as c:
+        first = c.post("/weights/begin", json=body)
+        assert first.status_code == 200
+        second = c.post("/weights/begin", json=body)
+        assert second.status_code == 409 and "one push" in second.json()["error"]["message"]
+        aborted = c.post("/weights/abort", json={"push_id": first.json()["push_id"]})
+        assert aborted.status_code == 200
+        old = c.post("/weights/begin", json={**body, "version": 0})
+        if state.main_version is not None:
+            assert old.status_code == 409 and "not newer" in old.json()["error"]["message"]
+    assert checksums(service) == before
+    assert status(service).last_push.outcome in ("aborted", "rejected")
+
+
+def test_vanished_client_is_timed_out_and_changes_nothing(
+        service: ServiceProcess, segment: Segment, original: dict[str, torch.Tensor]) -> None:
+    before, state = checksums(service), status(service)
+    name, tensor = next(iter(original.items()))
+    with http(service) as c:
+        begin = c.post("/weights/begin",
+                       json=_begin_body(original, segment.name, next_version(service))).json()
+        c.post("/weights/update", json={"push_id": begin["push_id"], "tensors": [
+            {"name": name, "offset": 0, "nbytes": tensor.numel() * tensor.element_size()}]})
+    time.sleep(PUSH_TIMEOUT_S + 1.5)  # the trainer "dies" here
+    after = status(service)
+    assert after.active_push_id is None
+    assert after.last_push.outcome == "aborted" and "no call" in after.last_push.detail
+    assert after.main_version == state.main_version
+    assert checksums(service) == before
+    with httpx.Client() as c:
+        health = c.get(f"{service.url}/health").json()
+    assert health["status"] == "ok" and health["weights"]["consistent"]
+
+
+async def test_generation_during_push_sees_only_complete_versions(
+        service: ServiceProcess, client: RolloutClient, pusher: WeightPusher,
+        original: dict[str, torch.Tensor], restore: None) -> None:
+    old = str(status(service).main_version) if status(service).main_version else None
+    version = next_version(service)
+    requests = [client.generate(wire.GenerateRequest(
+        prompt_token_ids=[3 + i, 8, 13], max_tokens=48, temperature=1.0, seed=i))
+        for i in range(12)]
+    pending = asyncio.gather(*requests)
+    await asyncio.sleep(0.3)
+    report = await asyncio.to_thread(
+        pusher.push, with_change(original, MAIN_PARAM, seed=5).items(), version=version)
+    responses = await pending
+    seen = {span.version for r in responses for span in r.outputs[0].weight_versions}
+    allowed = {str(version), old or "default"}
+    assert seen <= allowed, seen
+    for r in responses:  # spans tile the output without gaps
+        spans = r.outputs[0].weight_versions
+        assert spans[0].start == 0 and spans[-1].end == len(r.outputs[0].token_ids)
+        assert all(a.end == b.start for a, b in zip(spans, spans[1:]))
+    assert report.server.timings.total_s > 0
+
+
+def test_pusher_reports_rejection(service: ServiceProcess, pusher: WeightPusher,
+                                  original: dict[str, torch.Tensor]) -> None:
+    before = checksums(service)
+    bad = dict(original)
+    bad[MAIN_PARAM] = original[MAIN_PARAM].float()  # wrong dtype
+    with pytest.raises(PushRejected, match="dtype") as info:
+        pusher.push(bad.items(), version=next_version(service))
+    assert info.value.status == 400
+    assert checksums(service) == before

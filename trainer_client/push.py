@@ -1,0 +1,210 @@
+"""Trainer side of a weight push: one call after each optimizer step.
+
+Runs in the trainer process. Tensors (already under their Hugging Face names)
+are copied once into a shared-memory segment that the pusher keeps for the
+whole run, announced bucket by bucket over HTTP (JSON control messages only),
+and loaded by the service into the main model and the MTP drafter in one
+paused window. The drafter reads the same bytes: nothing is sent twice.
+
+    pusher = WeightPusher("http://127.0.0.1:8000", token=os.environ["ROLLOUT_WEIGHTS_TOKEN"])
+    report = pusher.push(export_hf_weights(model), version=step)
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+import httpx
+import torch
+
+from rollout_service import wire
+from rollout_service.weights.checkpoint import TensorMeta
+from rollout_service.weights.shm import Segment, align
+
+DEFAULT_BUCKET_BYTES = 512 * 1024**2
+
+
+class PushRejected(RuntimeError):
+    """The service refused the push; nothing was loaded. ``status`` is the HTTP code."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(f"HTTP {status}: {message}")
+        self.status = status
+        self.message = message
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class PushReport:
+    """What one push cost, for the trainer's logs."""
+
+    version: int
+    num_bytes: int
+    num_tensors: int
+    num_buckets: int
+    fill_s: float
+    """Copying tensors into the segment (device-to-host included)."""
+    control_s: float
+    """Begin and update calls."""
+    server: wire.PushFinishResponse
+    """The service's own timings (pause, load per model, resume)."""
+    total_s: float
+
+    @property
+    def gb_per_s(self) -> float:
+        """Model bytes per second, end to end."""
+        return self.num_bytes / self.total_s / 1e9
+
+
+def param_spec(name: str, tensor: torch.Tensor) -> wire.ParamSpec:
+    return wire.ParamSpec(name=name, shape=list(tensor.shape),
+                          dtype=str(tensor.dtype).removeprefix("torch."))
+
+
+def spec_nbytes(spec: wire.ParamSpec) -> int:
+    return TensorMeta(shape=tuple(spec.shape), dtype=spec.dtype).nbytes
+
+
+def layout(sizes: Sequence[int]) -> tuple[list[int], int]:
+    """Aligned offsets of tensors of these byte sizes, in order, and the segment size.
+
+    Every offset is a multiple of 64, so tensors of different dtypes never sit at
+    an offset their element size does not divide.
+    """
+    offsets, end = [], 0
+    for size in sizes:
+        offsets.append(end)
+        end = align(end + size)
+    return offsets, max(end, 1)
+
+
+class WeightPusher:
+    """Pushes weights to one rollout service over the ``shm`` transport (same host).
+
+    Args:
+        url: the service, e.g. ``http://127.0.0.1:8000``.
+        token: the service's weights token.
+        transport: only ``shm`` today (see the README for CUDA IPC / NCCL).
+        bucket_bytes: bytes announced per update call; a larger tensor goes alone.
+        timeout_s: HTTP timeout; loading a large model can take a while.
+    """
+
+    def __init__(self, url: str, token: str, *, transport: Literal["shm"] = "shm",
+                 bucket_bytes: int = DEFAULT_BUCKET_BYTES, timeout_s: float = 600.0) -> None:
+        if transport != "shm":
+            raise ValueError(f"transport: {transport!r} is not supported (accepted: 'shm')")
+        if bucket_bytes <= 0:
+            raise ValueError(f"bucket_bytes: must be > 0, got {bucket_bytes}")
+        self._http = httpx.Client(base_url=url, timeout=timeout_s,
+                                  headers={"authorization": f"Bearer {token}"})
+        self._bucket_bytes = bucket_bytes
+        self._segment: Segment | None = None
+        self._segment_name = f"mtp-rollout-push-{uuid.uuid4().hex[:12]}"
+
+    def close(self) -> None:
+        """Remove the segment and close the HTTP client."""
+        if self._segment is not None:
+            self._segment.close()
+            self._segment = None
+        self._http.close()
+
+    def __enter__(self) -> WeightPusher:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _segment_for(self, nbytes: int) -> Segment:
+        # Kept across pushes: its pages are faulted in once, not every step.
+        if self._segment is None or self._segment.nbytes < nbytes:
+            if self._segment is not None:
+                self._segment.close()
+            self._segment = Segment.create(self._segment_name, nbytes)
+        return self._segment
+
+    def _call(self, path: str, body: wire.BaseModel) -> dict:
+        response = self._http.post(path, content=body.model_dump_json(),
+                                   headers={"content-type": "application/json"})
+        if not response.is_success:
+            try:
+                message = response.json()["error"]["message"]
+            except (ValueError, KeyError, TypeError):
+                message = response.text
+            raise PushRejected(response.status_code, message)
+        return response.json()
+
+    def push(self, tensors: Iterable[tuple[str, torch.Tensor]], *, version: int,
+             target: wire.PushTarget = "both", pause_mode: wire.PauseMode = "wait",
+             specs: Sequence[wire.ParamSpec] | None = None) -> PushReport:
+        """Push a full set of weights and wait until the service serves them.
+
+        Args:
+            tensors: ``(hf_name, tensor)`` pairs, any device; consumed once.
+            version: the new weight version (greater than the served one).
+            target: ``main``, ``draft`` or ``both`` (one paused window).
+            pause_mode: how the service pauses generation while it loads.
+            specs: the tensors' names, shapes and dtypes in iteration order; lets a
+                streaming exporter (Megatron gather) avoid holding the whole model.
+                Without it, ``tensors`` is materialized first to learn them.
+
+        Raises:
+            PushRejected: the service refused it; the served weights are unchanged.
+        """
+        start = time.perf_counter()
+        if specs is None:
+            tensors = list(tensors)
+            specs = [param_spec(name, t) for name, t in tensors]
+        sizes = [spec_nbytes(spec) for spec in specs]
+        offsets, segment_bytes = layout(sizes)
+        segment = self._segment_for(segment_bytes)
+        total = sum(sizes)
+        begin = wire.PushBeginResponse.model_validate(self._call("/weights/begin",
+            wire.PushBeginRequest(version=version, target=target, segment=segment.name,
+                                  segment_bytes=segment.nbytes, total_bytes=total,
+                                  params=list(specs), pause_mode=pause_mode)))
+        fill_s = 0.0
+        num_buckets = 0
+        try:
+            bucket: list[wire.TensorSlot] = []
+            bucket_bytes = 0
+            for (name, tensor), spec, offset, nbytes in zip(tensors, specs, offsets, sizes,
+                                                            strict=True):
+                if (name, list(tensor.shape), str(tensor.dtype)) != (
+                        spec.name, spec.shape, f"torch.{spec.dtype}"):
+                    raise ValueError(f"tensors: got {name!r} {list(tensor.shape)} {tensor.dtype} "
+                                     f"where specs announced {spec.name!r} {spec.shape} "
+                                     f"{spec.dtype}")
+                t0 = time.perf_counter()
+                segment.tensor(offset, tensor.dtype, tuple(tensor.shape)).copy_(tensor)
+                fill_s += time.perf_counter() - t0
+                bucket.append(wire.TensorSlot(name=name, offset=offset, nbytes=nbytes))
+                bucket_bytes += nbytes
+                if bucket_bytes >= self._bucket_bytes:
+                    self._call("/weights/update",
+                               wire.PushUpdateRequest(push_id=begin.push_id, tensors=bucket))
+                    num_buckets += 1
+                    bucket, bucket_bytes = [], 0
+            if bucket:
+                self._call("/weights/update",
+                           wire.PushUpdateRequest(push_id=begin.push_id, tensors=bucket))
+                num_buckets += 1
+        except BaseException as exc:
+            if not isinstance(exc, PushRejected):  # a rejection already ended the push
+                self._abort(begin.push_id, f"trainer error: {exc!r}")
+            raise
+        control_s = time.perf_counter() - start - fill_s
+        finished = wire.PushFinishResponse.model_validate(
+            self._call("/weights/finish", wire.PushFinishRequest(push_id=begin.push_id)))
+        return PushReport(version=version, num_bytes=total, num_tensors=len(specs),
+                          num_buckets=num_buckets, fill_s=fill_s, control_s=control_s,
+                          server=finished, total_s=time.perf_counter() - start)
+
+    def _abort(self, push_id: str, reason: str) -> None:
+        try:
+            self._call("/weights/abort", wire.PushAbortRequest(push_id=push_id, reason=reason))
+        except (PushRejected, httpx.HTTPError):
+            pass  # the service times the push out by itself
+
