@@ -115,10 +115,12 @@ def non_default_engine_args(args: Any) -> dict[str, Any]:
 
 
 def cli_flags(kwargs: dict[str, Any]) -> list[str]:
-    """Engine kwargs as vLLM server flags: dicts as JSON, bools as ``--x`` / ``--no-x``."""
+    """Engine kwargs as vLLM server flags: bools as ``--x`` / ``--no-x``, configs as JSON."""
     flags: list[str] = []
     for key, value in kwargs.items():
         flag = "--" + key.replace("_", "-")
+        if dataclasses.is_dataclass(value):  # e.g. WeightTransferConfig, built from a dict
+            value = dataclasses.asdict(value)  # type: ignore[arg-type]
         if isinstance(value, bool):
             flags.append(flag if value else "--no-" + flag[2:])
         else:
