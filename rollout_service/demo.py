@@ -44,6 +44,7 @@ def prometheus_macro(metrics_text: str, histogram: str) -> float | None:
 async def _rollout(url: str, prompts: list[str], max_tokens: int, temperature: float,
                    console: Console) -> list[wire.GenerateResponse]:
     table = Table("#", "prompt", "tokens", "drafts", "accepted", "accept rate", "accept len")
+    table.columns[1].no_wrap = True
     async with RolloutClient(url) as client:
         columns = (*Progress.get_default_columns()[:1], BarColumn(), MofNCompleteColumn(),
                    TimeElapsedColumn())
