@@ -236,9 +236,7 @@ async def bench_server(cmd: list[str], log_path: Path, workload: Workload, path:
 def run_mode(mode: str, cfg: ServiceConfig, workload: Workload, scratch: Path) -> ModeResult:
     """Run one mode to the end: its engine or server is shut down when this returns."""
     if mode == "asyncllm":
-        result = asyncio.run(bench_asyncllm(cfg, workload))
-        gc.collect()  # AsyncLLM.__del__ now, not at interpreter exit (where it fails)
-        return result
+        return asyncio.run(bench_asyncllm(cfg, workload))
     if mode == "service":
         config_path = scratch / "service.json"
         config_path.write_text(cfg.model_dump_json(exclude={"api_key"}))
@@ -282,7 +280,8 @@ def print_report(console: Console, cfg: ServiceConfig, workload: Workload,
             ratio = results[num].median_tokens_per_s / results[den].median_tokens_per_s
             ratios.add_row(f"{num} / {den}", f"{ratio:.3f}", f">= {target}",
                            "yes" if ratio >= target else "NO")
-    console.print(ratios)
+    if ratios.row_count:
+        console.print(ratios)
 
 
 def main() -> None:
@@ -315,6 +314,9 @@ def main() -> None:
         results[mode] = run_mode(mode, cfg, workload, scratch)
         console.print(f"  median {results[mode].median_tokens_per_s:.1f} tok/s")
     print_report(console, cfg, workload, results)
+    # AsyncLLM.__del__ shuts down again; let it run now, not amid interpreter teardown
+    # (where it raises because vLLM's module globals are already gone).
+    gc.collect()
 
 
 if __name__ == "__main__":

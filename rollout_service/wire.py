@@ -279,11 +279,13 @@ class PushAbortRequest(BaseModel):
 class PushTimings(BaseModel):
     """Where a completed push spent its time (seconds)."""
 
-    pause_s: float
-    load_main_s: float
-    load_draft_s: float
-    resume_s: float
-    total_s: float
+    pause_s: float = Field(description="Pausing generation (mode 'wait' drains requests).")
+    load_main_s: float = Field(description="Main model: segment -> parameters.")
+    finalize_main_s: float = Field(description="Main model: engine post-processing.")
+    load_draft_s: float = Field(description="Drafter: segment -> parameters.")
+    finalize_draft_s: float = Field(description="Drafter: engine post-processing.")
+    resume_s: float = Field(description="Prefix-cache reset and resume.")
+    total_s: float = Field(description="Pause to resume.")
 
 
 class PushFinishResponse(BaseModel):

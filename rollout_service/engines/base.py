@@ -98,6 +98,16 @@ class WeightUpdate:
     """``(name, dtype name, shape, byte offset)`` per tensor."""
 
 
+@dataclass(frozen=True, kw_only=True, slots=True)
+class LoadTimings:
+    """Where one model's load went (seconds)."""
+
+    load_s: float
+    """Reading the transport and copying into the model's (staged) parameters."""
+    finalize_s: float
+    """The engine's post-processing: placing and repacking the loaded layers."""
+
+
 @runtime_checkable
 class Engine(Protocol):
     """An inference engine behind the service."""
@@ -124,7 +134,7 @@ class Engine(Protocol):
         ...
 
     async def load_weights(self, update: WeightUpdate, *, draft: bool,
-                           version: str | None) -> None:
+                           version: str | None) -> LoadTimings:
         """Load a full update into the main model (``draft=False``) or the MTP drafter.
 
         ``version`` (None: unchanged) labels the weights in later responses' version

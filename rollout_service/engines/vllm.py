@@ -10,6 +10,7 @@ into :class:`~rollout_service.telemetry.SpecDecodeStats`.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Mapping
 from typing import Any
 
@@ -26,6 +27,7 @@ from rollout_service.engines.base import (
     EngineUnavailableError,
     GenerationResult,
     InvalidRequestError,
+    LoadTimings,
     SamplingOptions,
     WeightUpdate,
     WeightVersionSpan,
@@ -140,8 +142,9 @@ class VLLMEngine:
         await self._llm.resume_generation()
 
     async def load_weights(self, update: WeightUpdate, *, draft: bool,
-                           version: str | None) -> None:
+                           version: str | None) -> LoadTimings:
         # One vLLM weight-update session per model; the same stream feeds both.
+        start = time.perf_counter()
         if draft:
             await self._llm.start_draft_weight_update()
         else:
@@ -150,7 +153,9 @@ class VLLMEngine:
                 "tensors": [[name, dtype, list(shape), offset]
                             for name, dtype, shape, offset in update.tensors]}
         await self._llm.update_weights(WeightTransferUpdateRequest(update_info=info))
+        loaded = time.perf_counter()
         await self._llm.finish_weight_update(weight_version=version)
+        return LoadTimings(load_s=loaded - start, finalize_s=time.perf_counter() - loaded)
 
     async def reset_prefix_cache(self) -> None:
         await self._llm.reset_prefix_cache()

@@ -23,7 +23,7 @@ import uuid
 from dataclasses import dataclass, field
 
 from rollout_service import wire
-from rollout_service.engines.base import Engine, WeightUpdate
+from rollout_service.engines.base import Engine, LoadTimings, WeightUpdate
 from rollout_service.weights.checkpoint import DTYPE_BYTES, TensorMeta
 from rollout_service.weights.metrics import WeightMetrics
 from rollout_service.weights.shm import segment_path
@@ -255,25 +255,28 @@ class WeightPushManager:
         update = WeightUpdate(segment=req.segment, tensors=tuple(
             (name, meta.dtype, meta.shape, push.slots[name].offset)
             for name, meta in push.expected.items()))
-        version = str(req.version)
+        no_load = LoadTimings(load_s=0.0, finalize_s=0.0)
+        main = draft = no_load
         t0 = time.perf_counter()
         await self._engine.pause(req.pause_mode)
         t1 = time.perf_counter()
         try:
             if req.target in ("main", "both"):
-                await self._engine.load_weights(update, draft=False, version=version)
-            t2 = time.perf_counter()
+                main = await self._engine.load_weights(update, draft=False,
+                                                       version=str(req.version))
             if req.target in ("draft", "both"):
                 # Version spans label what produced the tokens: the main model's weights
                 # (verification keeps the output distribution the target's alone).
-                await self._engine.load_weights(update, draft=True, version=None)
-            t3 = time.perf_counter()
+                draft = await self._engine.load_weights(update, draft=True, version=None)
+            t2 = time.perf_counter()
             await self._engine.reset_prefix_cache()
         finally:
             await self._engine.resume()
-        t4 = time.perf_counter()
-        return wire.PushTimings(pause_s=t1 - t0, load_main_s=t2 - t1, load_draft_s=t3 - t2,
-                                resume_s=t4 - t3, total_s=t4 - t0)
+        t3 = time.perf_counter()
+        return wire.PushTimings(pause_s=t1 - t0, load_main_s=main.load_s,
+                                finalize_main_s=main.finalize_s, load_draft_s=draft.load_s,
+                                finalize_draft_s=draft.finalize_s, resume_s=t3 - t2,
+                                total_s=t3 - t0)
 
     def _record(self, req: wire.PushBeginRequest, outcome: str, detail: str) -> None:
         self.last_push = wire.LastPush(version=req.version, target=req.target,

@@ -80,6 +80,24 @@ class ShmWeightTransferEngine(WeightTransferEngine[ShmInitInfo, ShmUpdateInfo]):
 class RolloutWorkerExtension:
     """Methods mixed into vLLM's worker (``worker_extension_cls``) for checks."""
 
+    def rollout_load_safetensors(self, path: str, draft: bool) -> None:
+        """Reload one model from a safetensors file through the same reload session.
+
+        The "save a checkpoint, reload it from disk" alternative that
+        ``bench/weight_sync.py`` compares the shm push against.
+        """
+        from safetensors import safe_open
+
+        worker: Any = self
+        if draft:
+            worker.start_draft_weight_update()
+        else:
+            worker.start_weight_update()
+        with safe_open(path, framework="pt") as f:
+            worker.weight_transfer_engine.model.load_weights(
+                (name, f.get_tensor(name)) for name in f.keys())
+        worker.finish_weight_update()
+
     def rollout_weight_checksums(self) -> dict[str, str]:
         """SHA-256 over the main model's parameters and over the drafter's own ones.
 
