@@ -317,6 +317,17 @@ def main() -> None:
     # AsyncLLM.__del__ shuts down again; let it run now, not amid interpreter teardown
     # (where it raises because vLLM's module globals are already gone).
     gc.collect()
+    import os as _os
+    from vllm.v1.engine.async_llm import AsyncLLM
+    objs = [o for o in gc.get_objects() if isinstance(o, AsyncLLM)]
+    print("DBG alive:", len(objs), _os.getpid())
+    for o in objs:
+        for r in gc.get_referrers(o):
+            if r is objs: continue
+            print("DBG", type(r), str(r)[:300])
+            for rr in gc.get_referrers(r):
+                if rr is not objs: print("DBG   <-", type(rr), str(rr)[:300])
+    del objs
 
 
 if __name__ == "__main__":
