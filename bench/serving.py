@@ -32,7 +32,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
-import gc
 import json
 import os
 import signal
@@ -159,6 +158,9 @@ async def bench_asyncllm(cfg: ServiceConfig, workload: Workload) -> ModeResult:
         return await measure(run_round, workload, startup_s)
     finally:
         llm.shutdown()
+        # Something in vLLM keeps this frame alive; without the del, AsyncLLM.__del__
+        # shuts down again at interpreter exit and raises there.
+        del llm
 
 
 async def wait_healthy(url: str, is_alive: Callable[[], bool], log_path: Path) -> None:
@@ -314,20 +316,6 @@ def main() -> None:
         results[mode] = run_mode(mode, cfg, workload, scratch)
         console.print(f"  median {results[mode].median_tokens_per_s:.1f} tok/s")
     print_report(console, cfg, workload, results)
-    # AsyncLLM.__del__ shuts down again; let it run now, not amid interpreter teardown
-    # (where it raises because vLLM's module globals are already gone).
-    gc.collect()
-    import os as _os
-    from vllm.v1.engine.async_llm import AsyncLLM
-    objs = [o for o in gc.get_objects() if isinstance(o, AsyncLLM)]
-    print("DBG alive:", len(objs), _os.getpid())
-    for o in objs:
-        for r in gc.get_referrers(o):
-            if r is objs: continue
-            print("DBG", type(r), str(r)[:300])
-            for rr in gc.get_referrers(r):
-                if rr is not objs: print("DBG   <-", type(rr), str(rr)[:300])
-    del objs
 
 
 if __name__ == "__main__":

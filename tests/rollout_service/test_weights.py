@@ -296,3 +296,21 @@ def test_pusher_reports_rejection(service: ServiceProcess, pusher: WeightPusher,
         pusher.push(bad.items(), version=next_version(service))
     assert info.value.status == 400
     assert checksums(service) == before
+
+
+async def test_keep_mode_freezes_requests_and_spans_show_the_switch(
+        service: ServiceProcess, client: RolloutClient, pusher: WeightPusher,
+        original: dict[str, torch.Tensor], restore: None) -> None:
+    version = next_version(service)
+    pending = asyncio.gather(*(client.generate(wire.GenerateRequest(
+        prompt_token_ids=[4 + i, 11], max_tokens=400, temperature=1.0, seed=i,
+        ignore_eos=True)) for i in range(4)))
+    await asyncio.sleep(1.0)  # requests are mid-generation now
+    await asyncio.to_thread(pusher.push, original.items(), version=version, pause_mode="keep")
+    responses = await pending
+    spans = [r.outputs[0].weight_versions for r in responses]
+    assert all(len(r.outputs[0].token_ids) == 400 for r in responses)  # none aborted
+    switched = [s for s in spans if len(s) == 2]
+    assert switched, f"no request crossed the push: {spans}"
+    for old, new in switched:
+        assert new.version == str(version) and old.end == new.start
