@@ -22,7 +22,7 @@ from rollout_service import wire
 from rollout_service.client import RolloutClient
 from rollout_service.launch import ServiceProcess
 from rollout_service.model.corpus import arithmetic_prompts
-from rollout_service.telemetry import SpecDecodeStats, summarize
+from rollout_service.telemetry import summarize
 
 
 def _fmt(value: float | None) -> str:
@@ -74,13 +74,8 @@ async def _rollout(url: str, prompts: list[str], max_tokens: int, temperature: f
 
 def _print_summary(console: Console, responses: list[wire.GenerateResponse],
                    metrics_text: str) -> None:
-    stats = [None if o.spec_decode is None else SpecDecodeStats(
-        num_drafts=o.spec_decode.num_drafts, num_draft_tokens=o.spec_decode.num_draft_tokens,
-        num_accepted_tokens=o.spec_decode.num_accepted_tokens,
-        num_verify_steps=o.spec_decode.num_verify_steps,
-        accepted_per_position=tuple(o.spec_decode.accepted_per_position))
-        for r in responses for o in r.outputs]
-    summary = summarize(stats)
+    summary = summarize(None if o.spec_decode is None else o.spec_decode.to_stats()
+                        for r in responses for o in r.outputs)
     table = Table("figure", "from responses", "from Prometheus (_sum/_count)")
     table.add_row("macro accept rate", _fmt(summary.macro_accept_rate),
                   _fmt(prometheus_macro(metrics_text, "rollout_spec_decode_request_accept_rate")))

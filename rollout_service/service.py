@@ -63,17 +63,7 @@ def to_spec_info(stats: SpecDecodeStats | None) -> wire.SpecDecodeInfo | None:
 
 
 def to_summary(results: Sequence[GenerationResult]) -> wire.AcceptanceSummary:
-    summary = summarize(r.spec_decode for r in results)
-    return wire.AcceptanceSummary(
-        num_sequences=summary.num_sequences,
-        num_with_speculation=summary.num_with_speculation,
-        num_without_speculation=summary.num_without_speculation,
-        num_missing_stats=summary.num_missing_stats,
-        macro_accept_rate=summary.macro_accept_rate,
-        macro_accept_length=summary.macro_accept_length,
-        micro_accept_rate=summary.micro_accept_rate,
-        micro_accept_length=summary.micro_accept_length,
-        micro_accept_rate_per_position=list(summary.micro_accept_rate_per_position))
+    return summarize(r.spec_decode for r in results)
 
 
 def to_sequence(index: int, result: GenerationResult) -> wire.SequenceOutput:

@@ -10,6 +10,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from rollout_service.telemetry import BatchSummary, SpecDecodeStats
+
 _STRICT = ConfigDict(extra="forbid")
 
 MAX_N = 64
@@ -70,19 +72,17 @@ class SpecDecodeInfo(BaseModel):
     accept_rate: float | None = Field(description="None when nothing was drafted.")
     accept_length: float = Field(description="1 + accepted / drafts; 1.0 without drafts.")
 
+    def to_stats(self) -> SpecDecodeStats:
+        """The counts, for ``telemetry.summarize`` on the client side."""
+        return SpecDecodeStats(
+            num_drafts=self.num_drafts, num_draft_tokens=self.num_draft_tokens,
+            num_accepted_tokens=self.num_accepted_tokens, num_verify_steps=self.num_verify_steps,
+            accepted_per_position=tuple(self.accepted_per_position))
 
-class AcceptanceSummary(BaseModel):
-    """Acceptance over the sequences of a response (``telemetry.summarize``)."""
 
-    num_sequences: int
-    num_with_speculation: int
-    num_without_speculation: int
-    num_missing_stats: int
-    macro_accept_rate: float | None
-    macro_accept_length: float | None
-    micro_accept_rate: float | None
-    micro_accept_length: float | None
-    micro_accept_rate_per_position: list[float]
+AcceptanceSummary = BatchSummary
+"""Acceptance over a response's sequences: ``telemetry.BatchSummary`` itself, so
+the wire carries exactly the figures (and definitions) Prometheus exports."""
 
 
 class SequenceOutput(BaseModel):
