@@ -23,6 +23,7 @@ async def create_engine(config: ServiceConfig) -> Engine:
     if config.engine == "vllm":
         from rollout_service.engines.vllm import VLLMEngine, build_engine_args
 
-        args = build_engine_args(model_path, engine_kwargs, config.mtp, checkpoint_config)
+        args = build_engine_args(model_path, engine_kwargs, config.mtp, checkpoint_config,
+                                 served_model_name=config.model_name)
         return VLLMEngine.start(args, served_model_name=config.model_name)
     raise ValueError(f"engine: {config.engine!r} is not supported (accepted: 'vllm')")

@@ -50,7 +50,8 @@ _SERVICE_ENGINE_DEFAULTS: dict[str, Any] = {
 
 
 def build_engine_args(model: str, engine_kwargs: Mapping[str, Any], mtp: MTPSettings,
-                      checkpoint_config: Mapping[str, Any] | None) -> AsyncEngineArgs:
+                      checkpoint_config: Mapping[str, Any] | None,
+                      served_model_name: str | None = None) -> AsyncEngineArgs:
     """Merge the user's engine kwargs with the service's MTP settings.
 
     The user's kwargs win except ``speculative_config``, which is merged key by
@@ -60,6 +61,9 @@ def build_engine_args(model: str, engine_kwargs: Mapping[str, Any], mtp: MTPSett
         ValueError: a bad speculative config or an engine kwarg vLLM does not know.
     """
     kwargs = {**_SERVICE_ENGINE_DEFAULTS, **engine_kwargs, "model": model}
+    if served_model_name is not None:
+        # vLLM's own series then carry the same model name as this service's.
+        kwargs.setdefault("served_model_name", served_model_name)
     speculative_config = build_vllm_speculative_config(mtp, engine_kwargs, checkpoint_config)
     kwargs["speculative_config"] = speculative_config
     if kwargs.get("per_request_spec_decode_metrics") == "none" and speculative_config:

@@ -1,0 +1,1 @@
+"""Grafana dashboards of the rollout service, generated from Python (see ``dashboards``)."""
