@@ -1,0 +1,1 @@
+"""Trainer-side code that builds on megatron-core."""

@@ -1,0 +1,428 @@
+"""Multi-Token Prediction (MTP) loss that trains the MTP layers and never the shared lm_head.
+
+Runs in the trainer process, inside the forward step, on the pipeline stage that holds
+the output layer. It talks to other ranks in two places only: :func:`roll_left` under
+context parallelism (boundary tokens go to the neighbouring CP rank, through
+megatron-core's ``roll_tensor``), and :func:`reduce_for_logging` (one all-reduce per
+group, called by every rank).
+
+The formula (UPSTREAM.md, "MTP loss (Megatron-core)"). For depth ``k = 1 .. D``::
+
+    labels_k, mask_k = labels, loss_mask rolled left k times (vacated tail = 0)
+    CE_k[b, t]  = cross_entropy(hidden_k[b, t] @ W^T + bias, labels_k[b, t])
+    L_k         = sum_{b,t} mask_k[b, t] * CE_k[b, t]
+    N_k         = sum_{b,t} mask_k[b, t]                     (N_0: the unrolled mask)
+    scaled_k    = (lambda / D) * L_k / max(N_k, 1)           (per_token=False)
+    scaled_k    = (lambda / D) * L_k * N_0 / max(N_k, 1)     (per_token=True)
+
+``lambda`` is Megatron's ``mtp_loss_scaling_factor``. In per-token mode the trainer
+divides the whole gradient by the global main-loss token count afterwards, so
+multiplying by ``N_0 / N_k`` turns that division into a per-depth token mean again
+("per-token-loss mode scales by N_0 / N_k instead"). ``N_0`` and ``N_k`` are counted over
+the tensors this rank holds (its CP shard), as Megatron does. Note that megatron-core
+0.16's own ``GPTModel`` adds ``(lambda / D) * L_k`` unnormalized in per-token mode; the
+``N_0 / N_k`` rule above is UPSTREAM's description of the newer code.
+
+Gradient isolation. The logits are computed with the output layer's weight *and bias*
+detached: the gradient reaches ``hidden_k`` (the MTP layers, and through them the trunk)
+but never the shared lm_head. verl evaluates the output layer the same way but drops its
+bias; here the bias is kept. ``MTPLossConfig.detach_embedding`` covers slime's second
+cut, the token embedding fed to the MTP layers (see :func:`mtp_embedding_input`).
+
+Which Megatron path. ``GPTModel`` computes its own MTP loss whenever it gets ``labels``
+(inline in 0.16, through ``process_mtp_loss`` from 0.17 on; see
+:func:`megatron_has_process_mtp_loss`), with the output layer's parameters live unless
+0.19's ``mtp_detach_heads`` is set. This module calls neither: it works from the MTP
+hidden states, the same on every version, and is tested against a plain PyTorch
+reference and against 0.16's ``GPTModel``. On 0.16 a trainer keeps Megatron's own copy
+out of the gradient with ``mtp_loss_scaling_factor=0`` (its logging tracker still
+records ``L_k / N_k``) and adds this loss with :func:`attach_mtp_loss`.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+__all__ = [
+    "MTPDepthLoss",
+    "MTPLossConfig",
+    "attach_mtp_loss",
+    "get_mtp_loss_backward_scale",
+    "megatron_has_process_mtp_loss",
+    "mtp_depth_losses",
+    "mtp_embedding_input",
+    "reduce_for_logging",
+    "roll_left",
+    "set_mtp_loss_backward_scale",
+    "total_mtp_loss",
+]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class MTPLossConfig:
+    """How the MTP loss is scaled and where its gradient may go. Checked on construction."""
+
+    num_layers: int
+    """``D``, the number of MTP layers (prediction depths); at least 1."""
+    scaling_factor: float = 0.1
+    """``lambda`` (Megatron's ``mtp_loss_scaling_factor``): the summed weight of all depths;
+    each depth gets ``lambda / D``. Finite and >= 0."""
+    per_token: bool = False
+    """Megatron's ``calculate_per_token_loss``: scale depth ``k`` by ``N_0 / N_k`` (the
+    trainer divides by the global token count later) instead of ``1 / N_k``."""
+    detach_embedding: bool = False
+    """Cut the gradient from the MTP layers into the token embedding they consume (slime
+    does); applied by the caller through :func:`mtp_embedding_input`."""
+    train_output_layer: bool = False
+    """Leave the output layer's parameters attached. Keep it False: the MTP loss must not
+    train the shared lm_head, which the main model and the rollout drafter share. True
+    reproduces Megatron's stock behaviour, for comparisons only."""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.num_layers, bool) or not isinstance(self.num_layers, int) \
+                or self.num_layers < 1:
+            raise ValueError(f"num_layers must be an int >= 1, got {self.num_layers!r}")
+        factor = self.scaling_factor
+        if isinstance(factor, bool) or not isinstance(factor, (int, float)) \
+                or not factor >= 0 or factor == float("inf"):
+            raise ValueError(f"scaling_factor must be a finite number >= 0, got {factor!r}")
+        for name in ("per_token", "detach_embedding", "train_output_layer"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class MTPDepthLoss:
+    """The loss of one prediction depth on this rank."""
+
+    depth: int
+    """``k``, from 1 (predicts the token after next) to ``D``."""
+    loss_sum: torch.Tensor
+    """``L_k``: 0-dim, masked cross-entropy sum in the loss dtype (float32, or float64
+    for float64 inputs); carries the graph."""
+    num_tokens: torch.Tensor
+    """``N_k``: 0-dim, loss dtype, the rolled mask's sum, *not* clamped (sums stay exact
+    across ranks); no graph."""
+    scaled_loss: torch.Tensor
+    """This depth's contribution to the trained loss (module docstring); carries the graph."""
+
+
+def roll_left(t: torch.Tensor, shifts: int = 1, dim: int = -1, *,
+              cp_group: dist.ProcessGroup | None = None,
+              cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
+    """Shift ``t`` left by ``shifts`` along ``dim`` and zero the vacated tail.
+
+    ``torch.roll`` would wrap the head around to the tail; a rolled loss mask would then
+    mark the last positions as targets. Here they are 0.
+
+    Args:
+        t: Any tensor; ``dim`` is its sequence dim.
+        shifts: How far, >= 0.
+        dim: The sequence dim.
+        cp_group: The context-parallel group when ``t`` is this rank's zigzag shard
+            (chunks ``r`` and ``2cp-1-r``). Then a token shifted off a chunk's head comes
+            from the next chunk, possibly on another rank: the roll is delegated to
+            megatron-core's ``roll_tensor`` (one exchange per shift). Every rank of the
+            group must call. None, or a group of size 1: a local roll.
+        cu_seqlens: For a packed (THD) row, the padded sequence boundaries
+            ``[num_seqs + 1]`` of the *whole* row (before any CP split; Megatron's
+            convention): each sequence is rolled alone, so no sequence's token becomes
+            another's target. Only with ``dim`` the last dim.
+
+    Returns:
+        A new tensor, same shape, dtype and device.
+
+    Raises:
+        ValueError: ``shifts`` is negative, or ``cu_seqlens`` does not fit ``t``.
+        RuntimeError: ``cp_group`` has more than one rank and megatron-core's
+            ``roll_tensor`` (with ``cp_group`` / ``packed_seq_params``) is not available.
+    """
+    if isinstance(shifts, bool) or not isinstance(shifts, int) or shifts < 0:
+        raise ValueError(f"shifts must be an int >= 0, got {shifts!r}")
+    if shifts == 0:
+        return t.clone()
+    dim = dim % t.dim()
+    if cu_seqlens is not None and dim != t.dim() - 1:
+        raise ValueError(f"cu_seqlens needs the sequence in the last dim, got dim={dim}")
+    if cp_group is not None and dist.get_world_size(cp_group) > 1:
+        out = t
+        for _ in range(shifts):
+            out = _megatron_roll_once(out, dim, cp_group, cu_seqlens)
+        return out
+    if cu_seqlens is not None:
+        return _roll_packed(t, shifts, cu_seqlens)
+    length = t.size(dim)
+    if shifts >= length:
+        return torch.zeros_like(t)
+    tail_shape = list(t.shape)
+    tail_shape[dim] = shifts
+    return torch.cat([t.narrow(dim, shifts, length - shifts), t.new_zeros(tail_shape)], dim=dim)
+
+
+def _roll_packed(t: torch.Tensor, shifts: int, cu_seqlens: torch.Tensor) -> torch.Tensor:
+    """Roll each sequence of a packed last dim on its own (no CP)."""
+    bounds = cu_seqlens.to(device=t.device, dtype=torch.int64)
+    length = t.size(-1)
+    if bounds.dim() != 1 or bounds.numel() < 2 or int(bounds[0]) != 0 \
+            or int(bounds[-1]) != length or bool((bounds[1:] < bounds[:-1]).any()):
+        raise ValueError(f"cu_seqlens must rise from 0 to t.size(-1) = {length}, "
+                         f"got {cu_seqlens.tolist()}")
+    positions = torch.arange(length, device=t.device)
+    # End of the sequence each position belongs to.
+    seq_end = bounds[torch.searchsorted(bounds, positions, right=True)]
+    source = positions + shifts
+    valid = source < seq_end
+    gathered = t.index_select(-1, source.clamp(max=length - 1))
+    return torch.where(valid, gathered, torch.zeros((), dtype=t.dtype, device=t.device))
+
+
+def _megatron_roll_once(t: torch.Tensor, dim: int, cp_group: dist.ProcessGroup,
+                        cu_seqlens: torch.Tensor | None) -> torch.Tensor:
+    """One zigzag-aware left shift through megatron-core's ``roll_tensor``."""
+    try:
+        from megatron.core.transformer.multi_token_prediction import roll_tensor
+    except ImportError as exc:
+        raise RuntimeError("roll_left with a CP group of size > 1 needs megatron-core's "
+                           "roll_tensor (pip install megatron-core)") from exc
+    params = inspect.signature(roll_tensor).parameters
+    needed = ["shifts", "dims", "cp_group"] + (["packed_seq_params"] if cu_seqlens is not None
+                                               else [])
+    missing = [name for name in needed if name not in params]
+    if missing:
+        raise RuntimeError(f"megatron-core's roll_tensor{inspect.signature(roll_tensor)} lacks "
+                           f"{missing}: zigzag-aware rolling is not supported on this version")
+    kwargs: dict[str, Any] = {"shifts": -1, "dims": dim, "cp_group": cp_group}
+    if cu_seqlens is not None:
+        from megatron.core.packed_seq_params import PackedSeqParams
+        kwargs["packed_seq_params"] = PackedSeqParams(
+            qkv_format="thd", cu_seqlens_q=cu_seqlens.to(device=t.device, dtype=torch.int32))
+    # roll_tensor writes into its chunks; keep the caller's tensor intact.
+    result = roll_tensor(t.clone(), **kwargs)
+    return result[0] if isinstance(result, tuple) else result
+
+
+def mtp_embedding_input(embedding: torch.Tensor, cfg: MTPLossConfig) -> torch.Tensor:
+    """The token embedding as the MTP layers should consume it: detached if configured."""
+    return embedding.detach() if cfg.detach_embedding else embedding
+
+
+def mtp_depth_losses(hidden_per_depth: Sequence[torch.Tensor], labels: torch.Tensor,
+                     loss_mask: torch.Tensor, output_weight: torch.Tensor,
+                     output_bias: torch.Tensor | None, cfg: MTPLossConfig, *,
+                     hidden_layout: Literal["sbh", "bsh"] = "sbh",
+                     cp_group: dist.ProcessGroup | None = None,
+                     cu_seqlens: torch.Tensor | None = None) -> list[MTPDepthLoss]:
+    """Per-depth MTP losses, with the output layer's parameters kept out of the graph.
+
+    Args:
+        hidden_per_depth: ``D`` tensors, the output of MTP layer ``k`` (already through
+            its final norm), ``[s, b, h]`` (Megatron's layout) or ``[b, s, h]``.
+        labels: ``[b, s]`` int64, next-token labels (position t predicts token t + 1).
+        loss_mask: ``[b, s]``, aligned with ``labels``; 0 on prompt and padding targets.
+        output_weight: ``[V, h]``, the shared output layer's weight (full vocabulary).
+        output_bias: ``[V]`` or None; kept when given.
+        cfg: Scaling and gradient options.
+        hidden_layout: ``"sbh"`` or ``"bsh"``, the layout of ``hidden_per_depth``.
+        cp_group: Context-parallel group when the tensors are this rank's zigzag shard
+            (see :func:`roll_left`).
+        cu_seqlens: Padded boundaries of a packed row (``b == 1``), see :func:`roll_left`.
+
+    Returns:
+        One :class:`MTPDepthLoss` per depth, depth 1 first.
+
+    Raises:
+        ValueError: a count or shape does not match (the message names the argument).
+    """
+    num_depths = cfg.num_layers
+    if len(hidden_per_depth) != num_depths:
+        raise ValueError(f"hidden_per_depth has {len(hidden_per_depth)} tensors for "
+                         f"num_layers = {num_depths}")
+    if labels.dim() != 2 or loss_mask.shape != labels.shape:
+        raise ValueError(f"labels and loss_mask must share a [b, s] shape, got "
+                         f"{tuple(labels.shape)} and {tuple(loss_mask.shape)}")
+    if hidden_layout not in ("sbh", "bsh"):
+        raise ValueError(f"hidden_layout must be 'sbh' or 'bsh', got {hidden_layout!r}")
+    if output_weight.dim() != 2:
+        raise ValueError(f"output_weight must be [V, h], got {tuple(output_weight.shape)}")
+    vocab, hidden_size = output_weight.shape
+    if output_bias is not None and tuple(output_bias.shape) != (vocab,):
+        raise ValueError(f"output_bias must be [{vocab}], got {tuple(output_bias.shape)}")
+    batch, seq = labels.shape
+    expected = (seq, batch, hidden_size) if hidden_layout == "sbh" else (batch, seq, hidden_size)
+    for k, hidden in enumerate(hidden_per_depth, start=1):
+        if tuple(hidden.shape) != expected:
+            raise ValueError(f"hidden_per_depth[{k - 1}] has shape {tuple(hidden.shape)}, "
+                             f"expected {expected} ({hidden_layout})")
+
+    weight, bias = output_weight, output_bias
+    if not cfg.train_output_layer:
+        weight = weight.detach()
+        bias = None if bias is None else bias.detach()
+    depth_scale = cfg.scaling_factor / num_depths
+    rolled_labels, rolled_mask = labels, loss_mask.detach()
+    losses = []
+    for k, hidden in enumerate(hidden_per_depth, start=1):
+        # Roll one step per depth: under CP every shift is one boundary exchange.
+        rolled_labels = roll_left(rolled_labels, 1, -1, cp_group=cp_group, cu_seqlens=cu_seqlens)
+        rolled_mask = roll_left(rolled_mask, 1, -1, cp_group=cp_group, cu_seqlens=cu_seqlens)
+        hidden_bsh = hidden.transpose(0, 1) if hidden_layout == "sbh" else hidden
+        logits = F.linear(hidden_bsh, weight, bias)
+        # Cross-entropy in at least float32 (bf16 logits lose the small differences).
+        logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
+        per_token_ce = F.cross_entropy(logits.reshape(-1, vocab), rolled_labels.reshape(-1),
+                                       reduction="none").view(batch, seq)
+        mask = rolled_mask.to(logits.dtype)
+        loss_sum = (mask * per_token_ce).sum()
+        num_tokens = mask.sum()
+        if cfg.per_token:
+            num_tokens_main = loss_mask.detach().to(mask.dtype).sum()
+            scaled = depth_scale * loss_sum * num_tokens_main / num_tokens.clamp(min=1.0)
+        else:
+            scaled = depth_scale * loss_sum / num_tokens.clamp(min=1.0)
+        losses.append(MTPDepthLoss(depth=k, loss_sum=loss_sum, num_tokens=num_tokens,
+                                   scaled_loss=scaled))
+    return losses
+
+
+def total_mtp_loss(losses: Sequence[MTPDepthLoss]) -> torch.Tensor:
+    """``sum_k scaled_k``: what :func:`attach_mtp_loss` hangs on the main output."""
+    if not losses:
+        raise ValueError("losses is empty")
+    return torch.stack([loss.scaled_loss for loss in losses]).sum()
+
+
+class _MTPLossAutoScaler(torch.autograd.Function):
+    """Used only without megatron-core: same contract as its ``MTPLossAutoScaler``.
+
+    Forward returns ``output`` unchanged; backward passes ``output``'s gradient through
+    and gives the MTP loss the gradient ``ones * main_loss_backward_scale``, so one
+    backward of the main loss also backpropagates the MTP loss.
+    """
+
+    main_loss_backward_scale: torch.Tensor = torch.tensor(1.0)
+
+    @staticmethod
+    def forward(ctx: Any, output: torch.Tensor, mtp_loss: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(mtp_loss)
+        return output
+
+    @staticmethod
+    def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        (mtp_loss,) = ctx.saved_tensors
+        scale = _MTPLossAutoScaler.main_loss_backward_scale
+        return grad_output, torch.ones_like(mtp_loss) * scale.to(mtp_loss.device)
+
+    @staticmethod
+    def set_loss_scale(scale: torch.Tensor) -> None:
+        _MTPLossAutoScaler.main_loss_backward_scale = scale
+
+
+def _autoscaler() -> Any:
+    """megatron-core's ``MTPLossAutoScaler`` when it has the expected API, else ours.
+
+    Megatron's is preferred because its schedules set its scale every step
+    (``loss_scale / num_microbatches``, or ``loss_scale`` in per-token mode).
+    """
+    try:
+        from megatron.core.transformer.multi_token_prediction import MTPLossAutoScaler
+    except ImportError:
+        return _MTPLossAutoScaler
+    if all(hasattr(MTPLossAutoScaler, name)
+           for name in ("apply", "set_loss_scale", "main_loss_backward_scale")):
+        return MTPLossAutoScaler
+    return _MTPLossAutoScaler
+
+
+def attach_mtp_loss(main_output: torch.Tensor, total_mtp_loss: torch.Tensor) -> torch.Tensor:
+    """Return ``main_output`` unchanged, with ``total_mtp_loss`` riding on its backward.
+
+    When the main loss is backpropagated through the returned tensor, ``total_mtp_loss``
+    receives the gradient ``s`` (per element), ``s`` being the autoscaler's
+    ``main_loss_backward_scale`` (:func:`get_mtp_loss_backward_scale`): the parameters get
+    ``s * d(total_mtp_loss)/d(param)`` on top of the main gradient, whatever the main
+    loss's own gradient into ``main_output`` is. Megatron's schedules set ``s`` to match
+    the main loss's scale; outside them, set it with :func:`set_mtp_loss_backward_scale`.
+
+    Uses megatron-core's ``MTPLossAutoScaler`` when importable, else an equivalent.
+    """
+    return _autoscaler().apply(main_output, total_mtp_loss)
+
+
+def set_mtp_loss_backward_scale(scale: float | torch.Tensor) -> None:
+    """Set ``s`` of :func:`attach_mtp_loss` (process-wide, shared with Megatron's schedules)."""
+    _autoscaler().set_loss_scale(torch.as_tensor(scale, dtype=torch.float32))
+
+
+def get_mtp_loss_backward_scale() -> torch.Tensor:
+    """The current ``s`` of :func:`attach_mtp_loss`."""
+    return _autoscaler().main_loss_backward_scale
+
+
+def reduce_for_logging(losses: Sequence[MTPDepthLoss], *,
+                       groups: Sequence[dist.ProcessGroup | None],
+                       is_source_rank: bool) -> dict[str, float] | None:
+    """Global per-depth MTP loss for the logs: sums over ranks, then one division.
+
+    Every rank of every group must call this, the same number of times, with the same
+    number of depths: each group costs one ``all_reduce`` of ``2 * D`` numbers, and a
+    collective that some ranks skip waits forever. verl gated this reduce on
+    ``cp_rank == 0`` and deadlocked with CP > 1 (verl #5895). Only the *return* is gated
+    here: the source rank gets the dict, the others None.
+
+    Args:
+        losses: This rank's depths, from :func:`mtp_depth_losses`.
+        groups: Groups whose ranks hold disjoint tokens, reduced one after the other: the
+            DP x CP group, and the TP group only when TP ranks hold different tokens (the
+            usual vocab-parallel loss is already identical on TP ranks; summing it there
+            would multiply the token counts by TP). None means the default group. Empty
+            when not distributed.
+        is_source_rank: Whether this rank returns the dict (e.g. the logging rank).
+
+    Returns:
+        On the source rank ``{"mtp_{k}_loss": sum L_k / max(sum N_k, 1),
+        "mtp_{k}_num_tokens": sum N_k}`` for every depth; elsewhere None.
+
+    Raises:
+        ValueError: ``losses`` is empty, or ``groups`` is non-empty without an initialized
+            default process group.
+    """
+    if not losses:
+        raise ValueError("losses is empty")
+    if groups and not (dist.is_available() and dist.is_initialized()):
+        raise ValueError("groups given but torch.distributed is not initialized")
+    values = torch.stack([loss.loss_sum.detach() for loss in losses]
+                         + [loss.num_tokens.detach() for loss in losses]).to(torch.float64)
+    for group in groups:
+        dist.all_reduce(values, op=dist.ReduceOp.SUM, group=group)
+    if not is_source_rank:
+        return None
+    num_depths = len(losses)
+    result = {}
+    for i, loss in enumerate(losses):
+        loss_sum, num_tokens = float(values[i]), float(values[num_depths + i])
+        result[f"mtp_{loss.depth}_loss"] = loss_sum / max(num_tokens, 1.0)
+        result[f"mtp_{loss.depth}_num_tokens"] = num_tokens
+    return result
+
+
+def megatron_has_process_mtp_loss() -> bool:
+    """Whether the installed megatron-core has ``process_mtp_loss`` (0.17+), found by feature.
+
+    With it, ``GPTModel`` computes its MTP loss through that function (signature grew
+    ``tp_group`` and ``input_ids`` by 0.19); without it (0.16) inline in
+    ``GPTModel._postprocess``. Either way this module's loss is computed outside the
+    model from the MTP hidden states; the answer tells a trainer which of Megatron's own
+    paths it has to keep out of the gradient. False when megatron-core is not installed.
+    """
+    try:
+        from megatron.core.transformer import multi_token_prediction
+    except ImportError:
+        return False
+    return callable(getattr(multi_token_prediction, "process_mtp_loss", None))
