@@ -25,14 +25,12 @@ WEIGHTS_TOKEN_ENV = "ROLLOUT_WEIGHTS_TOKEN"
 # from reserving a fraction of the node's memory (its default 0.92 fails whenever
 # anything else is running) and skips the warm-up pass; float32 runs about 2x
 # faster than bf16 on CPUs without AVX-512 bf16 (the checkpoint, and so weight
-# pushes, stay bf16: vLLM converts on load); one worker inside the engine-core
-# process saves a process start (tens of seconds on two cores).
+# pushes, stay bf16: vLLM converts on load).
 EMBEDDED_ENGINE_KWARGS: dict[str, Any] = {
     "max_model_len": 1024,
     "enforce_eager": True,
     "kv_cache_memory_bytes": 512 * 1024**2,
     "dtype": "float32",
-    "distributed_executor_backend": "uni",
 }
 
 
