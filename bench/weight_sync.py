@@ -13,8 +13,9 @@ into both the main model and the MTP drafter, one after another:
 - ``b`` (disk): the common alternative, in this process with ``AsyncLLM`` on the
   same engine args: ``safetensors.torch.save_file`` of the full state dict to a
   local-disk temp dir, then pause, reload main and drafter from that file
-  (``rollout_load_safetensors``), reset the prefix cache, resume. The file is
-  most likely still in the page cache when it is read back, which favours ``b``.
+  (``rollout_load_safetensors``), reset the prefix cache, resume. The save is
+  not fsynced and the file is most likely still in the page cache when it is
+  read back, both of which favour ``b``.
 - ``c`` (floor): two ``torch`` copies of the same bytes into preallocated flat
   buffers (trainer -> buffer 1 -> buffer 2), the two copies any same-host
   transfer makes.
@@ -22,6 +23,7 @@ into both the main model and the MTP drafter, one after another:
 Each figure is the median of ``--pushes`` timed runs after one warm-up.
 
     python -m bench.weight_sync --size tiny --pushes 2
+    python -m bench.weight_sync --trainer-threads 1   # small, 5 pushes, one copy thread
 """
 
 from __future__ import annotations
@@ -29,8 +31,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
-import gc
 import json
+import os
 import secrets
 import statistics
 import tempfile
@@ -68,7 +70,7 @@ class Timed:
 def perturb(tensors: StateDict, step: int) -> None:
     """Change a few tensors in place so every push carries new values (untimed)."""
     for name in list(tensors)[:4]:
-        tensors[name].add_(1e-3 if step % 2 else -1e-3)
+        tensors[name].add_(2**-6 if step % 2 else -2**-6)
 
 
 def wait_healthy(proc: ServiceProcess) -> None:
@@ -189,8 +191,9 @@ def bench_floor(tensors: StateDict, num_pushes: int) -> Timed:
 def print_report(console: Console, size: str, num_bytes: int, num_pushes: int,
                  results: dict[str, Timed]) -> None:
     console.print(f"model: embedded:{size}, main + MTP drafter, engine dtype bfloat16 (the "
-                  f"checkpoint's dtype: no conversion on load); torch threads "
-                  f"{torch.get_num_threads()}")
+                  f"checkpoint's dtype: no conversion on load); trainer torch threads "
+                  f"{torch.get_num_threads()} on {os.cpu_count()} CPUs, load average "
+                  f"{os.getloadavg()[0]:.1f}")
     console.print(f"bytes per push: {num_bytes:,} ({num_bytes / 1e9:.3f} GB), written once "
                   "by the trainer: the drafter loads from the same segment (a) / file (b)")
     console.print(f"each figure: median of {num_pushes} runs after 1 warm-up")
@@ -235,11 +238,18 @@ def main() -> None:
     parser.add_argument("--pushes", type=int, default=5, help="timed runs per mode")
     parser.add_argument("--modes", default=",".join(MODES),
                         help=f"comma-separated subset of {','.join(MODES)}")
+    parser.add_argument("--trainer-threads", type=int, default=0,
+                        help="torch threads of this (trainer) process; 0 keeps torch's default")
     opts = parser.parse_args()
     modes = [m for m in MODES if m in opts.modes.split(",")]
     unknown = sorted(set(opts.modes.split(",")) - set(MODES))
-    if unknown or opts.pushes < 1:
-        parser.error(f"--modes: unknown {unknown}" if unknown else "--pushes: must be >= 1")
+    if unknown or opts.pushes < 1 or opts.trainer_threads < 0:
+        parser.error(f"--modes: unknown {unknown}" if unknown
+                     else "--pushes: must be >= 1, --trainer-threads >= 0")
+    if opts.trainer_threads:
+        # Intra-op threads drive the trainer's copies ((a)'s fill, (c)); on a busy
+        # machine with few cores, torch's default can be the slowest choice.
+        torch.set_num_threads(opts.trainer_threads)
     console = Console()
     model_path = ensure_model(opts.size)
     tensors = load_file(str(model_path / "model.safetensors"))
@@ -258,8 +268,6 @@ def main() -> None:
             results[mode] = bench_floor(tensors, opts.pushes)
         console.print(f"  median {statistics.median(results[mode].total_s):.3f} s")
     print_report(console, opts.size, num_bytes, opts.pushes, results)
-    # AsyncLLM.__del__ shuts down again; let it run now, not amid interpreter teardown.
-    gc.collect()
 
 
 if __name__ == "__main__":
