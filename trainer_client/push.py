@@ -12,6 +12,7 @@ paused window. The drafter reads the same bytes: nothing is sent twice.
 
 from __future__ import annotations
 
+import ctypes
 import time
 import uuid
 from collections.abc import Iterable, Sequence
@@ -79,6 +80,21 @@ def layout(sizes: Sequence[int]) -> tuple[list[int], int]:
         offsets.append(end)
         end = align(end + size)
     return offsets, max(end, 1)
+
+
+def copy_into(segment: Segment, offset: int, tensor: torch.Tensor, nbytes: int) -> None:
+    """Copy ``tensor`` into the segment at ``offset``.
+
+    A contiguous CPU tensor goes through one ``memmove`` on this thread: torch's
+    ``copy_`` splits large copies over its intra-op threads, which on a busy host
+    (the trainer's own threads, the engine's) ran 14x slower than one plain
+    copy (211 MB: 1.0 s vs 0.07 s). Other tensors (GPU, strided) use ``copy_``,
+    which also does the device-to-host transfer.
+    """
+    if tensor.device.type == "cpu" and tensor.is_contiguous():
+        ctypes.memmove(segment.address(offset), tensor.data_ptr(), nbytes)
+    else:
+        segment.tensor(offset, tensor.dtype, tuple(tensor.shape)).copy_(tensor)
 
 
 class WeightPusher:
@@ -178,7 +194,7 @@ class WeightPusher:
                                      f"where specs announced {spec.name!r} {spec.shape} "
                                      f"{spec.dtype}")
                 t0 = time.perf_counter()
-                segment.tensor(offset, tensor.dtype, tuple(tensor.shape)).copy_(tensor)
+                copy_into(segment, offset, tensor, nbytes)
                 fill_s += time.perf_counter() - t0
                 bucket.append(wire.TensorSlot(name=name, offset=offset, nbytes=nbytes))
                 bucket_bytes += nbytes

@@ -27,6 +27,7 @@ SHM_DIR = Path("/dev/shm")
 ALIGNMENT = 64
 """Byte alignment of every tensor in a segment: a cache line, and a multiple of
 every dtype's size, so tensors of different dtypes never sit misaligned."""
+_MADV_POPULATE_READ = 22  # Linux 5.14+; Python 3.11's mmap has no constant for it
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,200}$")
 
 
@@ -75,8 +76,10 @@ class Segment:
 
         The mapping is private copy-on-write: torch gets a writable buffer (it
         warns on read-only ones) and a stray write can never reach the trainer.
-        ``MAP_POPULATE`` maps every page now, in one system call, instead of
-        one page fault per 4 KiB during the load.
+        Its pages are then mapped for reading in one call
+        (``MADV_POPULATE_READ``) instead of one fault per 4 KiB during the load.
+        Not ``MAP_POPULATE``: on a writable private mapping it pre-faults for
+        writing, which copies every page (measured: 0.3 s for 211 MB).
 
         Raises:
             ValueError: no such segment.
@@ -88,10 +91,14 @@ class Segment:
             raise ValueError(f"segment: {name!r} does not exist under {SHM_DIR}") from exc
         try:
             size = os.fstat(fd).st_size
-            mapping = mmap.mmap(fd, size, flags=mmap.MAP_PRIVATE | mmap.MAP_POPULATE,
+            mapping = mmap.mmap(fd, size, flags=mmap.MAP_PRIVATE,
                                 prot=mmap.PROT_READ | mmap.PROT_WRITE)
         finally:
             os.close(fd)
+        try:
+            mapping.madvise(_MADV_POPULATE_READ)
+        except OSError:  # Linux < 5.14: pages fault in lazily instead
+            pass
         return cls(name, mapping, is_owner=False)
 
     def tensor(self, offset: int, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
@@ -103,6 +110,12 @@ class Segment:
             numel *= dim
         flat = torch.frombuffer(self._mmap, dtype=dtype, count=numel, offset=offset)
         return flat.view(shape)
+
+    def address(self, offset: int = 0) -> int:
+        """The memory address of byte ``offset`` (for single-threaded ``memmove``)."""
+        import torch
+
+        return torch.frombuffer(self._mmap, dtype=torch.uint8, count=1, offset=offset).data_ptr()
 
     def close(self) -> None:
         """Unmap; the owner also removes the segment."""

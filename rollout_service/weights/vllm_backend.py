@@ -15,6 +15,7 @@ Registered under the name ``shm`` by :mod:`rollout_service.engines.vllm_plugin`.
 from __future__ import annotations
 
 import hashlib
+import os
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -30,7 +31,7 @@ from vllm.model_executor.model_loader.reload.layerwise import (
     initialize_layerwise_reload,
 )
 
-from rollout_service.weights.shm import Segment
+from rollout_service.weights.shm import Segment, segment_path
 
 
 @dataclass
@@ -64,17 +65,35 @@ class ShmWeightTransferEngine(WeightTransferEngine[ShmInitInfo, ShmUpdateInfo]):
     def finish_weight_update(self) -> None:
         finalize_layerwise_reload(self.model, self.model_config)
 
+    _mapped: tuple[tuple[str, int, int], Segment] | None = None
+
+    def _segment(self, name: str) -> Segment:
+        """The mapped segment, kept across updates while it is the same file.
+
+        The trainer reuses one segment for its whole run, and the main model and
+        the drafter read the same bytes: mapping it once saves a map per model
+        per push. A replaced file (new inode or size) is mapped anew.
+        """
+        stat = os.stat(segment_path(name))
+        identity = (name, stat.st_ino, stat.st_size)
+        if self._mapped is None or self._mapped[0] != identity:
+            self._release()
+            self._mapped = (identity, Segment.attach(name))
+        return self._mapped[1]
+
+    def _release(self) -> None:
+        if self._mapped is not None:
+            self._mapped[1].close()
+            self._mapped = None
+
     def receive_weights(self, update_info: ShmUpdateInfo) -> None:
-        segment = Segment.attach(update_info.segment)
-        try:
-            self.model.load_weights(
-                (name, segment.tensor(offset, getattr(torch, dtype), tuple(shape)))
-                for name, dtype, shape, offset in update_info.tensors)
-        finally:
-            segment.close()
+        segment = self._segment(update_info.segment)
+        self.model.load_weights(
+            (name, segment.tensor(offset, getattr(torch, dtype), tuple(shape)))
+            for name, dtype, shape, offset in update_info.tensors)
 
     def shutdown(self) -> None:
-        pass
+        self._release()
 
 
 class RolloutWorkerExtension:

@@ -62,11 +62,20 @@ def next_version(service: ServiceProcess) -> int:
     return max(versions, default=0) + 1
 
 
+@pytest.fixture(scope="module")
+def baseline(service: ServiceProcess) -> dict[str, str]:
+    """Checksums of the checkpoint as served before this module pushes anything."""
+    return checksums(service)
+
+
 @pytest.fixture
-def restore(service: ServiceProcess, pusher: WeightPusher,
-            original: dict[str, torch.Tensor]) -> Iterator[None]:
+def restore(service: ServiceProcess, pusher: WeightPusher, original: dict[str, torch.Tensor],
+            baseline: dict[str, str]) -> Iterator[None]:
     yield
     pusher.push(original.items(), version=next_version(service), target="both")
+    # The same segment (and the engine's cached mapping of it) carried different
+    # bytes in the test's push: the original must be back, bit for bit.
+    assert checksums(service) == baseline
 
 
 def with_change(original: dict[str, torch.Tensor], name: str, seed: int
