@@ -45,7 +45,12 @@ class ServiceConfig(BaseModel):
                      "for the generated MiMo checkpoints (built and cached on first use)."))
     served_model_name: str | None = Field(
         None, description="Name in responses and metrics labels; defaults to the model field.")
-    engine: Literal["vllm"] = Field("vllm", description="Inference engine behind the service.")
+    engine: Literal["vllm", "sglang"] = Field("vllm", description=(
+        "Inference engine behind the service: vLLM in this process (AsyncLLM), or an SGLang "
+        "server driven over HTTP."))
+    engine_url: str | None = Field(None, description=(
+        "SGLang only: URL of a running SGLang server to drive; None launches one from the "
+        "built server arguments."))
     engine_kwargs: dict[str, Any] = Field(
         default_factory=dict,
         description=("Passed to the engine as is (vLLM: AsyncEngineArgs fields), except "

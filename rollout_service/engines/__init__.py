@@ -26,4 +26,13 @@ async def create_engine(config: ServiceConfig) -> Engine:
         args = build_engine_args(model_path, engine_kwargs, config.mtp, checkpoint_config,
                                  served_model_name=config.model_name)
         return VLLMEngine.start(args, served_model_name=config.model_name)
-    raise ValueError(f"engine: {config.engine!r} is not supported (accepted: 'vllm')")
+    if config.engine == "sglang":
+        from rollout_service.engines.sglang import SGLangEngine
+
+        if config.engine_url is not None:
+            return await SGLangEngine.connect(config.engine_url,
+                                              served_model_name=config.model_name,
+                                              model_path=model_path)
+        return await SGLangEngine.launch(model_path, engine_kwargs, config.mtp,
+                                         served_model_name=config.model_name)
+    raise ValueError(f"engine: {config.engine!r} is not supported (accepted: 'vllm', 'sglang')")
