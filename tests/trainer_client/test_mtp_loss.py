@@ -523,6 +523,9 @@ def _check_against_gpt_model(port: int) -> None:
     dist.destroy_process_group()
 
 
+@pytest.mark.skipif(torch.cuda.is_available(),
+                    reason="CPU-only (CPU-initialized model, 0.16's tracker key 'values'); "
+                           "on CUDA test_gpu.py runs the same comparison through mtp_forward")
 def test_against_megatron_gpt_model_with_mtp_block() -> None:
     pytest.importorskip("megatron.core")
     ctx = multiprocessing.get_context("spawn")
