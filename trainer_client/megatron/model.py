@@ -17,7 +17,9 @@ megatron-core is imported inside the functions that need it, so ``convert.py``
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import enum
+import functools
 import socket
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
@@ -159,6 +161,28 @@ def _qwen2_layer_maps(hf: str, mc: str) -> list[TensorMap]:
     ]
 
 
+@functools.cache
+def mtp_inner_layer_name() -> str:
+    """Attribute of Megatron's MTP layer that holds its decoder layer.
+
+    ``transformer_layer`` in megatron-core 0.16, ``mtp_model_layer`` in 0.19: told
+    apart by the fields of ``MultiTokenPredictionLayerSubmodules``, not by version.
+    Without megatron-core (pure name conversion) the 0.16 name is used.
+    """
+    try:
+        from megatron.core.transformer.multi_token_prediction import (
+            MultiTokenPredictionLayerSubmodules,
+        )
+    except ImportError:
+        return "transformer_layer"
+    names = {f.name for f in dataclasses.fields(MultiTokenPredictionLayerSubmodules)}
+    for name in ("mtp_model_layer", "transformer_layer"):
+        if name in names:
+            return name
+    raise RuntimeError(f"megatron-core's MultiTokenPredictionLayerSubmodules has neither "
+                       f"'mtp_model_layer' nor 'transformer_layer' (fields: {sorted(names)})")
+
+
 def _mimo_tensor_maps(hf_config: Mapping[str, Any]) -> list[TensorMap]:
     """MiMo checkpoint names (as vLLM's MiMo and MiMoMTP load them) <-> GPTModel names.
 
@@ -182,7 +206,7 @@ def _mimo_tensor_maps(hf_config: Mapping[str, Any]) -> list[TensorMap]:
             TensorMap(f"{mc}eh_proj.weight", (f"{hf}input_proj.weight",),
                       Layout.SWAP_INPUT_HALVES),
         ]
-        maps += _qwen2_layer_maps(hf, f"{mc}transformer_layer.")
+        maps += _qwen2_layer_maps(hf, f"{mc}{mtp_inner_layer_name()}.")
         maps.append(TensorMap(f"{mc}final_layernorm.weight", (f"{hf}final_layernorm.weight",),
                               Layout.REPLICATED))
     maps.append(TensorMap("output_layer.weight", ("lm_head.weight",), Layout.COLUMN))
