@@ -19,11 +19,12 @@ from __future__ import annotations
 
 import multiprocessing
 import socket
-import time
 import warnings
 
 import pytest
 import torch
+
+from tests.trainer_client.spawned import run_spawned
 
 BATCH, SEQ, NUM_DEPTHS = 2, 16, 2
 
@@ -214,22 +215,4 @@ def _check_logits_and_errors(device: torch.device) -> None:
 
 def test_mtp_forward_matches_gpt_model_in_a_megatron_process() -> None:
     pytest.importorskip("megatron.core")
-    ctx = multiprocessing.get_context("spawn")
-    errors = ctx.Queue()
-    proc = ctx.Process(target=_worker, args=(_free_address(), errors))
-    proc.start()
-    deadline = time.monotonic() + 300
-    try:
-        while proc.is_alive() and errors.empty() and time.monotonic() < deadline:
-            time.sleep(0.2)
-        if errors.empty() and not proc.is_alive():
-            pytest.fail(f"GPTModel process died with exit code {proc.exitcode}")
-        if errors.empty():
-            pytest.fail("GPTModel process did not finish in 300 s")
-        error = errors.get()
-        assert error is None, error
-    finally:
-        proc.join(timeout=10)
-        if proc.is_alive():
-            proc.kill()
-            proc.join()
+    run_spawned(_worker, _free_address(), timeout_s=300)

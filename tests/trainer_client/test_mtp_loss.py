@@ -10,11 +10,12 @@ from __future__ import annotations
 import math
 import multiprocessing
 import socket
-import time
 import warnings
 
 import pytest
 import torch
+
+from tests.trainer_client.spawned import run_spawned
 import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -528,22 +529,4 @@ def _check_against_gpt_model(port: int) -> None:
                            "on CUDA test_gpu.py runs the same comparison through mtp_forward")
 def test_against_megatron_gpt_model_with_mtp_block() -> None:
     pytest.importorskip("megatron.core")
-    ctx = multiprocessing.get_context("spawn")
-    errors = ctx.Queue()
-    proc = ctx.Process(target=_gpt_model_worker, args=(_free_port(), errors))
-    proc.start()
-    deadline = time.monotonic() + 240
-    try:
-        while proc.is_alive() and errors.empty() and time.monotonic() < deadline:
-            time.sleep(0.2)
-        if errors.empty() and not proc.is_alive():
-            pytest.fail(f"GPTModel process died with exit code {proc.exitcode}")
-        if errors.empty():
-            pytest.fail("GPTModel process did not finish in 240 s")
-        error = errors.get()
-        assert error is None, error
-    finally:
-        proc.join(timeout=10)
-        if proc.is_alive():
-            proc.kill()
-            proc.join()
+    run_spawned(_gpt_model_worker, _free_port(), timeout_s=240)
