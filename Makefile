@@ -23,8 +23,11 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -c "import vllm, fastapi, rollout_service"
 	touch $(STAMP)
 
+# The main job: a rollout batch with per-request acceptance, then the RL loop twice
+# (drafter synced every step vs never), with a plot of the macro accept rate.
 demo: venv
 	$(BIN)/rollout-service demo
+	$(BIN)/trainer-client demo --plot mtp-demo.png
 
 # The tests scrape the service with a real Prometheus server (Debian package).
 prometheus:

@@ -1,0 +1,109 @@
+"""The RL loop against the session's real service: generate, train, push, three steps.
+
+Runs the trainer (megatron-core on CPU, gloo) in the pytest process and the service
+from ``tests/conftest.py``. Each run pushes new weights; the ``restore`` fixture pushes
+the checkpoint back (with a newer version) so later tests see the original model.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from rollout_service import wire
+from rollout_service.launch import ServiceProcess
+from rollout_service.model import ensure_model
+from tests.conftest import API_KEY, WEIGHTS_TOKEN
+from trainer_client.batch import Rollout, pack_padded
+from trainer_client.loop import LoopConfig, StepLog, policy_gradient_loss, reward, run_loop
+from trainer_client.push import WeightPusher
+
+NUM_STEPS = 3
+
+
+def status(service: ServiceProcess) -> wire.WeightStatus:
+    response = httpx.get(f"{service.url}/weights/status", timeout=30,
+                         headers={"authorization": f"Bearer {WEIGHTS_TOKEN}"})
+    return wire.WeightStatus.model_validate(response.json())
+
+
+def served_version(service: ServiceProcess) -> int:
+    state = status(service)
+    return max((v for v in (state.main_version, state.draft_version) if v is not None),
+               default=0)
+
+
+def checksums(service: ServiceProcess) -> dict[str, str]:
+    response = httpx.get(f"{service.url}/weights/checksums", timeout=60,
+                         headers={"authorization": f"Bearer {WEIGHTS_TOKEN}"})
+    return response.json()
+
+
+@pytest.fixture
+def restore(service: ServiceProcess) -> Iterator[None]:
+    before = checksums(service)
+    yield
+    original = load_file(str(Path(ensure_model("tiny")) / "model.safetensors"))
+    with WeightPusher(service.url, WEIGHTS_TOKEN) as pusher:
+        pusher.push(original.items(), version=served_version(service) + 1, target="both")
+    assert checksums(service) == before
+
+
+def test_reward_is_the_answer_or_the_digit_share() -> None:
+    assert reward(" 19 and more", "19") == 1.0
+    assert reward("a1b2", "7") == 0.5
+    assert reward("", "7") == 0.0
+
+
+@pytest.mark.parametrize("sync_drafter", [True, False], ids=["synced", "main-only"])
+def test_loop_trains_and_pushes_every_step(service: ServiceProcess, restore: None,
+                                           sync_drafter: bool) -> None:
+    start = status(service)
+    first = served_version(service)
+    cfg = LoopConfig(service_url=service.url, checkpoint=Path(ensure_model("tiny")),
+                     weights_token=WEIGHTS_TOKEN, api_key=API_KEY, num_steps=NUM_STEPS,
+                     batch_size=4, max_tokens=16, lr=1e-3, sync_drafter=sync_drafter)
+    logged: list[StepLog] = []
+    history = run_loop(cfg, log=logged.append)
+
+    assert history == logged and [e.step for e in history] == list(range(NUM_STEPS))
+    for entry in history:
+        assert math.isfinite(entry.main_loss)
+        assert len(entry.mtp_losses) == 1 and all(math.isfinite(v) and v > 0
+                                                  for v in entry.mtp_losses)
+        assert 0.0 <= entry.mean_reward <= 1.0
+        assert entry.macro_accept_rate is not None and 0.0 <= entry.macro_accept_rate <= 1.0
+        assert entry.push_s > 0
+    assert [e.weight_version for e in history] == [first + i for i in range(1, NUM_STEPS + 1)]
+    end = status(service)
+    assert end.main_version == first + NUM_STEPS
+    if sync_drafter:
+        assert end.draft_version == first + NUM_STEPS
+    else:
+        assert end.draft_version == start.draft_version
+
+
+def test_loop_config_refuses_bad_values() -> None:
+    with pytest.raises(ValueError, match="batch_size"):
+        LoopConfig(service_url="http://x", checkpoint=Path("."), weights_token="t",
+                   batch_size=0)
+    with pytest.raises(ValueError, match="lr"):
+        LoopConfig(service_url="http://x", checkpoint=Path("."), weights_token="t", lr=0.0)
+
+
+def test_policy_gradient_pushes_logprob_up_for_positive_advantage() -> None:
+    batch = pack_padded([Rollout(prompt_ids=[1, 2], response_ids=[3, 4], reward=1.0),
+                         Rollout(prompt_ids=[1, 2], response_ids=[5, 6], reward=0.0)],
+                        tp=1, cp=1, pad_id=0)
+    ce = torch.ones(batch.input_ids.shape, requires_grad=True)
+    policy_gradient_loss(ce, batch).backward()
+    # ce = -logprob: descending the loss lowers ce (raises logprob) of the rewarded row.
+    assert (ce.grad[0][batch.loss_mask[0] > 0] > 0).all()
+    assert (ce.grad[1][batch.loss_mask[1] > 0] < 0).all()
+
