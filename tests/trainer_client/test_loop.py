@@ -107,3 +107,28 @@ def test_policy_gradient_pushes_logprob_up_for_positive_advantage() -> None:
     assert (ce.grad[0][batch.loss_mask[0] > 0] > 0).all()
     assert (ce.grad[1][batch.loss_mask[1] > 0] < 0).all()
 
+
+
+def _run_20(service: ServiceProcess, *, sync_drafter: bool) -> list[StepLog]:
+    cfg = LoopConfig(service_url=service.url, checkpoint=Path(ensure_model("tiny")),
+                     weights_token=WEIGHTS_TOKEN, api_key=API_KEY, num_steps=20,
+                     batch_size=16, max_tokens=32, lr=2e-3, sync_drafter=sync_drafter)
+    return run_loop(cfg, log=lambda _: None)
+
+
+def test_synced_drafter_stays_accepted_and_a_stale_one_does_not(
+        service: ServiceProcess, restore: None) -> None:
+    """The product's reason to exist, end to end on CPU: 20 RL steps from the same
+    start, pushing the drafter every step vs never. Both runs begin from the
+    checkpoint (the first run's weights are pushed back in between)."""
+    synced = _run_20(service, sync_drafter=True)
+    original = load_file(str(Path(ensure_model("tiny")) / "model.safetensors"))
+    with WeightPusher(service.url, WEIGHTS_TOKEN) as pusher:
+        pusher.push(original.items(), version=served_version(service) + 1, target="both")
+    stale = _run_20(service, sync_drafter=False)
+    assert synced[0].macro_accept_rate == pytest.approx(stale[0].macro_accept_rate, abs=0.05)
+    last_synced = sum(e.macro_accept_rate for e in synced[-5:]) / 5
+    last_stale = sum(e.macro_accept_rate for e in stale[-5:]) / 5
+    print(f"macro accept rate, mean of the last 5 of 20 steps: synced {last_synced:.3f}, "
+          f"never synced {last_stale:.3f}")
+    assert last_synced > last_stale + 0.2
