@@ -1,4 +1,4 @@
-"""``rollout-service`` command line: ``serve``, ``demo`` and ``make-model``.
+"""``rollout-service`` command line: ``serve``, ``demo``, ``look`` and ``make-model``.
 
 ``serve`` runs the service standalone under uvicorn in this process (the engine
 spawns its own worker process). ``demo`` starts ``serve`` as a child process and
@@ -53,6 +53,24 @@ def demo(
 
     run_demo(num_prompts=num_prompts, max_tokens=max_tokens, temperature=temperature,
              model=model)
+
+
+@app.command()
+def look(
+    prometheus: Annotated[str, typer.Option(help="Prometheus base URL.")] = "http://127.0.0.1:9090",
+    out: Annotated[Path, typer.Option(help="PNG to write.")] = Path("rollout-look.png"),
+    minutes: Annotated[float, typer.Option(help="How far back.")] = 15.0,
+    step: Annotated[float, typer.Option(help="Seconds between points.")] = 15.0,
+    window: Annotated[str, typer.Option(help="rate() window.")] = "1m",
+) -> None:
+    """Render the key panels (macro vs micro acceptance, weight versions) into a PNG."""
+    from rollout_service.look import render_look
+
+    try:
+        render_look(prometheus, out, minutes=minutes, step_s=step, window=window)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc)) from exc
+    typer.echo(out)
 
 
 @app.command("make-model")

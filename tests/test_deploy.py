@@ -414,3 +414,35 @@ async def test_push_moved_the_weight_series(mix: Mix, prometheus: str) -> None:
     (loaded,) = _split_top(_alerts()["RolloutAcceptRateDroppedAfterWeightPush"],
                            re.compile(r"\band\s+on\s*\x00+"))[1:]
     assert await _vector(prometheus, loaded, mix.at), "the push must count as loaded"
+
+
+def test_look_renders_the_key_panels_from_prometheus(service: ServiceProcess, prometheus: str,
+                                                     tmp_path: Path) -> None:
+    """`rollout-service look`: real Prometheus data into one PNG, every panel non-empty."""
+    from PIL import Image
+
+    from rollout_service.look import PANELS, render_look
+
+    from tests.conftest import API_KEY
+
+    deadline = time.monotonic() + 60  # a scrape before the traffic, so rate() sees it change
+    while not httpx.get(f"{prometheus}/api/v1/query",
+                        params={"query": "rollout_requests_total"}).json()["data"]["result"]:
+        assert time.monotonic() < deadline, "Prometheus never scraped the service"
+        time.sleep(0.5)
+    with httpx.Client(base_url=service.url, timeout=120,
+                      headers={"authorization": f"Bearer {API_KEY}"}) as http:
+        for i in range(4):  # traffic inside the rate window, whatever ran before
+            assert http.post("/generate", json={"prompt_token_ids": [7 + i, 3], "seed": i,
+                                                "max_tokens": 24}).status_code == 200
+    time.sleep(4)  # a few 1 s scrapes
+    out = tmp_path / "look.png"
+    data = render_look(prometheus, out, minutes=5, step_s=1, window="1m")
+    assert set(data) == {p.title for p in PANELS}
+    for title, series in data.items():
+        for name, points in series.items():
+            assert points, f"{title}: {name} has no data"
+    macro = data[PANELS[0].title]["macro"]
+    assert all(0.0 <= v <= 1.0 for _, v in macro)
+    with Image.open(out) as image:
+        assert image.format == "PNG" and image.height >= 3 * 450

@@ -168,71 +168,15 @@ def _print_comparison(console: Console, runs: dict[str, list[StepLog]]) -> None:
 
 
 def _save_plot(runs: dict[str, list[StepLog]], path: Path) -> Path:
-    """Macro accept rate per step, one line per run: matplotlib if installed, else PIL."""
-    series = {name: [(r.step, r.macro_accept_rate) for r in logs
-                     if r.macro_accept_rate is not None] for name, logs in runs.items()}
-    try:
-        import matplotlib
-    except ImportError:
-        return _save_plot_pil(series, path)
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    """Macro accept rate per step, one line per run."""
+    from rollout_service.plot import line_chart, save_stacked
 
-    fig, ax = plt.subplots(figsize=(7, 4))
-    for name, points in series.items():
-        ax.plot(*zip(*points), marker="o", label=f"drafter {name}")
-    ax.set_xlabel("step (rollout served with the previous step's weights)")
-    ax.set_ylabel("macro accept rate")
-    ax.grid(alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
-
-
-def _save_plot_pil(series: dict[str, list[tuple[int, float]]], path: Path) -> Path:
-    """The same line plot drawn with PIL (matplotlib is not a dependency)."""
-    from PIL import Image, ImageDraw
-
-    width, height, margin = 800, 450, 60
-    image = Image.new("RGB", (width, height), "white")
-    draw = ImageDraw.Draw(image)
-    points = [p for pts in series.values() for p in pts]
-    max_step = max((s for s, _ in points), default=1) or 1
-    low = min((v for _, v in points), default=0.0)
-    high = max((v for _, v in points), default=1.0)
-    low, high = max(0.0, low - 0.05), min(1.0, high + 0.05)
-    high = high if high > low else low + 0.1
-
-    def xy(step: int, value: float) -> tuple[float, float]:
-        return (margin + step / max_step * (width - 2 * margin),
-                height - margin - (value - low) / (high - low) * (height - 2 * margin))
-
-    draw.rectangle([margin, margin, width - margin, height - margin], outline="black")
-    for i in range(6):
-        value = low + (high - low) * i / 5
-        y = xy(0, value)[1]
-        draw.line([margin, y, width - margin, y], fill=(225, 225, 225))
-        draw.text((5, y - 6), f"{value:.2f}", fill="black")
-    for step in range(0, max_step + 1, max(1, max_step // 10)):
-        x = xy(step, low)[0]
-        draw.text((x - 4, height - margin + 6), str(step), fill="black")
-    draw.text((width // 2 - 120, height - 25), "step (rollout with previous weights)",
-              fill="black")
-    draw.text((margin, 20), "macro accept rate of the MTP drafter", fill="black")
-    colors = [(31, 119, 180), (214, 39, 40), (44, 160, 44)]
-    for i, (name, pts) in enumerate(series.items()):
-        color = colors[i % len(colors)]
-        coords = [xy(s, v) for s, v in pts]
-        if len(coords) > 1:
-            draw.line(coords, fill=color, width=3)
-        for x, y in coords:
-            draw.ellipse([x - 3, y - 3, x + 3, y + 3], fill=color)
-        draw.line([width - 230, 25 + 18 * i, width - 200, 25 + 18 * i], fill=color, width=3)
-        draw.text((width - 195, 18 + 18 * i), f"drafter {name}", fill="black")
-    image.save(path)
-    return path
+    series = {f"drafter {name}": [(r.step, r.macro_accept_rate) for r in logs
+                                  if r.macro_accept_rate is not None]
+              for name, logs in runs.items()}
+    chart = line_chart(series, title="macro accept rate of the MTP drafter",
+                       xlabel="step (rollout with previous weights)", y_range=(0.0, 1.05))
+    return save_stacked([chart], path)
 
 
 if __name__ == "__main__":
