@@ -11,6 +11,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from rollout_service.telemetry import BatchSummary, SpecDecodeStats
+from rollout_service.weights.shm import SEGMENT_NAME_PATTERN
 
 _STRICT = ConfigDict(extra="forbid")
 
@@ -200,7 +201,6 @@ class ErrorResponse(BaseModel):
 
 PushTarget = Literal["main", "draft", "both"]
 PauseMode = Literal["wait", "abort", "keep"]
-SEGMENT_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,200}$"
 
 
 class ParamSpec(BaseModel):

@@ -28,7 +28,9 @@ ALIGNMENT = 64
 """Byte alignment of every tensor in a segment: a cache line, and a multiple of
 every dtype's size, so tensors of different dtypes never sit misaligned."""
 _MADV_POPULATE_READ = 22  # Linux 5.14+; Python 3.11's mmap has no constant for it
-_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,200}$")
+SEGMENT_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,200}$"
+"""A plain file name under /dev/shm: no path separators, no leading dot."""
+_NAME = re.compile(SEGMENT_NAME_PATTERN)
 
 
 def align(offset: int) -> int:
