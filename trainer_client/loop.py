@@ -152,6 +152,7 @@ def run_loop(cfg: LoopConfig, *, log: Callable[[StepLog], None],
             losses = train_step(model, optimizer, batch, hf_config, cfg, policy_loss)
             version += 1
             report = push(pusher, model, hf_config, version=version, target=target)
+            assert report is not None  # this process holds the pusher
             entry = StepLog(step=step, main_loss=losses.policy, mtp_losses=losses.mtp,
                             mean_reward=float(batch.rewards.mean()), weight_version=version,
                             push_s=report.total_s,
@@ -260,9 +261,29 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: 
                   mtp=[logged[f"mtp_{k}_loss"] for k in range(1, mtp_cfg.num_layers + 1)])
 
 
-def push(pusher: WeightPusher, model: torch.nn.Module, hf_config: dict[str, Any], *,
-         version: int, target: wire.PushTarget) -> PushReport:
-    """The trained weights, under checkpoint names and dtype, into the service."""
-    from trainer_client.megatron.convert import export_hf_weights
+def push(pusher: WeightPusher | None, model: torch.nn.Module, hf_config: dict[str, Any], *,
+         version: int, target: wire.PushTarget,
+         tp_group: torch.distributed.ProcessGroup | None = None) -> PushReport | None:
+    """The trained weights, under checkpoint names and dtype, into the service.
 
-    return pusher.push(export_hf_weights(model, hf_config), version=version, target=target)
+    Every rank of ``tp_group`` calls: each tensor is one all-gather. The rank holding
+    the pusher (TP rank 0 by convention) sends; the others pass None and get None. The
+    names, shapes and dtype are announced before the gather streams, so no rank holds
+    the whole model twice. When the service refuses the push, or the pusher fails,
+    the rest of the export is still drained, so the other TP ranks never wait in an
+    all-gather that rank 0 left (the error is raised after).
+    """
+    from trainer_client.megatron.convert import export_dtype, export_hf_weights, hf_tensor_shapes
+
+    exported = export_hf_weights(model, hf_config, tp_group)
+    try:
+        if pusher is None:
+            return None
+        tp_size = 1 if tp_group is None else torch.distributed.get_world_size(tp_group)
+        dtype = str(export_dtype(model, hf_config)).removeprefix("torch.")
+        specs = [wire.ParamSpec(name=name, shape=list(shape), dtype=dtype)
+                 for name, shape in hf_tensor_shapes(model, hf_config, tp_size).items()]
+        return pusher.push(exported, version=version, target=target, specs=specs)
+    finally:
+        for _ in exported:
+            pass

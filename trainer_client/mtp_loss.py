@@ -1,10 +1,12 @@
 """Multi-Token Prediction (MTP) loss that trains the MTP layers and never the shared lm_head.
 
 Runs in the trainer process, inside the forward step, on the pipeline stage that holds
-the output layer. It talks to other ranks in two places only: :func:`roll_left` under
+the output layer. It talks to other ranks in three places only: :func:`roll_left` under
 context parallelism (boundary tokens go to the neighbouring CP rank, through
-megatron-core's ``roll_tensor``), and :func:`reduce_for_logging` (one all-reduce per
-group, called by every rank).
+megatron-core's ``roll_tensor``), the vocabulary-parallel cross-entropy under tensor
+parallelism (megatron-core's, three small all-reduces per depth over the TP group, and
+one all-reduce of the hidden states' gradient in backward), and
+:func:`reduce_for_logging` (one all-reduce per group, called by every rank).
 
 The formula (UPSTREAM.md, "MTP loss (Megatron-core)"). For depth ``k = 1 .. D``::
 
@@ -28,6 +30,15 @@ detached: the gradient reaches ``hidden_k`` (the MTP layers, and through them th
 but never the shared lm_head. verl evaluates the output layer the same way but drops its
 bias; here the bias is kept. ``MTPLossConfig.detach_embedding`` covers slime's second
 cut, the token embedding fed to the MTP layers (see :func:`mtp_embedding_input`).
+
+Tensor parallelism. With TP > 1 the output layer is split over the vocabulary: each
+rank holds ``output_weight[V / tp, h]`` and computes its slice of the logits; the
+cross-entropy is megatron-core's ``vocab_parallel_cross_entropy`` (every TP rank gets the
+same per-token loss), and the hidden states enter through
+``copy_to_tensor_model_parallel_region`` so that, as in Megatron's own output layer, their
+gradient is summed over the TP ranks' vocabulary slices. Without that sum each rank's
+MTP layers would get only its own slice's share of the gradient. Sequence parallelism
+is not handled: gather the MTP hidden states over the sequence first.
 
 Which Megatron path. ``GPTModel`` computes its own MTP loss whenever it gets ``labels``
 (inline in 0.16, through ``process_mtp_loss`` from 0.17 on; see
@@ -218,7 +229,8 @@ def mtp_depth_losses(hidden_per_depth: Sequence[torch.Tensor], labels: torch.Ten
                      output_bias: torch.Tensor | None, cfg: MTPLossConfig, *,
                      hidden_layout: Literal["sbh", "bsh"] = "sbh",
                      cp_group: dist.ProcessGroup | None = None,
-                     cu_seqlens: torch.Tensor | None = None) -> list[MTPDepthLoss]:
+                     cu_seqlens: torch.Tensor | None = None,
+                     tp_group: dist.ProcessGroup | None = None) -> list[MTPDepthLoss]:
     """Per-depth MTP losses, with the output layer's parameters kept out of the graph.
 
     Args:
@@ -226,19 +238,26 @@ def mtp_depth_losses(hidden_per_depth: Sequence[torch.Tensor], labels: torch.Ten
             its final norm), ``[s, b, h]`` (Megatron's layout) or ``[b, s, h]``.
         labels: ``[b, s]`` int64, next-token labels (position t predicts token t + 1).
         loss_mask: ``[b, s]``, aligned with ``labels``; 0 on prompt and padding targets.
-        output_weight: ``[V, h]``, the shared output layer's weight (full vocabulary).
-        output_bias: ``[V]`` or None; kept when given.
+        output_weight: ``[V, h]``, the shared output layer's weight; with ``tp_group``
+            of size > 1, this rank's vocabulary shard ``[V / tp, h]`` (what
+            ``mtp_forward`` returns).
+        output_bias: ``[V]`` (``[V / tp]`` under TP) or None; kept when given.
         cfg: Scaling and gradient options.
         hidden_layout: ``"sbh"`` or ``"bsh"``, the layout of ``hidden_per_depth``.
         cp_group: Context-parallel group when the tensors are this rank's zigzag shard
             (see :func:`roll_left`).
         cu_seqlens: Padded boundaries of a packed row (``b == 1``), see :func:`roll_left`.
+        tp_group: The tensor-parallel group when the output layer is vocabulary-parallel
+            (``parallel_state.get_tensor_model_parallel_group()``); every rank of it must
+            call. None, or a group of size 1: the full vocabulary is local.
 
     Returns:
         One :class:`MTPDepthLoss` per depth, depth 1 first.
 
     Raises:
         ValueError: a count or shape does not match (the message names the argument).
+        RuntimeError: ``tp_group`` has more than one rank and megatron-core's
+            vocabulary-parallel cross-entropy is not usable with it.
     """
     num_depths = cfg.num_layers
     if len(hidden_per_depth) != num_depths:
@@ -261,6 +280,8 @@ def mtp_depth_losses(hidden_per_depth: Sequence[torch.Tensor], labels: torch.Ten
             raise ValueError(f"hidden_per_depth[{k - 1}] has shape {tuple(hidden.shape)}, "
                              f"expected {expected} ({hidden_layout})")
 
+    is_vocab_parallel = tp_group is not None and dist.get_world_size(tp_group) > 1
+    cross_entropy = _vocab_parallel_ce(tp_group) if is_vocab_parallel else _local_ce
     weight, bias = output_weight, output_bias
     if not cfg.train_output_layer:
         weight = weight.detach()
@@ -273,11 +294,12 @@ def mtp_depth_losses(hidden_per_depth: Sequence[torch.Tensor], labels: torch.Ten
         rolled_labels = roll_left(rolled_labels, 1, -1, cp_group=cp_group, cu_seqlens=cu_seqlens)
         rolled_mask = roll_left(rolled_mask, 1, -1, cp_group=cp_group, cu_seqlens=cu_seqlens)
         hidden_bsh = hidden.transpose(0, 1) if hidden_layout == "sbh" else hidden
+        if is_vocab_parallel:
+            hidden_bsh = _copy_to_tp_region(hidden_bsh, tp_group)
         logits = F.linear(hidden_bsh, weight, bias)
         # Cross-entropy in at least float32 (bf16 logits lose the small differences).
         logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
-        per_token_ce = F.cross_entropy(logits.reshape(-1, vocab), rolled_labels.reshape(-1),
-                                       reduction="none").view(batch, seq)
+        per_token_ce = cross_entropy(logits, rolled_labels)
         mask = rolled_mask.to(logits.dtype)
         loss_sum = (mask * per_token_ce).sum()
         num_tokens = mask.sum()
@@ -289,6 +311,39 @@ def mtp_depth_losses(hidden_per_depth: Sequence[torch.Tensor], labels: torch.Ten
         losses.append(MTPDepthLoss(depth=k, loss_sum=loss_sum, num_tokens=num_tokens,
                                    scaled_loss=scaled))
     return losses
+
+
+def _local_ce(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Per-token cross-entropy ``[b, s]`` over a full local vocabulary."""
+    return F.cross_entropy(logits.flatten(0, -2), labels.reshape(-1),
+                           reduction="none").view(labels.shape)
+
+
+def _vocab_parallel_ce(tp_group: dist.ProcessGroup) -> Any:
+    """megatron-core's vocabulary-parallel cross-entropy bound to ``tp_group``.
+
+    0.19 takes the group as an argument; 0.16 always uses parallel_state's TP group,
+    so there the given group must be that one."""
+    try:
+        from megatron.core import parallel_state
+        from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
+    except ImportError as exc:
+        raise RuntimeError("mtp_depth_losses with a TP group of size > 1 needs megatron-core's "
+                           "vocab_parallel_cross_entropy (pip install megatron-core)") from exc
+    if "tp_group" in inspect.signature(vocab_parallel_cross_entropy).parameters:
+        return lambda logits, labels: vocab_parallel_cross_entropy(logits, labels,
+                                                                   tp_group=tp_group)
+    if tp_group is not parallel_state.get_tensor_model_parallel_group():
+        raise RuntimeError("tp_group: this megatron-core's vocab_parallel_cross_entropy always "
+                           "uses parallel_state's TP group; pass that group")
+    return vocab_parallel_cross_entropy
+
+
+def _copy_to_tp_region(hidden: torch.Tensor, tp_group: dist.ProcessGroup) -> torch.Tensor:
+    """Identity forward, gradient all-reduced over ``tp_group`` (Megatron's own mapping)."""
+    from megatron.core.tensor_parallel import copy_to_tensor_model_parallel_region
+
+    return copy_to_tensor_model_parallel_region(hidden, group=tp_group)
 
 
 def total_mtp_loss(losses: Sequence[MTPDepthLoss]) -> torch.Tensor:

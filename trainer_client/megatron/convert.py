@@ -234,6 +234,12 @@ def _checkpoint_dtype(hf_config: Mapping[str, Any]) -> torch.dtype | None:
     return dtype
 
 
+def export_dtype(model: torch.nn.Module, hf_config: Mapping[str, Any]) -> torch.dtype:
+    """The dtype :func:`export_hf_weights` yields by default: the config's ``torch_dtype``,
+    else the output layer's (the model's parameter dtype)."""
+    return _checkpoint_dtype(hf_config) or model.output_layer.weight.dtype
+
+
 def export_hf_weights(model: torch.nn.Module, hf_config: Mapping[str, Any],
                       tp_group: dist.ProcessGroup | None = None, *,
                       dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:

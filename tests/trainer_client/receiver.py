@@ -1,0 +1,110 @@
+"""A local weight receiver: the service's ``/weights/*`` protocol with no engine behind it.
+
+For trainer-side tests and timings that must not depend on an inference engine (the GPU
+machine has no vLLM): it speaks the same JSON messages (``rollout_service.wire``),
+attaches the trainer's shared-memory segment at ``finish`` and records a SHA-256 of
+every announced tensor's bytes, so a test can prove that what arrived is what the
+trainer exported. It loads nothing into any model and does none of the service's
+validation against a checkpoint: it is a receiver, not a fake of the service.
+
+Runs a stdlib HTTP server on a thread of the test process.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+import torch
+
+from rollout_service import wire
+from rollout_service.weights.shm import Segment
+
+
+def tensor_digest(tensor: torch.Tensor) -> str:
+    """SHA-256 of a tensor's bytes (any device, any dtype)."""
+    data = tensor.detach().contiguous().cpu().view(torch.uint8).numpy().tobytes()
+    return hashlib.sha256(data).hexdigest()
+
+
+class LocalReceiver:
+    """Accepts pushes at ``url``; ``digests`` holds the last finished push's tensors.
+
+    Args:
+        reject_begin_with: answer every ``begin`` with this HTTP status (to test how a
+            trainer survives a refused push), or None to accept.
+    """
+
+    def __init__(self, *, reject_begin_with: int | None = None) -> None:
+        self.reject_begin_with = reject_begin_with
+        self.digests: dict[str, str] = {}
+        self.versions: list[int] = []
+        self._begin: wire.PushBeginRequest | None = None
+        self._slots: list[wire.TensorSlot] = []
+        receiver = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self) -> None:  # noqa: N802 - http.server's naming
+                body = self.rfile.read(int(self.headers["content-length"]))
+                status, payload = receiver.handle(self.path, body)
+                data = json.dumps(payload).encode()
+                self.send_response(status)
+                self.send_header("content-type", "application/json")
+                self.send_header("content-length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+        self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
+        self._thread.start()
+        self.url = f"http://127.0.0.1:{self._server.server_address[1]}"
+
+    def close(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+
+    def __enter__(self) -> LocalReceiver:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def handle(self, path: str, body: bytes) -> tuple[int, dict]:
+        if path == "/weights/begin":
+            if self.reject_begin_with is not None:
+                return self.reject_begin_with, {"error": {"message": "refused by the test"}}
+            self._begin = wire.PushBeginRequest.model_validate_json(body)
+            self._slots = []
+            return 200, wire.PushBeginResponse(push_id="local", timeout_s=60.0).model_dump()
+        if path == "/weights/update":
+            self._slots += wire.PushUpdateRequest.model_validate_json(body).tensors
+            expected = 0 if self._begin is None else len(self._begin.params)
+            return 200, wire.PushUpdateResponse(num_received=len(self._slots),
+                                                num_expected=expected).model_dump()
+        if path == "/weights/finish" and self._begin is not None:
+            return 200, self._finish(self._begin).model_dump()
+        return 404, {"error": {"message": f"no push in progress for {path}"}}
+
+    def _finish(self, begin: wire.PushBeginRequest) -> wire.PushFinishResponse:
+        start = time.perf_counter()
+        with Segment.attach(begin.segment) as segment:
+            self.digests = {
+                slot.name: hashlib.sha256(
+                    segment.tensor(slot.offset, torch.uint8, (slot.nbytes,)).numpy().tobytes()
+                ).hexdigest()
+                for slot in self._slots}
+        self.versions.append(begin.version)
+        elapsed = time.perf_counter() - start
+        timings = wire.PushTimings(pause_s=0.0, load_main_s=elapsed, finalize_main_s=0.0,
+                                   load_draft_s=0.0, finalize_draft_s=0.0, resume_s=0.0,
+                                   total_s=elapsed)
+        self._begin = None
+        return wire.PushFinishResponse(version=begin.version, target=begin.target,
+                                       num_bytes=begin.total_bytes, timings=timings)
