@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import logging
 import secrets
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from collections.abc import AsyncIterator, Callable
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
+from dataclasses import dataclass
+from typing import Any
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -23,7 +25,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from rollout_service import wire
 from rollout_service.config import ServiceConfig
-from rollout_service.engines.base import EngineUnavailableError, InvalidRequestError
+from rollout_service.engines.base import Engine, EngineUnavailableError, InvalidRequestError
 from rollout_service.service import RolloutService
 from rollout_service.telemetry import SpecDecodeMetrics
 from rollout_service.weights.checkpoint import checkpoint_tensors
@@ -31,7 +33,6 @@ from rollout_service.weights.metrics import WeightMetrics
 from rollout_service.weights.session import PushError, WeightPushManager
 
 logger = logging.getLogger(__name__)
-
 
 
 class Unauthorized(Exception):
@@ -61,34 +62,68 @@ def _check_bearer(request: Request, token: str) -> None:
         raise Unauthorized()
 
 
-def create_app(config: ServiceConfig) -> FastAPI:
-    """Build the app; the engine starts inside the server's event loop (``lifespan``).
+@dataclass(frozen=True, kw_only=True, slots=True)
+class AppState:
+    """What the handlers call: a service (generate, health, checksums), the weight-push
+    protocol, and the registry ``/metrics`` adds to the process-wide one.
+
+    Standalone these are a :class:`RolloutService` and its :class:`WeightPushManager`;
+    behind Ray Serve (``serve.py``) they route to the engine replicas and the weights
+    coordinator, with the same methods.
+    """
+
+    service: Any
+    weights: Any
+    registry: CollectorRegistry
+
+
+def build_local_service(engine: Engine, config: ServiceConfig
+                        ) -> tuple[RolloutService, CollectorRegistry]:
+    """The service object around one engine, with its own metrics registry."""
+    info = engine.info
+    registry = CollectorRegistry()
+    metrics = SpecDecodeMetrics(registry=registry, model=info.model, engine=info.engine,
+                                num_speculative_tokens=info.num_speculative_tokens)
+    weights = WeightPushManager(
+        engine, checkpoint_tensors(info.model_path),
+        WeightMetrics(registry=registry, model=info.model, engine=info.engine),
+        timeout_s=config.push_timeout_s, has_draft=info.num_speculative_tokens > 0)
+    return RolloutService(engine, metrics, weights), registry
+
+
+@asynccontextmanager
+async def local_state(config: ServiceConfig) -> AsyncIterator[AppState]:
+    """One engine in this process (``rollout-service serve``)."""
+    from rollout_service.engines import create_engine
+
+    engine = await create_engine(config)
+    try:
+        service, registry = build_local_service(engine, config)
+        yield AppState(service=service, weights=service.weights, registry=registry)
+    finally:
+        await engine.shutdown()
+
+
+def create_app(config: ServiceConfig,
+               open_state: Callable[[], AbstractAsyncContextManager[AppState]] | None = None
+               ) -> FastAPI:
+    """Build the app; its state opens inside the server's event loop (``lifespan``).
 
     Args:
         config: the service configuration (tokens are resolved here, at startup).
+        open_state: what serves the handlers; default: one engine in this process.
     """
     api_key = config.resolved_api_key()
     weights_token = config.resolved_weights_token()
+    opener = open_state or (lambda: local_state(config))
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        from rollout_service.engines import create_engine
-
-        engine = await create_engine(config)
-        info = engine.info
-        registry = CollectorRegistry()
-        metrics = SpecDecodeMetrics(registry=registry, model=info.model, engine=info.engine,
-                                    num_speculative_tokens=info.num_speculative_tokens)
-        weights = WeightPushManager(
-            engine, checkpoint_tensors(info.model_path),
-            WeightMetrics(registry=registry, model=info.model, engine=info.engine),
-            timeout_s=config.push_timeout_s, has_draft=info.num_speculative_tokens > 0)
-        app.state.service = RolloutService(engine, metrics, weights)
-        app.state.registry = registry
-        try:
+        async with opener() as state:
+            app.state.service = state.service
+            app.state.weights = state.weights
+            app.state.registry = state.registry
             yield
-        finally:
-            await engine.shutdown()
 
     app = FastAPI(title="MTP rollout service", lifespan=lifespan)
 
@@ -106,7 +141,7 @@ def create_app(config: ServiceConfig) -> FastAPI:
         _check_bearer(request, weights_token)
 
     def weights(request: Request) -> WeightPushManager:
-        return request.app.state.service.weights
+        return request.app.state.weights
 
     @app.exception_handler(RequestValidationError)
     async def on_validation(_: Request, exc: RequestValidationError) -> JSONResponse:
@@ -181,11 +216,11 @@ def create_app(config: ServiceConfig) -> FastAPI:
 
     @app.get("/weights/status", dependencies=pushers)
     async def weights_status(mgr: WeightPushManager = Depends(weights)) -> wire.WeightStatus:
-        return mgr.status()
+        return await mgr.get_status()
 
     @app.get("/weights/checksums", dependencies=pushers)
-    async def weights_checksums(svc: RolloutService = Depends(service)) -> dict[str, str]:
-        return await svc.engine.weight_checksums()
+    async def weights_checksums(svc: RolloutService = Depends(service)) -> dict[str, Any]:
+        return await svc.weight_checksums()
 
     @app.get("/health")
     async def health(svc: RolloutService = Depends(service)) -> JSONResponse:

@@ -1,7 +1,8 @@
-"""``rollout-service`` command line: ``serve``, ``demo``, ``look`` and ``make-model``.
+"""``rollout-service`` command line: ``serve``, ``serve-ray``, ``demo``, ``look``, ``make-model``.
 
 ``serve`` runs the service standalone under uvicorn in this process (the engine
-spawns its own worker process). ``demo`` starts ``serve`` as a child process and
+spawns its own worker process); ``serve-ray`` deploys it on Ray Serve with N
+engine replicas (``serve.py``). ``demo`` starts ``serve`` as a child process and
 talks to it over HTTP, as a trainer would.
 """
 
@@ -39,6 +40,34 @@ def serve(
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from exc
     uvicorn.run(app_, host=cfg.host, port=cfg.port, log_level="info")
+
+
+@app.command("serve-ray")
+def serve_ray(
+    config: Annotated[Optional[Path], typer.Option(
+        help="Ray Serve config (YAML or JSON): the serve fields plus replicas, resources.")] = None,
+    host: Annotated[Optional[str], typer.Option(help="Bind address (overrides the config).")] = None,
+    port: Annotated[Optional[int], typer.Option(help="Port (overrides the config).")] = None,
+    model: Annotated[Optional[str], typer.Option(help="Checkpoint (overrides the config).")] = None,
+    replicas: Annotated[Optional[int], typer.Option(
+        help="Engine replicas (overrides num_replicas).")] = None,
+    address: Annotated[Optional[str], typer.Option(
+        help="Ray cluster address (e.g. 'auto'); default: start a local Ray.")] = None,
+    num_cpus: Annotated[Optional[int], typer.Option(
+        help="CPUs of the local Ray (default: all of this machine's).")] = None,
+) -> None:
+    """Serve the HTTP API on Ray Serve: N engine replicas, pushes reach every one."""
+    from rollout_service.serve_config import load_serve_config
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        cfg = load_serve_config(config, host=host, port=port, model=model, num_replicas=replicas)
+        cfg.resolved_weights_token()
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc)) from exc
+    from rollout_service.serve import run
+
+    run(cfg, address=address, num_cpus=num_cpus)
 
 
 @app.command()

@@ -126,19 +126,27 @@ def load_config(path: str | Path | None = None, **overrides: Any) -> ServiceConf
     Raises:
         ValueError: unreadable file or invalid fields (pydantic names each field).
     """
-    data: dict[str, Any] = {}
-    if path is not None:
-        text = Path(path).read_text()
-        if str(path).endswith((".yaml", ".yml")):
-            import yaml
-
-            data = yaml.safe_load(text) or {}
-        else:
-            data = json.loads(text)
-        if not isinstance(data, dict):
-            raise ValueError(f"{path}: the config must be a mapping of fields")
+    data = read_config_file(path) if path is not None else {}
     data.update({k: v for k, v in overrides.items() if v is not None})
     try:
         return ServiceConfig.model_validate(data)
     except ValidationError as exc:
         raise ValueError(f"invalid service config: {exc}") from exc
+
+
+def read_config_file(path: str | Path) -> dict[str, Any]:
+    """The mapping in a YAML (``.yaml``/``.yml``) or JSON config file.
+
+    Raises:
+        ValueError: the file does not hold a mapping.
+    """
+    text = Path(path).read_text()
+    if str(path).endswith((".yaml", ".yml")):
+        import yaml
+
+        data = yaml.safe_load(text) or {}
+    else:
+        data = json.loads(text)
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: the config must be a mapping of fields")
+    return data

@@ -30,15 +30,18 @@ class ServiceProcess:
         config: optional config file passed as ``--config``.
         model: optional ``--model`` override.
         env: extra environment variables for the child.
+        command: the CLI command, ``serve`` or ``serve-ray``.
+        extra_args: more arguments for it.
     """
 
     def __init__(self, log_path: Path, *, config: Path | None = None, model: str | None = None,
-                 env: dict[str, str] | None = None) -> None:
+                 env: dict[str, str] | None = None, command: str = "serve",
+                 extra_args: tuple[str, ...] = ()) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
-        self._args = [sys.executable, "-m", "rollout_service.cli", "serve",
-                      "--host", "127.0.0.1", "--port", str(self.port)]
+        self._args = [sys.executable, "-m", "rollout_service.cli", command,
+                      "--host", "127.0.0.1", "--port", str(self.port), *extra_args]
         if config is not None:
             self._args += ["--config", str(config)]
         if model is not None:
@@ -67,11 +70,24 @@ class ServiceProcess:
         self.stop()
 
     def stop(self, timeout_s: float = 30.0) -> None:
-        """SIGTERM the whole process group (engine workers too), then SIGKILL."""
+        """SIGTERM the whole process group (engine workers too), then SIGKILL.
+
+        ``serve-ray`` first gets SIGTERM alone, so it can shut Serve and Ray down
+        in order before anything left in its group is killed.
+        """
         if self._proc is None or self._proc.poll() is not None:
             return
         pgid = os.getpgid(self._proc.pid)
-        os.killpg(pgid, signal.SIGTERM)
+        if self._args[3] == "serve-ray":
+            self._proc.send_signal(signal.SIGTERM)
+            try:
+                self._proc.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                pass
+        try:
+            os.killpg(pgid, signal.SIGTERM)
+        except ProcessLookupError:
+            return
         try:
             self._proc.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:

@@ -100,6 +100,10 @@ class RolloutService:
                                    weights=self.weights.status(), detail=detail)
         return body, 200 if detail is None else 503
 
+    async def weight_checksums(self) -> dict[str, str]:
+        """SHA-256 of the main model's and the drafter's parameters."""
+        return await self.engine.weight_checksums()
+
     async def _sequence(self, prompt: str | list[int], sampling: SamplingOptions,
                         request_id: str) -> GenerationResult:
         if not self.weights.is_consistent:

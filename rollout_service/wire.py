@@ -105,6 +105,8 @@ class GenerateResponse(BaseModel):
     prompt_token_ids: list[int]
     outputs: list[SequenceOutput]
     acceptance: AcceptanceSummary
+    replica: str | None = Field(None, description=(
+        "Ray Serve: the replica that generated this response; None when standalone."))
 
 
 class BatchGenerateRequest(BaseModel):
@@ -122,14 +124,34 @@ class BatchGenerateResponse(BaseModel):
     acceptance: AcceptanceSummary
 
 
+ReplicaStatus = Literal["starting", "ok", "lagging", "unavailable", "gone"]
+
+
+class ReplicaHealth(BaseModel):
+    """One Ray Serve replica as the weights coordinator last saw it."""
+
+    replica: str
+    status: ReplicaStatus = Field(description=(
+        "'starting' (engine loading), 'ok', 'lagging' (serves an older weight version than "
+        "the deployment: refuses generation until the next push), 'unavailable' (engine dead; "
+        "Ray Serve replaces it), 'gone' (stopped polling the coordinator)."))
+    main_version: int | None
+    draft_version: int | None
+    detail: str | None = None
+    pid: int | None = None
+    metrics_address: str | None = Field(None, description="host:port of its /metrics.")
+
+
 class HealthResponse(BaseModel):
     """Service and engine state."""
 
-    status: Literal["ok", "unavailable"]
+    status: Literal["ok", "degraded", "unavailable"] = Field(description=(
+        "'degraded' (Ray Serve only): some replicas serve, others do not (see replicas)."))
     model: str
     engine: str
     weights: WeightStatus
     detail: str | None = None
+    replicas: list[ReplicaHealth] | None = Field(None, description="Ray Serve only.")
 
 
 # --- OpenAI-compatible completions (the subset the `openai` client uses) ---------
@@ -292,7 +314,8 @@ class PushFinishResponse(BaseModel):
     version: int
     target: PushTarget
     num_bytes: int
-    timings: PushTimings
+    timings: PushTimings = Field(description="Ray Serve: the slowest replica's.")
+    replicas: list[str] | None = Field(None, description="Ray Serve: the replicas that loaded it.")
 
 
 class LastPush(BaseModel):

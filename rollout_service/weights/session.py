@@ -38,9 +38,15 @@ class PushError(Exception):
         super().__init__(message)
         self.status = status
 
+    def __reduce__(self) -> tuple[type[PushError], tuple[int, str]]:
+        # Crosses Ray (coordinator -> ingress) intact, status included.
+        return (PushError, (self.status, str(self)))
+
 
 @dataclass(kw_only=True, slots=True)
-class _ActivePush:
+class ActivePush:
+    """A push between ``begin`` and its end (also held by the Ray Serve weights coordinator)."""
+
     push_id: str
     request: wire.PushBeginRequest
     expected: dict[str, TensorMeta]
@@ -94,7 +100,7 @@ def validate_announcement(req: wire.PushBeginRequest, checkpoint: dict[str, Tens
     return announced
 
 
-def validate_slot(push: _ActivePush, slot: wire.TensorSlot) -> None:
+def validate_slot(push: ActivePush, slot: wire.TensorSlot) -> None:
     """Check one bucket entry against the announcement and the segment.
 
     Raises:
@@ -145,7 +151,7 @@ class WeightPushManager:
         self._timeout_s = timeout_s
         self._has_draft = has_draft
         self._lock = asyncio.Lock()
-        self._active: _ActivePush | None = None
+        self._active: ActivePush | None = None
         self._watchdog: asyncio.Task[None] | None = None
         self.main_version: int | None = None
         self.draft_version: int | None = None
@@ -158,6 +164,10 @@ class WeightPushManager:
             active_push_id=self._active.push_id if self._active else None,
             consistent=self.is_consistent, last_push=self.last_push)
 
+    async def get_status(self) -> wire.WeightStatus:
+        """:meth:`status` for the HTTP handler (the Ray Serve ingress's is a remote call)."""
+        return self.status()
+
     async def begin(self, req: wire.PushBeginRequest) -> wire.PushBeginResponse:
         async with self._lock:
             if self._active is not None:
@@ -169,7 +179,7 @@ class WeightPushManager:
             except PushError as exc:
                 self._record(req, "rejected", str(exc))
                 raise
-            self._active = _ActivePush(push_id=uuid.uuid4().hex, request=req, expected=expected)
+            self._active = ActivePush(push_id=uuid.uuid4().hex, request=req, expected=expected)
             self._watchdog = asyncio.create_task(self._expire(self._active))
             return wire.PushBeginResponse(push_id=self._active.push_id, timeout_s=self._timeout_s)
 
@@ -187,7 +197,7 @@ class WeightPushManager:
         current = {"main": self.main_version, "draft": self.draft_version}
         return [(role, current[role]) for role in roles]
 
-    def _get(self, push_id: str) -> _ActivePush:
+    def _get(self, push_id: str) -> ActivePush:
         push = self._active
         if push is None or push.push_id != push_id:
             raise PushError(404, f"push_id: {push_id!r} is not the active push "
@@ -250,7 +260,7 @@ class WeightPushManager:
                                            target=push.request.target,
                                            num_bytes=push.request.total_bytes, timings=timings)
 
-    async def _load(self, push: _ActivePush) -> wire.PushTimings:
+    async def _load(self, push: ActivePush) -> wire.PushTimings:
         req = push.request
         update = WeightUpdate(segment=req.segment, tensors=tuple(
             (name, meta.dtype, meta.shape, push.slots[name].offset)
@@ -285,7 +295,7 @@ class WeightPushManager:
         if outcome != "loaded":
             logger.warning("weight push %s (version %d): %s", outcome, req.version, detail)
 
-    def _end(self, push: _ActivePush, outcome: str, detail: str) -> None:
+    def _end(self, push: ActivePush, outcome: str, detail: str) -> None:
         self._record(push.request, outcome, detail)
         if self._active is push:
             self._active = None
@@ -293,7 +303,7 @@ class WeightPushManager:
             self._watchdog.cancel()
         self._watchdog = None
 
-    async def _expire(self, push: _ActivePush) -> None:
+    async def _expire(self, push: ActivePush) -> None:
         """Abort ``push`` once it has gone ``timeout_s`` without a call."""
         while True:
             remaining = push.last_call_s + self._timeout_s - time.monotonic()

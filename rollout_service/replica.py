@@ -1,0 +1,236 @@
+"""One engine replica of the Ray Serve app: an engine, its weights, its own /metrics.
+
+Runs inside a Ray Serve replica actor (``serve.py`` makes this class a deployment;
+Ray Serve starts N of them). The ingress calls :meth:`EngineReplica.generate`
+and friends through a deployment handle. Weight pushes do not come that way:
+the replica registers with the weights coordinator and long-polls it for
+commands (``coordinator.py``), so one push reaches every replica.
+
+Life of a replica:
+
+1. ``__init__`` announces itself, starts the engine, serves its metrics on a
+   free port, registers, and replays the deployment's last push from the
+   trainer's segment if it is behind, all before the constructor returns, so
+   Ray Serve never routes a request to it while it holds older weights. If
+   the segment is gone, it still starts but reports ``lagging`` and refuses
+   generation (the ingress retries elsewhere) until the next push.
+2. A ``load`` command closes the admission gate (new requests wait), loads
+   through the same :class:`~rollout_service.weights.session.WeightPushManager`
+   as the standalone service, acknowledges, and keeps the gate closed until
+   the coordinator's ``commit``: every replica has loaded by then.
+3. ``check_health`` raises once the engine is dead or a load tore the weights;
+   Ray Serve then replaces the replica, and the new one replays (step 1).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from typing import Any
+
+from prometheus_client import REGISTRY, CollectorRegistry, start_http_server
+
+from rollout_service import wire
+from rollout_service.coordinator import Command, CommandResult, ReplicaReport, StoredPush
+from rollout_service.engines.base import EngineUnavailableError
+from rollout_service.serve_config import RayServeConfig
+from rollout_service.weights.session import PushError
+
+logger = logging.getLogger(__name__)
+
+
+class _Both:
+    """A collector yielding the process-wide registry (vLLM's series) and the replica's."""
+
+    def __init__(self, *registries: CollectorRegistry) -> None:
+        self._registries = registries
+
+    def collect(self) -> Any:
+        for registry in self._registries:
+            yield from registry.collect()
+
+
+def serve_metrics(registry: CollectorRegistry, host: str) -> str:
+    """Serve ``/metrics`` on a free port of ``host``; returns the ``host:port`` to scrape."""
+    import ray
+
+    combined = CollectorRegistry(auto_describe=False)
+    combined.register(_Both(REGISTRY, registry))  # type: ignore[arg-type]
+    server, _ = start_http_server(0, addr=host, registry=combined)
+    advertised = ray.util.get_node_ip_address() if host in ("0.0.0.0", "::", "") else host
+    return f"{advertised}:{server.server_port}"
+
+
+class EngineReplica:
+    """Owns one engine; generation calls come from the ingress, pushes from the coordinator.
+
+    Args:
+        config: the app's configuration.
+        coordinator: a deployment handle to the weights coordinator.
+    """
+
+    async def __init__(self, config: RayServeConfig, coordinator: Any) -> None:
+        from ray import serve
+
+        from rollout_service.api import build_local_service
+        from rollout_service.engines import create_engine
+
+        self._id = serve.get_replica_context().replica_id.unique_id
+        self._coordinator = coordinator
+        self._hold_s = config.push_ack_timeout_s
+        self._open = asyncio.Event()
+        self._open.set()
+        self._commands = asyncio.Lock()
+        self._expected: tuple[int | None, int | None] = (None, None)
+        self._stale: str | None = None
+        self._reopen: asyncio.Task[None] | None = None
+        self._is_ready = False
+        self._metrics_address: str | None = None
+        self._engine: Any = None
+        await coordinator.announce.remote(self._id, await self._report())
+        self._engine = await create_engine(config)
+        self._service, registry = build_local_service(self._engine, config)
+        self._weights = self._service.weights
+        self._metrics_address = serve_metrics(registry, config.metrics_host)
+        snapshot = await coordinator.register.remote(self._id, await self._report())
+        self._expected = (snapshot.main_version, snapshot.draft_version)
+        self._poller = asyncio.create_task(self._poll_forever())
+        async with self._commands:
+            try:
+                if snapshot.last_push is not None and self._lag() is not None:
+                    await self._replay(snapshot.last_push)
+            finally:
+                await coordinator.replayed.remote(self._id)
+        self._is_ready = True
+        logger.info("replica %s ready (weights %s)", self._id, self._versions())
+
+    # ---- generation (called by the ingress through the handle) --------------------
+
+    async def generate(self, req: wire.GenerateRequest) -> wire.GenerateResponse:
+        await self._admit()
+        response = await self._service.generate(req)
+        return response.model_copy(update={"replica": self._id})
+
+    async def complete(self, req: wire.CompletionRequest) -> wire.CompletionResponse:
+        await self._admit()
+        return await self._service.complete(req)
+
+    async def check_health(self) -> None:
+        """Ray Serve's health check: a dead engine or torn weights fail the replica."""
+        await self._engine.health()
+        if not self._weights.is_consistent:
+            raise EngineUnavailableError(f"replica {self._id}: a weight load failed midway")
+
+    async def _admit(self) -> None:
+        if not self._open.is_set():
+            try:
+                await asyncio.wait_for(self._open.wait(), self._hold_s)
+            except TimeoutError:
+                pass
+        reason = self._lag()
+        if reason is not None:
+            raise EngineUnavailableError(f"replica {self._id}: {reason}")
+
+    def _versions(self) -> tuple[int | None, int | None]:
+        return (self._weights.main_version, self._weights.draft_version)
+
+    def _lag(self) -> str | None:
+        """Why this replica must not generate now, or None."""
+        if self._stale is not None:
+            return self._stale
+        if self._versions() != self._expected:
+            return (f"serves weight versions (main, draft) {self._versions()}, the deployment "
+                    f"serves {self._expected}; it refuses generation until the next push")
+        return None
+
+    # ---- the coordinator's commands ---------------------------------------------
+
+    async def _report(self) -> ReplicaReport:
+        status: wire.ReplicaStatus = "starting"
+        detail = None
+        if self._engine is not None:
+            try:
+                await self.check_health()
+                detail = self._lag()
+                status = ("lagging" if detail else "ok") if self._is_ready else "starting"
+            except EngineUnavailableError as exc:
+                status, detail = "unavailable", str(exc)
+        main, draft = self._versions() if self._engine is not None else (None, None)
+        return ReplicaReport(status=status, main_version=main, draft_version=draft,
+                             detail=detail, pid=os.getpid(),
+                             metrics_address=self._metrics_address)
+
+    async def _poll_forever(self) -> None:
+        while True:
+            try:
+                commands = await self._coordinator.poll.remote(self._id, await self._report())
+            except Exception:  # the coordinator restarting: keep trying
+                logger.exception("replica %s: polling the weights coordinator failed", self._id)
+                await asyncio.sleep(1.0)
+                continue
+            for command in commands:
+                if command.kind == "commit":
+                    self._commit(command)
+                else:
+                    asyncio.create_task(self._run(command))
+
+    async def _run(self, command: Command) -> None:
+        async with self._commands:
+            if command.kind == "load":
+                assert command.push is not None
+                self._open.clear()
+                result = await self._load(command.push)
+                if self._reopen is not None:
+                    self._reopen.cancel()
+                self._reopen = asyncio.create_task(self._reopen_later())
+            else:
+                try:
+                    result = CommandResult(ok=True, checksums=await self._service.weight_checksums())
+                except Exception as exc:
+                    result = CommandResult(ok=False, status=500, message=repr(exc))
+        await self._coordinator.ack.remote(self._id, command.id, result)
+
+    async def _load(self, push: StoredPush) -> CommandResult:
+        try:
+            finish = await self._apply(push)
+        except PushError as exc:
+            return CommandResult(ok=False, status=exc.status, message=str(exc))
+        except Exception as exc:
+            logger.exception("replica %s: load failed", self._id)
+            return CommandResult(ok=False, status=500, message=repr(exc))
+        self._stale = None
+        return CommandResult(ok=True, finish=finish)
+
+    async def _apply(self, push: StoredPush) -> wire.PushFinishResponse:
+        begun = await self._weights.begin(push.begin)
+        await self._weights.update(wire.PushUpdateRequest(push_id=begun.push_id,
+                                                          tensors=push.slots))
+        return await self._weights.finish(wire.PushFinishRequest(push_id=begun.push_id))
+
+    async def _replay(self, push: StoredPush) -> None:
+        try:
+            await self._apply(push)
+        except Exception as exc:
+            self._stale = (f"could not replay weight version {push.begin.version} from the "
+                           f"trainer's segment ({exc}); it refuses generation until the next "
+                           "push")
+            logger.warning("replica %s: %s", self._id, self._stale)
+
+    def _commit(self, command: Command) -> None:
+        self._expected = (command.main_version, command.draft_version)
+        if self._reopen is not None:
+            self._reopen.cancel()
+            self._reopen = None
+        self._open.set()
+
+    async def _reopen_later(self) -> None:
+        """Never hold requests forever: without a commit (coordinator lost), reopen."""
+        await asyncio.sleep(self._hold_s)
+        logger.warning("replica %s: no commit from the coordinator within %g s; admitting "
+                       "requests again", self._id, self._hold_s)
+        self._open.set()
+
+    async def __del__(self) -> None:
+        if self._engine is not None:
+            await self._engine.shutdown()
