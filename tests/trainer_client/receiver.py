@@ -2,9 +2,9 @@
 
 For trainer-side tests and timings that must not depend on an inference engine (the GPU
 machine has no vLLM): it speaks the same JSON messages (``rollout_service.wire``),
-attaches the trainer's shared-memory segment at ``finish`` and records a SHA-256 of
-every announced tensor's bytes, so a test can prove that what arrived is what the
-trainer exported. It loads nothing into any model and does none of the service's
+remembers where every announced tensor lies in the trainer's shared-memory segment, and
+:meth:`LocalReceiver.digests` hashes those bytes afterwards (outside any timed push), so
+a test can prove that what arrived is what the trainer exported. It loads nothing into any model and does none of the service's
 validation against a checkpoint: it is a receiver, not a fake of the service.
 
 Runs a stdlib HTTP server on a thread of the test process.
@@ -15,7 +15,6 @@ from __future__ import annotations
 import hashlib
 import json
 import threading
-import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
@@ -32,7 +31,7 @@ def tensor_digest(tensor: torch.Tensor) -> str:
 
 
 class LocalReceiver:
-    """Accepts pushes at ``url``; ``digests`` holds the last finished push's tensors.
+    """Accepts pushes at ``url``; :meth:`digests` reads back the last finished push.
 
     Args:
         reject_begin_with: answer every ``begin`` with this HTTP status (to test how a
@@ -41,8 +40,8 @@ class LocalReceiver:
 
     def __init__(self, *, reject_begin_with: int | None = None) -> None:
         self.reject_begin_with = reject_begin_with
-        self.digests: dict[str, str] = {}
         self.versions: list[int] = []
+        self._finished: tuple[str, list[wire.TensorSlot]] | None = None
         self._begin: wire.PushBeginRequest | None = None
         self._slots: list[wire.TensorSlot] = []
         receiver = self
@@ -93,18 +92,23 @@ class LocalReceiver:
         return 404, {"error": {"message": f"no push in progress for {path}"}}
 
     def _finish(self, begin: wire.PushBeginRequest) -> wire.PushFinishResponse:
-        start = time.perf_counter()
-        with Segment.attach(begin.segment) as segment:
-            self.digests = {
-                slot.name: hashlib.sha256(
-                    segment.tensor(slot.offset, torch.uint8, (slot.nbytes,)).numpy().tobytes()
-                ).hexdigest()
-                for slot in self._slots}
+        self._finished = (begin.segment, self._slots)
         self.versions.append(begin.version)
-        elapsed = time.perf_counter() - start
-        timings = wire.PushTimings(pause_s=0.0, load_main_s=elapsed, finalize_main_s=0.0,
+        timings = wire.PushTimings(pause_s=0.0, load_main_s=0.0, finalize_main_s=0.0,
                                    load_draft_s=0.0, finalize_draft_s=0.0, resume_s=0.0,
-                                   total_s=elapsed)
+                                   total_s=0.0)
         self._begin = None
         return wire.PushFinishResponse(version=begin.version, target=begin.target,
                                        num_bytes=begin.total_bytes, timings=timings)
+
+    def digests(self) -> dict[str, str]:
+        """SHA-256 per tensor of the last finished push, read from the trainer's segment
+        (call it before the pusher is closed or pushes again)."""
+        if self._finished is None:
+            raise RuntimeError("no push finished")
+        segment_name, slots = self._finished
+        with Segment.attach(segment_name) as segment:
+            return {slot.name: hashlib.sha256(
+                        segment.tensor(slot.offset, torch.uint8, (slot.nbytes,)).numpy().tobytes()
+                    ).hexdigest()
+                    for slot in slots}
