@@ -11,6 +11,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 from types import TracebackType
 
@@ -88,8 +89,27 @@ class ServiceProcess:
             os.killpg(pgid, signal.SIGTERM)
         except ProcessLookupError:
             return
-        try:
-            self._proc.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline and _group_alive(pgid):
+            if self._proc.poll() is None:
+                try:
+                    self._proc.wait(timeout=0.2)
+                except subprocess.TimeoutExpired:
+                    pass
+            else:  # the leader is gone; what it left behind may linger (Ray's agents)
+                time.sleep(0.2)
+        if _group_alive(pgid):
             os.killpg(pgid, signal.SIGKILL)
-            self._proc.wait()
+        self._proc.wait()
+
+
+def _group_alive(pgid: int) -> bool:
+    """Whether a live (non-zombie) process is left in group ``pgid`` (Linux /proc)."""
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[2]) == pgid and fields[0] != "Z":
+            return True
+    return False

@@ -12,6 +12,7 @@ import shutil
 import subprocess
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
@@ -74,16 +75,23 @@ def prometheus(service: ServiceProcess, tmp_path_factory: pytest.TempPathFactory
     `make test` installs the Debian package; without it this fails, not skips:
     the telemetry claims are only proven against a real Prometheus.
     """
+    target = service.url.removeprefix("http://")
+    scrape = ("  - job_name: rollout\n    static_configs:\n"
+              f"      - targets: ['{target}']\n")
+    with run_prometheus(tmp_path_factory.mktemp("prometheus"), scrape) as url:
+        yield url
+
+
+@contextmanager
+def run_prometheus(workdir: Path, scrape_configs: str) -> Iterator[str]:
+    """Run Prometheus (1 s scrapes) with these ``scrape_configs`` entries; yields its URL."""
     binary = shutil.which("prometheus")
     if binary is None:
         pytest.fail("the prometheus binary is missing: run the tests with `make test`, "
                     "which installs it (Debian package 'prometheus')")
-    workdir = tmp_path_factory.mktemp("prometheus")
-    target = service.url.removeprefix("http://")
     (workdir / "prometheus.yml").write_text(
         "global:\n  scrape_interval: 1s\n  evaluation_interval: 1s\n"
-        "scrape_configs:\n  - job_name: rollout\n    static_configs:\n"
-        f"      - targets: ['{target}']\n")
+        f"scrape_configs:\n{scrape_configs}")
     port = free_port()
     log = (workdir / "prometheus.log").open("wb")
     proc = subprocess.Popen(
