@@ -18,12 +18,19 @@ import torch
 from safetensors.torch import load_file
 
 from rollout_service import wire
-from rollout_service.client import RolloutClient
+from rollout_service.client import RolloutClient, ServiceError
 from rollout_service.launch import ServiceProcess
 from rollout_service.model import ensure_model
 from rollout_service.weights.shm import Segment
 from tests.conftest import PUSH_TIMEOUT_S, WEIGHTS_TOKEN
-from trainer_client.push import PushRejected, WeightPusher, layout, param_spec, spec_nbytes
+from trainer_client.push import (
+    PushRejected,
+    WeightPusher,
+    copy_into,
+    layout,
+    param_spec,
+    spec_nbytes,
+)
 
 PROBE_PROMPTS = [[5 + i, 17, 42, 9] for i in range(6)]
 DRAFT_PARAM = "model.mtp_layers.0.input_proj.weight"
@@ -323,3 +330,51 @@ async def test_keep_mode_freezes_requests_and_spans_show_the_switch(
     assert switched, f"no request crossed the push: {spans}"
     for old, new in switched:
         assert new.version == str(version) and old.end == new.start
+
+
+async def test_engine_failure_mid_load_refuses_generation_until_a_full_push(
+        service: ServiceProcess, client: RolloutClient, pusher: WeightPusher,
+        original: dict[str, torch.Tensor], restore: None) -> None:
+    """The failure no validation can catch: the engine fails after it began loading.
+
+    The announcement and the bucket are valid; the segment then vanishes before
+    ``finish`` (a trainer killed between its last update and finish, its segment
+    removed by the OS), so the main model's load fails inside vLLM after the reload
+    session has started. The service must not serve that model: 500 for the push,
+    503 for generation and health, versions unchanged, until a complete push."""
+    state = status(service)
+    specs = [param_spec(name, t) for name, t in original.items()]
+    sizes = [spec_nbytes(spec) for spec in specs]
+    offsets, nbytes = layout(sizes)
+    segment = Segment.create("mtp-rollout-test-vanishing", nbytes)
+    for (name, tensor), offset, size in zip(original.items(), offsets, sizes, strict=True):
+        copy_into(segment, offset, tensor, size)
+    with http(service) as c:
+        begin = c.post("/weights/begin",
+                       json=_begin_body(original, segment.name, next_version(service)))
+        assert begin.status_code == 200, begin.text
+        push_id = begin.json()["push_id"]
+        slots = [{"name": name, "offset": offset, "nbytes": size}
+                 for name, offset, size in zip(original, offsets, sizes, strict=True)]
+        update = c.post("/weights/update", json={"push_id": push_id, "tensors": slots})
+        assert update.status_code == 200, update.text
+        segment.close()  # unlinks it: everything was validated, the load cannot succeed
+        finish = c.post("/weights/finish", json={"push_id": push_id})
+        health = httpx.get(f"{service.url}/health", timeout=30)
+    assert finish.status_code == 500, finish.text
+    assert "generation is refused" in finish.json()["error"]["message"]
+    assert health.status_code == 503 and not health.json()["weights"]["consistent"]
+    after = status(service)
+    assert (after.main_version, after.draft_version) == (state.main_version, state.draft_version)
+    assert after.last_push.outcome == "failed"
+    with pytest.raises(ServiceError) as refused:
+        await client.generate(wire.GenerateRequest(prompt_token_ids=[5, 17], max_tokens=4))
+    assert refused.value.status == 503
+
+    version = next_version(service)
+    pusher.push(original.items(), version=version)  # a complete push heals it
+    response = await client.generate(wire.GenerateRequest(prompt_token_ids=[5, 17],
+                                                           max_tokens=4))
+    assert response.outputs[0].weight_versions[-1].version == str(version)
+    health = httpx.get(f"{service.url}/health", timeout=30)
+    assert health.status_code == 200 and health.json()["weights"]["consistent"]
