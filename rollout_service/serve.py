@@ -192,7 +192,12 @@ class CoordinatorReplica(WeightsCoordinator):
 
 
 def build_app(config: RayServeConfig) -> serve.Application:
-    """Bind the three deployments; the ingress is the app's entry point."""
+    """Bind the three deployments; the ingress is the app's entry point.
+
+    Resolves the model here first, so an embedded checkpoint is built once on
+    this node rather than by every replica at the same time.
+    """
+    config.resolve_model()
     coordinator = serve.deployment(
         CoordinatorReplica, name="WeightsCoordinator", num_replicas=1,
         max_ongoing_requests=_MANY, ray_actor_options={"num_cpus": 0},
