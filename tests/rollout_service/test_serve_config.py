@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-
 import pytest
 
 from rollout_service.serve_config import load_serve_config, parse_serve_config
