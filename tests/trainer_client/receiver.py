@@ -47,7 +47,7 @@ class LocalReceiver:
         receiver = self
 
         class Handler(BaseHTTPRequestHandler):
-            def do_POST(self) -> None:  # noqa: N802 - http.server's naming
+            def do_POST(self) -> None:
                 body = self.rfile.read(int(self.headers["content-length"]))
                 status, payload = receiver.handle(self.path, body)
                 data = json.dumps(payload).encode()

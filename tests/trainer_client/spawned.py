@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import multiprocessing
 import queue
+import socket
 import time
 import traceback
 from collections.abc import Callable
@@ -83,3 +84,10 @@ def _report(target: Callable[..., Any], rank: int, args: tuple, results: Any) ->
         results.put((rank, f"{exc!r}\n{traceback.format_exc()}", None))
         return
     results.put((rank, None, value))
+
+
+def free_address() -> str:
+    """A ``tcp://127.0.0.1:port`` rendezvous address on a free port."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return f"tcp://127.0.0.1:{sock.getsockname()[1]}"

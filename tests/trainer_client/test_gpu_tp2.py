@@ -12,12 +12,10 @@ The figures are printed.
 
 from __future__ import annotations
 
-import socket
-
 import pytest
 import torch
 
-from tests.trainer_client.spawned import run_ranks
+from tests.trainer_client.spawned import free_address, run_ranks
 from tests.trainer_client.test_mtp_forward import tiny_config
 from tests.trainer_client.tp_checks import check_tp2_matches_tp1, check_train_step_and_push
 
@@ -29,15 +27,9 @@ pytestmark = [pytest.mark.gpu,
 TOLERANCES = {"bfloat16": {"loss": 1e-2, "grad": 5e-2}, "float32": {"loss": 1e-5, "grad": 1e-4}}
 
 
-def _free_address() -> str:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return f"tcp://127.0.0.1:{sock.getsockname()[1]}"
-
-
 @pytest.mark.parametrize("params_dtype", ["bfloat16", "float32"])
 def test_tp2_matches_tp1_on_two_gpus(params_dtype: str) -> None:
-    result = run_ranks(check_tp2_matches_tp1, 2, [_free_address(), _free_address()], "cuda",
+    result = run_ranks(check_tp2_matches_tp1, 2, [free_address(), free_address()], "cuda",
                        params_dtype, tiny_config(num_depths=2), timeout_s=300)[0]
     print(f"\n{params_dtype}: losses TP1 {[round(x, 5) for x in result['losses_tp1']]} "
           f"TP2 {[round(x, 5) for x in result['losses_tp2']]}; relative errors "
@@ -54,7 +46,7 @@ def test_tp2_matches_tp1_on_two_gpus(params_dtype: str) -> None:
 def test_tp2_training_step_and_push_timed_on_two_gpus() -> None:
     from rollout_service.model.tiny_mimo import hf_config, model_size
 
-    result = run_ranks(check_train_step_and_push, 2, _free_address(), "cuda", "bfloat16",
+    result = run_ranks(check_train_step_and_push, 2, free_address(), "cuda", "bfloat16",
                        hf_config(model_size("small")), 3, timeout_s=400)[0]
     mb = result["num_bytes"] / 1e6
     print(f"\nsmall model, TP 2, bf16: first training step (with CUDA warm-up) {result['train_step_s'] * 1e3:.0f} ms; "

@@ -16,10 +16,6 @@ from __future__ import annotations
 
 import json
 import math
-import multiprocessing
-import queue
-import socket
-import time
 import warnings
 from pathlib import Path
 
@@ -30,6 +26,7 @@ from safetensors.torch import load_file
 
 from rollout_service.model import ensure_model
 from rollout_service.model.tiny_mimo import TINY, checkpoint_shapes
+from tests.trainer_client.spawned import free_address, run_ranks
 from trainer_client.megatron.convert import hf_to_megatron, megatron_to_hf
 
 Checkpoint = tuple[dict[str, torch.Tensor], dict]
@@ -302,49 +299,15 @@ def _check_megatron_model(tp_size: int, rank: int, init_method: str) -> None:
             assert torch.equal(tensor, hf_state[name]), name
 
 
-def _worker(rank: int, addresses: list[str], results: multiprocessing.Queue) -> None:
-    try:
-        warnings.filterwarnings("ignore")
-        torch.set_num_threads(1)
-        _check_megatron_model(2, rank, addresses[0])
-        if rank == 0:
-            _check_megatron_model(1, 0, addresses[1])
-    except BaseException as exc:  # noqa: BLE001 - reported to the parent with its traceback
-        import traceback
-        results.put((rank, f"{exc!r}\n{traceback.format_exc()}"))
-        return
-    results.put((rank, None))
-
-
-def _free_address() -> str:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return f"tcp://127.0.0.1:{sock.getsockname()[1]}"
+def _worker(rank: int, addresses: list[str]) -> None:
+    warnings.filterwarnings("ignore")
+    torch.set_num_threads(1)
+    _check_megatron_model(2, rank, addresses[0])
+    if rank == 0:
+        _check_megatron_model(1, 0, addresses[1])
 
 
 def test_megatron_model_matches_references_with_tp_2_and_tp_1() -> None:
     pytest.importorskip("megatron.core")
     load_tiny()  # generate the checkpoint once, before two processes race for it
-    ctx = multiprocessing.get_context("spawn")
-    results = ctx.Queue()
-    addresses = [_free_address(), _free_address()]
-    procs = [ctx.Process(target=_worker, args=(rank, addresses, results)) for rank in range(2)]
-    for proc in procs:
-        proc.start()
-    deadline, outcome = time.monotonic() + 300, {}
-    try:
-        while len(outcome) < 2:
-            try:
-                rank, error = results.get(timeout=0.5)
-            except queue.Empty:
-                if time.monotonic() > deadline or not any(p.is_alive() for p in procs):
-                    pytest.fail(f"workers reported {sorted(outcome)} of [0, 1]; exit codes "
-                                f"{[p.exitcode for p in procs]}")
-                continue
-            assert error is None, f"rank {rank}: {error}"
-            outcome[rank] = error
-    finally:
-        for proc in procs:
-            proc.join(timeout=10)
-            if proc.is_alive():
-                proc.kill()
+    run_ranks(_worker, 2, [free_address(), free_address()], timeout_s=300)

@@ -6,25 +6,17 @@ Float32 parameters: TP 2 and TP 1 then differ only by reduction order.
 
 from __future__ import annotations
 
-import socket
-
 import pytest
 
-from tests.trainer_client.spawned import run_ranks
+from tests.trainer_client.spawned import free_address, run_ranks
 from tests.trainer_client.test_mtp_forward import tiny_config
 from tests.trainer_client.tp_checks import check_tp2_matches_tp1, check_train_step_and_push
 
 pytest.importorskip("megatron.core")
 
 
-def _free_address() -> str:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return f"tcp://127.0.0.1:{sock.getsockname()[1]}"
-
-
 def test_tp2_losses_gradients_and_export_match_tp1() -> None:
-    results = run_ranks(check_tp2_matches_tp1, 2, [_free_address(), _free_address()], "cpu",
+    results = run_ranks(check_tp2_matches_tp1, 2, [free_address(), free_address()], "cpu",
                         "float32", tiny_config(num_depths=2), timeout_s=300)
     result = results[0]
     assert max(result["loss_rel_errors"]) < 1e-5, result
@@ -33,6 +25,6 @@ def test_tp2_losses_gradients_and_export_match_tp1() -> None:
 
 
 def test_tp2_training_step_then_push_delivers_the_export() -> None:
-    result = run_ranks(check_train_step_and_push, 2, _free_address(), "cpu", "bfloat16",
+    result = run_ranks(check_train_step_and_push, 2, free_address(), "cpu", "bfloat16",
                        tiny_config(num_depths=1), 1, timeout_s=300)[0]
     assert result["num_tensors"] > 20 and result["num_bytes"] > 0
