@@ -202,7 +202,10 @@ class WeightsCoordinator:
         if self._active is not None:
             raise PushError(409, f"push {self._active.push_id} is in progress; one push at "
                                  "a time")
-        replaying = lambda: [r for r, s in self._live() if s.is_replaying]  # noqa: E731
+
+        def replaying() -> list[str]:
+            return [r for r, s in self._live() if s.is_replaying]
+
         if not await self._wait(lambda: not replaying(), self._ack_timeout_s):
             raise PushError(409, f"replica {replaying()[0]} is still loading the last push "
                                  "from the trainer's segment; retry")

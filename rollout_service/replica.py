@@ -186,8 +186,9 @@ class EngineReplica:
                 self._reopen = asyncio.create_task(self._reopen_later())
             else:
                 try:
-                    result = CommandResult(ok=True, checksums=await self._service.weight_checksums())
-                except Exception as exc:
+                    checksums = await self._service.weight_checksums()
+                    result = CommandResult(ok=True, checksums=checksums)
+                except Exception as exc:  # reported to the coordinator, which names us
                     result = CommandResult(ok=False, status=500, message=repr(exc))
         await self._coordinator.ack.remote(self._id, command.id, result)
 
