@@ -151,14 +151,18 @@ class WeightsCoordinator:
 
         Waits for an active push to end, so the snapshot's segment bytes are the
         last pushed version; until :meth:`replayed`, new pushes wait at ``begin``.
+        A push still open after that wait (a slow trainer) may be overwriting the
+        segment, so nothing is replayed then: the replica is registered, lags, and
+        that push's ``finish`` brings it up to date with the others.
         """
-        await self._wait(lambda: self._active is None, self._push_timeout_s + 5)
+        is_idle = await self._wait(lambda: self._active is None, self._push_timeout_s + 5)
         async with self._lock:
             replica = self._touch(replica_id, report)
             replica.is_registered = True
-            replica.is_replaying = self._last_stored is not None
+            last_push = self._last_stored if is_idle and self._active is None else None
+            replica.is_replaying = last_push is not None
             return Snapshot(main_version=self.main_version, draft_version=self.draft_version,
-                            last_push=self._last_stored)
+                            last_push=last_push)
 
     async def replayed(self, replica_id: str) -> None:
         """The replica is done reading the trainer's segment."""

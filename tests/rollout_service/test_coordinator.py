@@ -67,24 +67,33 @@ def segment() -> Iterator[Segment]:
         yield seg
 
 
-async def _push(coordinator: WeightsCoordinator, segment: Segment, version: int
-                ) -> wire.PushFinishResponse:
+def _slots() -> list[wire.TensorSlot]:
     names = list(CHECKPOINT)
     offsets, _ = layout([CHECKPOINT[n].nbytes for n in names])
-    begun = await coordinator.begin(wire.PushBeginRequest(
+    return [wire.TensorSlot(name=n, offset=o, nbytes=CHECKPOINT[n].nbytes)
+            for n, o in zip(names, offsets, strict=True)]
+
+
+async def _begin(coordinator: WeightsCoordinator, segment: Segment, version: int
+                 ) -> wire.PushBeginResponse:
+    return await coordinator.begin(wire.PushBeginRequest(
         version=version, segment=segment.name, segment_bytes=segment.nbytes,
         total_bytes=sum(m.nbytes for m in CHECKPOINT.values()),
-        params=[wire.ParamSpec(name=n, shape=list(CHECKPOINT[n].shape),
-                               dtype=CHECKPOINT[n].dtype) for n in names]))
-    await coordinator.update(wire.PushUpdateRequest(push_id=begun.push_id, tensors=[
-        wire.TensorSlot(name=n, offset=o, nbytes=CHECKPOINT[n].nbytes)
-        for n, o in zip(names, offsets)]))
+        params=[wire.ParamSpec(name=n, shape=list(m.shape), dtype=m.dtype)
+                for n, m in CHECKPOINT.items()]))
+
+
+async def _push(coordinator: WeightsCoordinator, segment: Segment, version: int
+                ) -> wire.PushFinishResponse:
+    begun = await _begin(coordinator, segment, version)
+    await coordinator.update(wire.PushUpdateRequest(push_id=begun.push_id, tensors=_slots()))
     return await coordinator.finish(wire.PushFinishRequest(push_id=begun.push_id))
 
 
-async def _with(answers: dict[str, CommandResult | None], ack_timeout_s: float = 5.0
+async def _with(answers: dict[str, CommandResult | None], ack_timeout_s: float = 5.0,
+                push_timeout_s: float = 10.0
                 ) -> tuple[WeightsCoordinator, dict[str, FakeReplica], list[asyncio.Task]]:
-    coordinator = WeightsCoordinator(CHECKPOINT, has_draft=True, push_timeout_s=10,
+    coordinator = WeightsCoordinator(CHECKPOINT, has_draft=True, push_timeout_s=push_timeout_s,
                                      ack_timeout_s=ack_timeout_s)
     replicas = {n: FakeReplica(coordinator, n, a) for n, a in answers.items()}
     tasks = [asyncio.create_task(r.run()) for r in replicas.values()]
@@ -152,5 +161,26 @@ async def test_a_bad_announcement_never_reaches_a_replica(segment: Segment) -> N
     assert rejected.value.status == 400 and "'nope'" in str(rejected.value)
     assert coordinator.status().active_push_id is None
     assert replicas["a"].versions == (None, None)
+    for task in tasks:
+        task.cancel()
+
+
+async def test_a_replica_joining_during_a_long_push_replays_nothing(segment: Segment) -> None:
+    """A push kept open past the registration wait may be rewriting the segment: the
+    joining replica must not replay the last push from it (it would load a mix)."""
+    coordinator, _, tasks = await _with({"a": LOADED}, push_timeout_s=1.0)
+    await _push(coordinator, segment, version=1)  # the push a replica would replay
+    begun = await _begin(coordinator, segment, version=2)
+    joining = asyncio.create_task(coordinator.register("late", ReplicaReport(
+        status="starting", main_version=None, draft_version=None)))
+    slots = iter(_slots())
+    while not joining.done():  # a slow trainer, alive: one tensor every 0.3 s
+        await coordinator.update(wire.PushUpdateRequest(push_id=begun.push_id,
+                                                        tensors=[next(slots)]))
+        await asyncio.sleep(0.3)
+    snapshot = joining.result()
+    assert snapshot.last_push is None
+    assert snapshot.main_version == 1
+    assert coordinator.status().active_push_id == begun.push_id
     for task in tasks:
         task.cancel()
