@@ -12,7 +12,7 @@ import os
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, model_validator
 
 from rollout_service.speculative import MTPSettings
 
@@ -73,6 +73,18 @@ class ServiceConfig(BaseModel):
     push_timeout_s: float = Field(
         60.0, gt=0, description=("A weight push with no call from the trainer for this long is "
                                  "aborted; the old weights stay served."))
+    weights_transport: Literal["shm", "cuda_ipc"] = Field("shm", description=(
+        "Data path of weight pushes, and the vLLM weight-transfer backend the engine starts "
+        "with: 'shm' (a shared-memory segment on this host; CPU or GPU) or 'cuda_ipc' (CUDA "
+        "IPC handles; trainer and engine on the same GPU, vLLM's CUDA build, engine 'vllm' "
+        "standalone). A push announcing another transport is refused (400)."))
+
+    @model_validator(mode="after")
+    def _transport_engine(self) -> ServiceConfig:
+        if self.weights_transport == "cuda_ipc" and self.engine != "vllm":
+            raise ValueError(f"weights_transport: 'cuda_ipc' is built for engine 'vllm' only, "
+                             f"not {self.engine!r}")
+        return self
 
     @property
     def model_name(self) -> str:

@@ -11,6 +11,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from rollout_service.telemetry import BatchSummary, SpecDecodeStats
+from rollout_service.weights.cuda_ipc import CudaIpcHandle
 from rollout_service.weights.shm import SEGMENT_NAME_PATTERN
 
 _STRICT = ConfigDict(extra="forbid")
@@ -219,10 +220,12 @@ class ErrorResponse(BaseModel):
 
 # --- Weight pushes (/weights/*): JSON control messages only --------------------
 # Tensor bytes never travel in these messages: they go through the transport
-# (a shared-memory segment on one host). Nothing here is ever unpickled.
+# (a shared-memory segment on one host, or CUDA memory shared by IPC handles,
+# described field by field in `CudaIpcHandle`). Nothing here is ever unpickled.
 
 PushTarget = Literal["main", "draft", "both"]
 PauseMode = Literal["wait", "abort", "keep"]
+Transport = Literal["shm", "cuda_ipc"]
 
 
 class ParamSpec(BaseModel):
@@ -243,17 +246,33 @@ class PushBeginRequest(BaseModel):
     version: int = Field(ge=0, description=(
         "New weight version; must be greater than the current version of every target."))
     target: PushTarget = Field("both", description="Which model(s) load the stream.")
-    transport: Literal["shm"] = Field("shm", description=(
-        "Data path. 'shm': a POSIX shared-memory segment on this host (CPU and same-host "
-        "GPU trainers). CUDA IPC and NCCL are not reachable over this API yet."))
-    segment: str = Field(pattern=SEGMENT_NAME_PATTERN, description=(
-        "Name of the trainer's segment under /dev/shm."))
-    segment_bytes: int = Field(gt=0, description="Size of the segment in bytes.")
+    transport: Transport = Field("shm", description=(
+        "Data path; must be the service's configured weights_transport. 'shm': a POSIX "
+        "shared-memory segment on this host (CPU and same-host GPU trainers). 'cuda_ipc': "
+        "CUDA IPC handles of the trainer's tensors (trainer and engine on the same GPU)."))
+    segment: str | None = Field(None, pattern=SEGMENT_NAME_PATTERN, description=(
+        "shm only (required there): name of the trainer's segment under /dev/shm."))
+    segment_bytes: int | None = Field(None, gt=0, description=(
+        "shm only (required there): size of the segment in bytes."))
     total_bytes: int = Field(gt=0, description="Sum of the announced tensors' sizes.")
     params: list[ParamSpec] = Field(min_length=1)
     pause_mode: PauseMode = Field("wait", description=(
         "How generation is paused while the engine loads: 'wait' lets running requests "
         "finish, 'abort' aborts them, 'keep' freezes them until the load is done."))
+
+    @model_validator(mode="after")
+    def _transport_fields(self) -> PushBeginRequest:
+        fields = ("segment", "segment_bytes")
+        if self.transport == "shm":
+            missing = [f for f in fields if getattr(self, f) is None]
+            if missing:
+                raise ValueError(f"{missing[0]}: required by transport 'shm'")
+        else:
+            given = [f for f in fields if getattr(self, f) is not None]
+            if given:
+                raise ValueError(f"{given[0]}: not used by transport {self.transport!r} "
+                                 "(tensors travel as CUDA IPC handles); leave it out")
+        return self
 
 
 class PushBeginResponse(BaseModel):
@@ -262,13 +281,26 @@ class PushBeginResponse(BaseModel):
 
 
 class TensorSlot(BaseModel):
-    """Where one announced tensor lies in the segment."""
+    """Where one announced tensor lies: at ``offset`` in the segment (``shm``) or
+    behind a CUDA IPC handle (``cuda_ipc``); exactly one of the two, matching the
+    push's transport (checked by the service)."""
 
     model_config = _STRICT
 
     name: str
-    offset: int = Field(ge=0)
+    offset: int | None = Field(None, ge=0, description="shm: byte offset in the segment.")
     nbytes: int = Field(gt=0)
+    cuda_ipc: CudaIpcHandle | None = Field(None, description="cuda_ipc: the tensor's handle.")
+
+    @model_validator(mode="after")
+    def _one_location(self) -> TensorSlot:
+        if (self.offset is None) == (self.cuda_ipc is None):
+            raise ValueError(f"tensors: {self.name!r} needs exactly one of 'offset' (transport "
+                             "shm) and 'cuda_ipc' (transport cuda_ipc)")
+        if self.cuda_ipc is not None and self.nbytes != self.cuda_ipc.nbytes:
+            raise ValueError(f"nbytes: {self.nbytes} for {self.name!r}, its cuda_ipc handle "
+                             f"describes {self.cuda_ipc.nbytes}")
+        return self
 
 
 class PushUpdateRequest(BaseModel):

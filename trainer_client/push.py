@@ -2,9 +2,11 @@
 
 Runs in the trainer process. Tensors (already under their Hugging Face names)
 are copied once into a shared-memory segment that the pusher keeps for the
-whole run, announced bucket by bucket over HTTP (JSON control messages only),
-and loaded by the service into the main model and the MTP drafter in one
-paused window. The drafter reads the same bytes: nothing is sent twice.
+whole run (``shm``), or shared in place as CUDA IPC handles (``cuda_ipc``, same
+GPU as the engine); they are announced bucket by bucket over HTTP (JSON control
+messages only) and loaded by the service into the main model and the MTP
+drafter in one paused window. The drafter reads the same bytes: nothing is sent
+twice.
 
     pusher = WeightPusher("http://127.0.0.1:8000", token=os.environ["ROLLOUT_WEIGHTS_TOKEN"])
     report = pusher.push(export_hf_weights(model), version=step)
@@ -17,13 +19,13 @@ import time
 import uuid
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Literal
 
 import httpx
 import torch
 
 from rollout_service import wire
 from rollout_service.weights.checkpoint import TensorMeta
+from rollout_service.weights.cuda_ipc import contiguous_stride, export_handle
 from rollout_service.weights.shm import Segment, align
 
 DEFAULT_BUCKET_BYTES = 512 * 1024**2
@@ -47,7 +49,8 @@ class PushReport:
     num_tensors: int
     num_buckets: int
     fill_s: float
-    """Copying tensors into the segment (device-to-host included)."""
+    """Copying tensors into the segment (device-to-host included); ``cuda_ipc``:
+    exporting their handles."""
     control_s: float
     """Begin and update calls."""
     server: wire.PushFinishResponse
@@ -82,6 +85,21 @@ def layout(sizes: Sequence[int]) -> tuple[list[int], int]:
     return offsets, max(end, 1)
 
 
+def shareable(tensor: torch.Tensor, name: str) -> torch.Tensor:
+    """``tensor`` with contiguous strides on its CUDA device, copied only if needed.
+
+    Raises:
+        ValueError: naming the tensor, when it is not on a CUDA device.
+    """
+    if tensor.device.type != "cuda":
+        raise ValueError(f"tensors: {name!r} is on {tensor.device}; transport 'cuda_ipc' "
+                         "shares CUDA tensors only (use transport 'shm')")
+    tensor = tensor.detach()
+    if list(tensor.stride()) != contiguous_stride(tensor.shape):
+        tensor = tensor.clone(memory_format=torch.contiguous_format)
+    return tensor
+
+
 def copy_into(segment: Segment, offset: int, tensor: torch.Tensor, nbytes: int) -> None:
     """Copy ``tensor`` into the segment at ``offset``.
 
@@ -98,25 +116,29 @@ def copy_into(segment: Segment, offset: int, tensor: torch.Tensor, nbytes: int) 
 
 
 class WeightPusher:
-    """Pushes weights to one rollout service over the ``shm`` transport (same host).
+    """Pushes weights to one rollout service on the same host.
 
     Args:
         url: the service, e.g. ``http://127.0.0.1:8000``.
         token: the service's weights token.
-        transport: only ``shm`` today (see the README for CUDA IPC / NCCL).
+        transport: ``shm`` (a shared-memory segment; any device) or ``cuda_ipc``
+            (CUDA tensors shared in place; the engine on the same GPU). Must be the
+            service's ``weights_transport``. NCCL is not built (see the README).
         bucket_bytes: bytes announced per update call; a larger tensor goes alone.
         timeout_s: HTTP timeout; loading a large model can take a while.
     """
 
-    def __init__(self, url: str, token: str, *, transport: Literal["shm"] = "shm",
+    def __init__(self, url: str, token: str, *, transport: wire.Transport = "shm",
                  bucket_bytes: int = DEFAULT_BUCKET_BYTES, timeout_s: float = 600.0) -> None:
-        if transport != "shm":
-            raise ValueError(f"transport: {transport!r} is not supported (accepted: 'shm')")
+        if transport not in ("shm", "cuda_ipc"):
+            raise ValueError(f"transport: {transport!r} is not supported (accepted: 'shm', "
+                             "'cuda_ipc')")
         if bucket_bytes <= 0:
             raise ValueError(f"bucket_bytes: must be > 0, got {bucket_bytes}")
         self._http = httpx.Client(base_url=url, timeout=timeout_s,
                                   headers={"authorization": f"Bearer {token}"})
         self._bucket_bytes = bucket_bytes
+        self._transport = transport
         self._segment: Segment | None = None
         self._segment_name = f"mtp-rollout-push-{uuid.uuid4().hex[:12]}"
 
@@ -175,12 +197,17 @@ class WeightPusher:
             specs = [param_spec(name, t) for name, t in tensors]
         sizes = [spec_nbytes(spec) for spec in specs]
         offsets, segment_bytes = layout(sizes)
-        segment = self._segment_for(segment_bytes)
+        segment = self._segment_for(segment_bytes) if self._transport == "shm" else None
         total = sum(sizes)
         begin = wire.PushBeginResponse.model_validate(self._call("/weights/begin",
-            wire.PushBeginRequest(version=version, target=target, segment=segment.name,
-                                  segment_bytes=segment.nbytes, total_bytes=total,
-                                  params=list(specs), pause_mode=pause_mode)))
+            wire.PushBeginRequest(version=version, target=target, transport=self._transport,
+                                  segment=segment.name if segment else None,
+                                  segment_bytes=segment.nbytes if segment else None,
+                                  total_bytes=total, params=list(specs),
+                                  pause_mode=pause_mode)))
+        # cuda_ipc: the engine maps these tensors' memory until finish returns; a
+        # handle does not keep its tensor alive, so this list does.
+        exported: list[torch.Tensor] = []
         fill_s = 0.0
         num_buckets = 0
         try:
@@ -194,9 +221,15 @@ class WeightPusher:
                                      f"where specs announced {spec.name!r} {spec.shape} "
                                      f"{spec.dtype}")
                 t0 = time.perf_counter()
-                copy_into(segment, offset, tensor, nbytes)
+                if segment is not None:
+                    copy_into(segment, offset, tensor, nbytes)
+                    slot = wire.TensorSlot(name=name, offset=offset, nbytes=nbytes)
+                else:
+                    exported.append(shareable(tensor, name))
+                    slot = wire.TensorSlot(name=name, nbytes=nbytes,
+                                           cuda_ipc=export_handle(exported[-1], name))
                 fill_s += time.perf_counter() - t0
-                bucket.append(wire.TensorSlot(name=name, offset=offset, nbytes=nbytes))
+                bucket.append(slot)
                 bucket_bytes += nbytes
                 if bucket_bytes >= self._bucket_bytes:
                     self._call("/weights/update",
@@ -207,13 +240,17 @@ class WeightPusher:
                 self._call("/weights/update",
                            wire.PushUpdateRequest(push_id=begin.push_id, tensors=bucket))
                 num_buckets += 1
+            control_s = time.perf_counter() - start - fill_s
+            finished = wire.PushFinishResponse.model_validate(
+                self._call("/weights/finish", wire.PushFinishRequest(push_id=begin.push_id)))
         except BaseException as exc:
             if not isinstance(exc, PushRejected):  # a rejection already ended the push
                 self._abort(begin.push_id, f"trainer error: {exc!r}")
             raise
-        control_s = time.perf_counter() - start - fill_s
-        finished = wire.PushFinishResponse.model_validate(
-            self._call("/weights/finish", wire.PushFinishRequest(push_id=begin.push_id)))
+        finally:
+            if exported:
+                exported.clear()
+                torch.cuda.ipc_collect()  # frees copies the engine has let go of
         return PushReport(version=version, num_bytes=total, num_tensors=len(specs),
                           num_buckets=num_buckets, fill_s=fill_s, control_s=control_s,
                           server=finished, total_s=time.perf_counter() - start)

@@ -24,7 +24,8 @@ async def create_engine(config: ServiceConfig) -> Engine:
         from rollout_service.engines.vllm import VLLMEngine, build_engine_args
 
         args = build_engine_args(model_path, engine_kwargs, config.mtp, checkpoint_config,
-                                 served_model_name=config.model_name)
+                                 served_model_name=config.model_name,
+                                 weights_transport=config.weights_transport)
         return VLLMEngine.start(args, served_model_name=config.model_name)
     if config.engine == "sglang":
         from rollout_service.engines.sglang import SGLangEngine

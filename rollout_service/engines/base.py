@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
 from rollout_service.telemetry import SpecDecodeStats
+from rollout_service.weights.cuda_ipc import CudaIpcHandle
 
 
 class InvalidRequestError(ValueError):
@@ -90,12 +91,30 @@ class EngineInfo:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class WeightUpdate:
-    """A complete, validated set of checkpoint-named tensors in a shared segment."""
+    """A complete, validated set of checkpoint-named tensors: in a shared segment
+    (``shm``) or behind CUDA IPC handles (``cuda_ipc``)."""
 
-    segment: str
-    """Shared-memory segment name (the ``shm`` transport)."""
-    tensors: tuple[tuple[str, str, tuple[int, ...], int], ...]
-    """``(name, dtype name, shape, byte offset)`` per tensor."""
+    segment: str | None
+    """Shared-memory segment name (``shm``); None for ``cuda_ipc``."""
+    tensors: tuple[tuple[str, str, tuple[int, ...], int | None], ...]
+    """``(name, dtype name, shape, byte offset in the segment)`` per tensor; the offset is
+    None for ``cuda_ipc``."""
+    cuda_ipc_handles: tuple[CudaIpcHandle, ...] = ()
+    """``cuda_ipc``: each tensor's handle, in ``tensors`` order; empty for ``shm``."""
+    push_id: str = ""
+    """The push this stream belongs to: an engine may open ``cuda_ipc`` handles once for
+    the main model and keep them for the drafter's load of the same push."""
+    target: str = "both"
+    """``main``, ``draft`` or ``both``: which loads follow, so an engine knows the last
+    one and releases what it opened after it."""
+
+    @property
+    def transport(self) -> str:
+        return "cuda_ipc" if self.cuda_ipc_handles else "shm"
+
+    def is_last_load(self, *, draft: bool) -> bool:
+        """Whether the load of this model is the last of the push (drafter after main)."""
+        return draft or self.target == "main"
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

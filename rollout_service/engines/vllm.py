@@ -40,27 +40,31 @@ logger = logging.getLogger(__name__)
 # Per-request stats are what this service is for; "summary" has everything the
 # telemetry needs without per-step arrays.
 # Weight pushes go through vLLM's weight-transfer API with this project's `shm`
-# backend (registered by the `vllm.general_plugins` entry point); the worker
-# extension adds a checksum RPC used to prove rejected pushes change nothing.
+# or `cuda_ipc` backend (registered by the `vllm.general_plugins` entry point,
+# chosen by `weights_transport`); the worker extension adds a checksum RPC used
+# to prove rejected pushes change nothing.
 _SERVICE_ENGINE_DEFAULTS: dict[str, Any] = {
     "per_request_spec_decode_metrics": "summary",
-    "weight_transfer_config": {"backend": "shm"},
     "worker_extension_cls": "rollout_service.weights.vllm_backend.RolloutWorkerExtension",
 }
 
 
 def build_engine_args(model: str, engine_kwargs: Mapping[str, Any], mtp: MTPSettings,
                       checkpoint_config: Mapping[str, Any] | None,
-                      served_model_name: str | None = None) -> AsyncEngineArgs:
+                      served_model_name: str | None = None,
+                      weights_transport: str = "shm") -> AsyncEngineArgs:
     """Merge the user's engine kwargs with the service's MTP settings.
 
     The user's kwargs win except ``speculative_config``, which is merged key by
-    key (see :mod:`rollout_service.speculative`).
+    key (see :mod:`rollout_service.speculative`). ``weights_transport`` names the
+    vLLM weight-transfer backend (``shm`` or ``cuda_ipc``).
 
     Raises:
         ValueError: a bad speculative config or an engine kwarg vLLM does not know.
     """
-    kwargs = {**_SERVICE_ENGINE_DEFAULTS, **engine_kwargs, "model": model}
+    kwargs = {**_SERVICE_ENGINE_DEFAULTS,
+              "weight_transfer_config": {"backend": weights_transport},
+              **engine_kwargs, "model": model}
     if served_model_name is not None:
         # vLLM's own series then carry the same model name as this service's.
         kwargs.setdefault("served_model_name", served_model_name)
@@ -153,9 +157,7 @@ class VLLMEngine:
             await self._llm.start_draft_weight_update()
         else:
             await self._llm.start_weight_update()
-        info = {"segment": update.segment,
-                "tensors": [[name, dtype, list(shape), offset]
-                            for name, dtype, shape, offset in update.tensors]}
+        info = _update_info(update, draft=draft)
         await self._llm.update_weights(WeightTransferUpdateRequest(update_info=info))
         loaded = time.perf_counter()
         await self._llm.finish_weight_update(weight_version=version)
@@ -176,6 +178,25 @@ class VLLMEngine:
 
     async def shutdown(self) -> None:
         self._llm.shutdown()
+
+
+def _update_info(update: WeightUpdate, *, draft: bool) -> dict[str, Any]:
+    """The backend's ``update_info`` (JSON-safe) for one model's load of ``update``.
+
+    Both models get the same stream: the same segment offsets (``shm``) or the same
+    CUDA IPC handles (``cuda_ipc``, opened once in the worker for both loads)."""
+    if update.transport == "cuda_ipc":
+        from rollout_service.weights.vllm_cuda_ipc import build_update_info
+
+        return build_update_info(
+            [name for name, _, _, _ in update.tensors],
+            [dtype for _, dtype, _, _ in update.tensors],
+            [list(shape) for _, _, shape, _ in update.tensors],
+            list(update.cuda_ipc_handles), push_id=update.push_id,
+            is_last_load=update.is_last_load(draft=draft))
+    return {"segment": update.segment,
+            "tensors": [[name, dtype, list(shape), offset]
+                        for name, dtype, shape, offset in update.tensors]}
 
 
 def _sampling_params(sampling: SamplingOptions) -> SamplingParams:

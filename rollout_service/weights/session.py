@@ -2,7 +2,9 @@
 
 Runs in the service process, driven by the ``/weights/*`` handlers. A push is
 ``begin`` (announce every tensor) -> ``update`` x N (buckets written into the
-trainer's shared-memory segment) -> ``finish`` (load) or ``abort``.
+trainer's shared-memory segment, or buckets of CUDA IPC handles) -> ``finish``
+(load) or ``abort``. The service runs one transport, ``weights_transport`` in its
+config; a push announcing another is refused at ``begin``.
 
 Consistency rule: the engine loads nothing until ``finish`` has seen the whole
 announced stream, validated. Until then generation runs on the old weights, so
@@ -25,6 +27,7 @@ from dataclasses import dataclass, field
 from rollout_service import wire
 from rollout_service.engines.base import Engine, LoadTimings, WeightUpdate
 from rollout_service.weights.checkpoint import DTYPE_BYTES, TensorMeta
+from rollout_service.weights.cuda_ipc import CudaIpcHandle
 from rollout_service.weights.metrics import WeightMetrics
 from rollout_service.weights.shm import segment_path
 
@@ -55,17 +58,25 @@ class ActivePush:
     is_loading: bool = False
 
 
-def validate_announcement(req: wire.PushBeginRequest, checkpoint: dict[str, TensorMeta]
-                          ) -> dict[str, TensorMeta]:
+def validate_announcement(req: wire.PushBeginRequest, checkpoint: dict[str, TensorMeta],
+                          *, transport: wire.Transport = "shm") -> dict[str, TensorMeta]:
     """The announced tensors, checked against the checkpoint; first problem raises.
 
     A push carries every checkpoint tensor: the engine reloads whole layers, and
     an RL step changes every trained tensor anyway.
 
+    Args:
+        req: the announcement.
+        checkpoint: the served checkpoint's tensors.
+        transport: the service's configured transport (its engine loads only that one).
+
     Raises:
-        PushError(400): unknown, duplicate, missing, mis-shaped or mis-typed tensors,
-            or sizes that do not add up.
+        PushError(400): another transport, unknown, duplicate, missing, mis-shaped or
+            mis-typed tensors, sizes that do not add up, or (shm) a missing segment.
     """
+    if req.transport != transport:
+        raise PushError(400, f"transport: {req.transport!r} is not this service's weights "
+                             f"transport {transport!r} (weights_transport in its config)")
     announced: dict[str, TensorMeta] = {}
     for spec in req.params:
         expected = checkpoint.get(spec.name)
@@ -87,6 +98,13 @@ def validate_announcement(req: wire.PushBeginRequest, checkpoint: dict[str, Tens
     total = sum(meta.nbytes for meta in announced.values())
     if req.total_bytes != total:
         raise PushError(400, f"total_bytes: {req.total_bytes} announced, the tensors hold {total}")
+    if req.transport == "shm":
+        _validate_segment(req, total)
+    return announced
+
+
+def _validate_segment(req: wire.PushBeginRequest, total: int) -> None:
+    assert req.segment is not None and req.segment_bytes is not None  # wire validation
     if req.segment_bytes < total:
         raise PushError(400, f"segment_bytes: {req.segment_bytes} cannot hold {total} bytes")
     try:
@@ -97,11 +115,11 @@ def validate_announcement(req: wire.PushBeginRequest, checkpoint: dict[str, Tens
     if actual < req.segment_bytes:
         raise PushError(400, f"segment_bytes: {req.segment_bytes} announced, the segment "
                              f"holds {actual}")
-    return announced
 
 
 def validate_slot(push: ActivePush, slot: wire.TensorSlot) -> None:
-    """Check one bucket entry against the announcement and the segment.
+    """Check one bucket entry against the announcement and the push's transport
+    (the segment's bounds, or the CUDA IPC handle's shape and dtype).
 
     Raises:
         PushError(400): naming the tensor.
@@ -114,6 +132,20 @@ def validate_slot(push: ActivePush, slot: wire.TensorSlot) -> None:
     if slot.nbytes != meta.nbytes:
         raise PushError(400, f"tensors: {slot.name!r} has {slot.nbytes} bytes, its shape and "
                              f"dtype need {meta.nbytes}")
+    transport = push.request.transport
+    if transport == "cuda_ipc":
+        if slot.cuda_ipc is None:
+            raise PushError(400, f"tensors: {slot.name!r} has no 'cuda_ipc' handle, and the "
+                                 "push's transport is 'cuda_ipc'")
+        try:
+            slot.cuda_ipc.check_matches(meta.shape, meta.dtype)
+        except ValueError as exc:
+            raise PushError(400, f"tensors: {slot.name!r} cuda_ipc.{exc}") from exc
+        return
+    if slot.offset is None:
+        raise PushError(400, f"tensors: {slot.name!r} has no 'offset', and the push's "
+                             f"transport is {transport!r}")
+    assert push.request.segment_bytes is not None  # shm: required by wire validation
     if slot.offset % DTYPE_BYTES[meta.dtype]:
         raise PushError(400, f"tensors: {slot.name!r} offset {slot.offset} is not aligned to "
                              f"its {DTYPE_BYTES[meta.dtype]}-byte {meta.dtype} elements")
@@ -124,12 +156,33 @@ def validate_slot(push: ActivePush, slot: wire.TensorSlot) -> None:
 
 
 def check_no_overlap(slots: list[wire.TensorSlot]) -> None:
-    """Raises PushError(400) naming the first tensor that overlaps its predecessor."""
-    ordered = sorted(slots, key=lambda s: s.offset)
+    """Raises PushError(400) naming the first tensor that overlaps its predecessor
+    in the segment (slots without an offset, CUDA IPC handles, are not in one)."""
+    ordered = sorted((s for s in slots if s.offset is not None), key=_offset)
     for before, after in zip(ordered, ordered[1:]):
-        if after.offset < before.offset + before.nbytes:
+        if _offset(after) < _offset(before) + before.nbytes:
             raise PushError(400, f"tensors: {after.name!r} overlaps {before.name!r} in the "
                                  "segment")
+
+
+def _offset(slot: wire.TensorSlot) -> int:
+    assert slot.offset is not None
+    return slot.offset
+
+
+def build_update(push: ActivePush) -> WeightUpdate:
+    """What the engine loads: the validated, complete stream of one push."""
+    req = push.request
+    tensors = tuple((name, meta.dtype, meta.shape, push.slots[name].offset)
+                    for name, meta in push.expected.items())
+    handles: list[CudaIpcHandle] = []
+    if req.transport == "cuda_ipc":
+        for name in push.expected:
+            handle = push.slots[name].cuda_ipc
+            assert handle is not None  # validate_slot
+            handles.append(handle)
+    return WeightUpdate(segment=req.segment, tensors=tensors, cuda_ipc_handles=tuple(handles),
+                        push_id=push.push_id, target=req.target)
 
 
 class WeightPushManager:
@@ -141,11 +194,14 @@ class WeightPushManager:
         metrics: version gauges and push counters.
         timeout_s: a push with no call for this long is aborted.
         has_draft: whether the engine serves an MTP drafter.
+        transport: the transport the engine was started with (``weights_transport``).
     """
 
     def __init__(self, engine: Engine, checkpoint: dict[str, TensorMeta],
-                 metrics: WeightMetrics, *, timeout_s: float, has_draft: bool) -> None:
+                 metrics: WeightMetrics, *, timeout_s: float, has_draft: bool,
+                 transport: wire.Transport = "shm") -> None:
         self._engine = engine
+        self._transport = transport
         self._checkpoint = checkpoint
         self._metrics = metrics
         self._timeout_s = timeout_s
@@ -175,7 +231,8 @@ class WeightPushManager:
                                      "at a time")
             self._check_target_and_version(req)
             try:
-                expected = validate_announcement(req, self._checkpoint)
+                expected = validate_announcement(req, self._checkpoint,
+                                                 transport=self._transport)
             except PushError as exc:
                 self._record(req, "rejected", str(exc))
                 raise
@@ -262,9 +319,7 @@ class WeightPushManager:
 
     async def _load(self, push: ActivePush) -> wire.PushTimings:
         req = push.request
-        update = WeightUpdate(segment=req.segment, tensors=tuple(
-            (name, meta.dtype, meta.shape, push.slots[name].offset)
-            for name, meta in push.expected.items()))
+        update = build_update(push)
         no_load = LoadTimings(load_s=0.0, finalize_s=0.0)
         main = draft = no_load
         t0 = time.perf_counter()
