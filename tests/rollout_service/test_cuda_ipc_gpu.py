@@ -62,9 +62,10 @@ def trainer(queue: Any, verified: Any, written: Any, done: Any) -> None:
         handle = export_handle(tensor, name)
         raw = _raw(tensor)
         queue.put((name, handle.model_dump_json(), raw, hashlib.sha256(raw).hexdigest()))
-    wrong = export_handle(tensors["norm.weight"], "norm.weight")
-    queue.put(("wrong-gpu", wrong.model_copy(update={"gpu_uuid": OTHER_GPU}).model_dump_json(),
-               b"", ""))
+    # Not a new export (every export must be opened once, or torch keeps the memory):
+    # the last one's description, pointing at another GPU.
+    wrong = handle.model_copy(update={"gpu_uuid": OTHER_GPU})
+    queue.put(("wrong-gpu", wrong.model_dump_json(), b"", ""))
     queue.put(None)
     if not verified.wait(TIMEOUT_S):
         return
@@ -98,6 +99,7 @@ def test_handles_cross_processes_as_json_bit_identical() -> None:
             assert mine == raw, name
             opened[name] = tensor
             last = handle
+        del tensor  # the mappings live in `opened` only
         assert len(opened) == 7
         assert {str(t.dtype) for t in opened.values()} == {"torch.bfloat16", "torch.float32"}
 

@@ -203,6 +203,31 @@ def test_bad_announcement_changes_nothing(service: ServiceProcess, segment: Segm
     assert after.active_push_id is None and after.last_push.outcome == "rejected"
 
 
+def test_push_in_another_transport_changes_nothing(service: ServiceProcess,
+                                                   original: dict[str, torch.Tensor]) -> None:
+    """The session's service runs ``weights_transport: shm``: a ``cuda_ipc`` push (no
+    segment, handles to come) is refused at begin, naming the field."""
+    before, state = checksums(service), status(service)
+    specs = [param_spec(n, t) for n, t in original.items()]
+    body = wire.PushBeginRequest(version=next_version(service), transport="cuda_ipc",
+                                 total_bytes=sum(spec_nbytes(s) for s in specs), params=specs)
+    with http(service) as c:
+        response = c.post("/weights/begin", content=body.model_dump_json(),
+                          headers={"content-type": "application/json"})
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["message"].startswith(
+        "transport: 'cuda_ipc' is not this service's weights transport 'shm'")
+    # the trainer client gets the same refusal before it touches a tensor
+    with WeightPusher(service.url, WEIGHTS_TOKEN, transport="cuda_ipc") as cuda_pusher:
+        with pytest.raises(PushRejected, match="transport: 'cuda_ipc'") as info:
+            cuda_pusher.push(original.items(), version=next_version(service))
+    assert info.value.status == 400
+    assert checksums(service) == before
+    after = status(service)
+    assert (after.main_version, after.draft_version) == (state.main_version, state.draft_version)
+    assert after.active_push_id is None and after.last_push.outcome == "rejected"
+
+
 @pytest.mark.parametrize("slot_change,needle", [
     ({"offset": 10**12}, "outside"), ({"offset": 1}, "not aligned"),
     ({"nbytes": 2}, "bytes"), ({"name": "lm_head.bias"}, "not announced")])
