@@ -24,6 +24,8 @@ from trainer_client.batch import Rollout, pack_padded
 from trainer_client.loop import LoopConfig, StepLog, policy_gradient_loss, reward, run_loop
 from trainer_client.push import WeightPusher
 
+pytest.importorskip("vllm", reason="needs the vLLM engine (the service or the drafter)")
+
 NUM_STEPS = 3
 
 

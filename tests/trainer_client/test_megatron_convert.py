@@ -38,6 +38,13 @@ def load_tiny() -> Checkpoint:
     return load_file(str(path / "model.safetensors")), config
 
 
+def _mtp_inner() -> str:
+    """The MTP layer's inner decoder-layer name in the installed megatron-core."""
+    from trainer_client.megatron.model import mtp_inner_layer_name
+
+    return mtp_inner_layer_name()
+
+
 @pytest.fixture(scope="module")
 def tiny() -> Checkpoint:
     return load_tiny()
@@ -106,7 +113,7 @@ def test_fc1_holds_gate_then_up_per_tp_shard(tiny: Checkpoint, shards: dict) -> 
     hf_state, config = tiny
     gate = hf_state["model.mtp_layers.0.mlp.gate_proj.weight"]
     up = hf_state["model.mtp_layers.0.mlp.up_proj.weight"]
-    name = "mtp.layers.0.transformer_layer.mlp.linear_fc1.weight"
+    name = f"mtp.layers.0.{_mtp_inner()}.mlp.linear_fc1.weight"
     assert torch.equal(shards[1][0][name], torch.cat([gate, up]))
     half = config["intermediate_size"] // 2
     for rank in range(2):
@@ -134,7 +141,7 @@ def test_other_names_and_split_dims(tiny: Checkpoint, shards: dict) -> None:
     half_vocab = config["vocab_size"] // 2
     assert torch.equal(rank1["decoder.layers.0.self_attention.linear_proj.weight"],
                        o_proj[:, o_proj.size(1) // 2:])
-    assert torch.equal(rank1["mtp.layers.0.transformer_layer.mlp.linear_fc2.weight"],
+    assert torch.equal(rank1[f"mtp.layers.0.{_mtp_inner()}.mlp.linear_fc2.weight"],
                        down[:, down.size(1) // 2:])
     assert torch.equal(rank1["embedding.word_embeddings.weight"], embed[half_vocab:])
     assert torch.equal(rank1["output_layer.weight"], head[half_vocab:])
@@ -307,6 +314,9 @@ def _worker(rank: int, addresses: list[str]) -> None:
         _check_megatron_model(1, 0, addresses[1])
 
 
+@pytest.mark.skipif(torch.cuda.is_available(),
+                    reason="CPU-only (gloo ranks, CPU tensors); with CUDA present megatron "
+                           "builds on the GPU: test_gpu.py and test_gpu_tp2.py cover it there")
 def test_megatron_model_matches_references_with_tp_2_and_tp_1() -> None:
     pytest.importorskip("megatron.core")
     load_tiny()  # generate the checkpoint once, before two processes race for it

@@ -57,6 +57,8 @@ import torch
 from rollout_service.config import EMBEDDED_ENGINE_KWARGS
 from rollout_service.model import ensure_model
 
+pytest.importorskip("vllm", reason="needs the vLLM engine (the service or the drafter)")
+
 PROMPTS = (
     "Once upon a time there was a",
     "def main():\n    return",

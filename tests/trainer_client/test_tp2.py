@@ -7,12 +7,16 @@ Float32 parameters: TP 2 and TP 1 then differ only by reduction order.
 from __future__ import annotations
 
 import pytest
+import torch
 
 from tests.trainer_client.spawned import free_address, run_ranks
 from tests.trainer_client.test_mtp_forward import tiny_config
 from tests.trainer_client.tp_checks import check_tp2_matches_tp1, check_train_step_and_push
 
 pytest.importorskip("megatron.core")
+pytestmark = pytest.mark.skipif(
+    torch.cuda.is_available(),
+    reason="CPU-only (gloo); with CUDA present megatron builds on the GPU: test_gpu_tp2.py")
 
 
 def test_tp2_losses_gradients_and_export_match_tp1() -> None:
