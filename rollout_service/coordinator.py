@@ -36,13 +36,7 @@ from pydantic import BaseModel
 
 from rollout_service import wire
 from rollout_service.weights.checkpoint import TensorMeta
-from rollout_service.weights.session import (
-    ActivePush,
-    PushError,
-    check_no_overlap,
-    validate_announcement,
-    validate_slot,
-)
+from rollout_service.weights.session import ActivePush, PushError, PushIntake, roles
 
 logger = logging.getLogger(__name__)
 
@@ -127,17 +121,14 @@ class WeightsCoordinator:
 
     def __init__(self, checkpoint: dict[str, TensorMeta], *, has_draft: bool,
                  push_timeout_s: float, ack_timeout_s: float) -> None:
-        self._checkpoint = checkpoint
-        self._has_draft = has_draft
+        self._intake = PushIntake(checkpoint, timeout_s=push_timeout_s, has_draft=has_draft)
         self._push_timeout_s = push_timeout_s
         self._ack_timeout_s = ack_timeout_s
         self._replicas: dict[str, _Replica] = {}
         self._acks: dict[tuple[str, str], asyncio.Future[CommandResult]] = {}
         self._lock = asyncio.Lock()  # one finish or registration at a time
-        self._active: ActivePush | None = None
         self.main_version: int | None = None
         self.draft_version: int | None = None
-        self.last_push: wire.LastPush | None = None
         self._last_stored: StoredPush | None = None
 
     # ---- replica side ------------------------------------------------------------
@@ -155,11 +146,11 @@ class WeightsCoordinator:
         segment, so nothing is replayed then: the replica is registered, lags, and
         that push's ``finish`` brings it up to date with the others.
         """
-        is_idle = await self._wait(lambda: self._active is None, self._push_timeout_s + 5)
+        is_idle = await self._wait(lambda: self._intake.active is None, self._push_timeout_s + 5)
         async with self._lock:
             replica = self._touch(replica_id, report)
             replica.is_registered = True
-            last_push = self._last_stored if is_idle and self._active is None else None
+            last_push = self._last_stored if is_idle and self._intake.active is None else None
             replica.is_replaying = last_push is not None
             return Snapshot(main_version=self.main_version, draft_version=self.draft_version,
                             last_push=last_push)
@@ -203,9 +194,9 @@ class WeightsCoordinator:
             PushError: 409 for a concurrent push, an old version, or a replica still
                 replaying the last push; 400 for a bad announcement.
         """
-        if self._active is not None:
-            raise PushError(409, f"push {self._active.push_id} is in progress; one push at "
-                                 "a time")
+        if self._intake.active is not None:  # before waiting on replays
+            raise PushError(409, f"push {self._intake.active.push_id} is in progress; one "
+                                 "push at a time")
 
         def replaying() -> list[str]:
             return [r for r, s in self._live() if s.is_replaying]
@@ -213,50 +204,14 @@ class WeightsCoordinator:
         if not await self._wait(lambda: not replaying(), self._ack_timeout_s):
             raise PushError(409, f"replica {replaying()[0]} is still loading the last push "
                                  "from the trainer's segment; retry")
-        if self._active is not None:
-            raise PushError(409, f"push {self._active.push_id} is in progress")
-        if req.target != "main" and not self._has_draft:
-            raise PushError(400, f"target: {req.target!r} needs an MTP drafter, and this "
-                                 "service runs without speculative decoding (use 'main')")
-        for role in _roles(req.target):
-            current = getattr(self, f"{role}_version")
-            if current is not None and req.version <= current:
-                raise PushError(409, f"version: {req.version} is not newer than the {role} "
-                                     f"model's version {current}")
-        try:
-            expected = validate_announcement(req, self._checkpoint)
-        except PushError as exc:
-            self._record(req, "rejected", str(exc))
-            raise
-        push = ActivePush(push_id=uuid.uuid4().hex, request=req, expected=expected)
-        self._active = push
-        asyncio.create_task(self._expire(push))
-        return wire.PushBeginResponse(push_id=push.push_id, timeout_s=self._push_timeout_s)
-
-    def _get(self, push_id: str) -> ActivePush:
-        push = self._active
-        if push is None or push.push_id != push_id:
-            raise PushError(404, f"push_id: {push_id!r} is not the active push "
-                                 f"(active: {push.push_id if push else None})")
-        if push.is_loading:
-            raise PushError(409, f"push {push_id} is already loading")
-        push.last_call_s = time.monotonic()
-        return push
+        return self._intake.begin(req, {"main": self.main_version,
+                                        "draft": self.draft_version})
 
     async def update(self, req: wire.PushUpdateRequest) -> wire.PushUpdateResponse:
-        push = self._get(req.push_id)
-        try:
-            for slot in req.tensors:
-                validate_slot(push, slot)
-                push.slots[slot.name] = slot
-        except PushError as exc:
-            self._end(push, "rejected", str(exc))
-            raise
-        return wire.PushUpdateResponse(num_received=len(push.slots),
-                                       num_expected=len(push.expected))
+        return self._intake.update(req)
 
     async def abort(self, req: wire.PushAbortRequest) -> wire.WeightStatus:
-        self._end(self._get(req.push_id), "aborted", req.reason)
+        self._intake.abort(req)
         return self.status()
 
     async def finish(self, req: wire.PushFinishRequest) -> wire.PushFinishResponse:
@@ -265,30 +220,20 @@ class WeightsCoordinator:
         Raises:
             PushError: naming the replicas that did not load it.
         """
-        push = self._get(req.push_id)
-        try:
-            missing = sorted(set(push.expected) - set(push.slots))
-            if missing:
-                raise PushError(400, f"finish: tensor {missing[0]!r} was never sent "
-                                     f"({len(missing)} missing in all)")
-            check_no_overlap(list(push.slots.values()))
-        except PushError as exc:
-            self._end(push, "rejected", str(exc))
-            raise
-        push.is_loading = True
+        push = self._intake.start_loading(req.push_id)
         async with self._lock:
             try:
                 return await self._fan_out(push)
             finally:
-                if self._active is push:
-                    self._active = None
+                if self._intake.active is push:
+                    self._intake.active = None
 
     async def _fan_out(self, push: ActivePush) -> wire.PushFinishResponse:
         req = push.request
         targets = [r for r, s in self._live() if s.is_registered
                    and s.report.status != "unavailable"]
         if not targets:
-            self._record(req, "failed", "no live replica")
+            self._intake.record(req, "failed", "no live replica")
             raise PushError(503, "no live engine replica to load the push")
         stored = StoredPush(begin=req, slots=list(push.slots.values()))
         results = await self._send(targets, Command(id=uuid.uuid4().hex, kind="load",
@@ -296,7 +241,7 @@ class WeightsCoordinator:
         loaded = [r for r in targets if results[r].ok]
         failed = {r: results[r] for r in targets if not results[r].ok}
         if loaded:
-            for role in _roles(req.target):
+            for role in roles(req.target):
                 setattr(self, f"{role}_version", req.version)
             self._last_stored = stored
         commit = Command(id=uuid.uuid4().hex, kind="commit", main_version=self.main_version,
@@ -310,15 +255,15 @@ class WeightsCoordinator:
                 detail = (f"version {req.version} loaded on {', '.join(loaded)} but not on "
                           f"{', '.join(failed)} ({names}); those refuse generation until the "
                           "next push (push a newer version to roll them forward)")
-                self._record(req, "failed", detail)
+                self._intake.record(req, "failed", detail)
                 raise PushError(500, detail)
             status = max(res.status for res in failed.values())
-            self._record(req, "rejected" if status < 500 else "failed", names)
+            self._intake.record(req, "rejected" if status < 500 else "failed", names)
             raise PushError(status, f"no replica loaded version {req.version}: {names}")
         finishes = [results[r].finish for r in loaded]
         slowest = max(finishes, key=lambda f: f.timings.total_s if f else 0.0)
         assert slowest is not None
-        self._record(req, "loaded", f"{req.total_bytes} bytes on {len(loaded)} replicas")
+        self._intake.record(req, "loaded", f"{req.total_bytes} bytes on {len(loaded)} replicas")
         return slowest.model_copy(update={"replicas": loaded})
 
     async def checksums(self) -> dict[str, dict[str, str]]:
@@ -362,8 +307,8 @@ class WeightsCoordinator:
                          for _, s in self._live() if s.is_registered)
         return wire.WeightStatus(
             main_version=self.main_version, draft_version=self.draft_version,
-            active_push_id=self._active.push_id if self._active else None,
-            consistent=consistent, last_push=self.last_push)
+            active_push_id=self._intake.active.push_id if self._intake.active else None,
+            consistent=consistent, last_push=self._intake.last_push)
 
     def replicas(self) -> list[wire.ReplicaHealth]:
         """Every replica seen lately, in registration order; gone ones marked."""
@@ -390,27 +335,3 @@ class WeightsCoordinator:
                 return False
             await asyncio.sleep(0.1)
         return True
-
-    def _record(self, req: wire.PushBeginRequest, outcome: str, detail: str) -> None:
-        self.last_push = wire.LastPush(version=req.version, target=req.target,
-                                       outcome=outcome, detail=detail)  # type: ignore[arg-type]
-        if outcome != "loaded":
-            logger.warning("weight push %s (version %d): %s", outcome, req.version, detail)
-
-    def _end(self, push: ActivePush, outcome: str, detail: str) -> None:
-        self._record(push.request, outcome, detail)
-        if self._active is push:
-            self._active = None
-
-    async def _expire(self, push: ActivePush) -> None:
-        while self._active is push and not push.is_loading:
-            remaining = push.last_call_s + self._push_timeout_s - time.monotonic()
-            if remaining <= 0:
-                self._end(push, "aborted", f"no call from the trainer for "
-                                           f"{self._push_timeout_s:g} s; nothing was loaded")
-                return
-            await asyncio.sleep(remaining)
-
-
-def _roles(target: wire.PushTarget) -> list[str]:
-    return {"main": ["main"], "draft": ["draft"], "both": ["main", "draft"]}[target]

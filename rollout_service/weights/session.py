@@ -185,6 +185,148 @@ def build_update(push: ActivePush) -> WeightUpdate:
                         push_id=push.push_id, target=req.target)
 
 
+class PushIntake:
+    """The part of a push before any byte loads: begin, buckets, abort, expiry.
+
+    Shared by the standalone service (:class:`WeightPushManager`, one engine) and the
+    Ray Serve weights coordinator (every replica), so both refuse exactly the same
+    pushes with the same messages. Its methods do not await: under asyncio each one
+    is atomic, and callers add locks only around the load itself.
+
+    Args:
+        checkpoint: the served checkpoint's tensors (names as the loader accepts).
+        timeout_s: a push with no call for this long is aborted.
+        has_draft: whether the engines serve an MTP drafter.
+        transport: the transport the engines were started with.
+        metrics: push outcome counters, or None.
+    """
+
+    def __init__(self, checkpoint: dict[str, TensorMeta], *, timeout_s: float,
+                 has_draft: bool, transport: wire.Transport = "shm",
+                 metrics: WeightMetrics | None = None) -> None:
+        self._checkpoint = checkpoint
+        self._timeout_s = timeout_s
+        self._has_draft = has_draft
+        self._transport = transport
+        self._metrics = metrics
+        self._watchdog: asyncio.Task[None] | None = None
+        self.active: ActivePush | None = None
+        self.last_push: wire.LastPush | None = None
+
+    def begin(self, req: wire.PushBeginRequest,
+              versions: dict[str, int | None]) -> wire.PushBeginResponse:
+        """Validate the announcement against the checkpoint and ``versions`` (the served
+        version per role); the push becomes :attr:`active`.
+
+        Raises:
+            PushError: 409 for a concurrent push or an old version, 400 for a bad
+                announcement (recorded as rejected).
+        """
+        if self.active is not None:
+            raise PushError(409, f"push {self.active.push_id} is in progress; one push at "
+                                 "a time")
+        if req.target != "main" and not self._has_draft:
+            raise PushError(400, f"target: {req.target!r} needs an MTP drafter, and this "
+                                 "service runs without speculative decoding (use 'main')")
+        for role in roles(req.target):
+            current = versions[role]
+            if current is not None and req.version <= current:
+                raise PushError(409, f"version: {req.version} is not newer than the {role} "
+                                     f"model's version {current}")
+        try:
+            expected = validate_announcement(req, self._checkpoint, transport=self._transport)
+        except PushError as exc:
+            self.record(req, "rejected", str(exc))
+            raise
+        self.active = ActivePush(push_id=uuid.uuid4().hex, request=req, expected=expected)
+        self._watchdog = asyncio.create_task(self._expire(self.active))
+        return wire.PushBeginResponse(push_id=self.active.push_id, timeout_s=self._timeout_s)
+
+    def get(self, push_id: str) -> ActivePush:
+        """The active push if ``push_id`` names it and it is not loading; a call resets
+        its timeout."""
+        push = self.active
+        if push is None or push.push_id != push_id:
+            raise PushError(404, f"push_id: {push_id!r} is not the active push "
+                                 f"(active: {push.push_id if push else None})")
+        if push.is_loading:
+            raise PushError(409, f"push {push_id} is already loading")
+        push.last_call_s = time.monotonic()
+        return push
+
+    def update(self, req: wire.PushUpdateRequest) -> wire.PushUpdateResponse:
+        """Record one bucket; a bad entry rejects the whole push."""
+        push = self.get(req.push_id)
+        try:
+            for slot in req.tensors:
+                validate_slot(push, slot)
+                push.slots[slot.name] = slot
+        except PushError as exc:
+            self.end(push, "rejected", str(exc))
+            raise
+        return wire.PushUpdateResponse(num_received=len(push.slots),
+                                       num_expected=len(push.expected))
+
+    def abort(self, req: wire.PushAbortRequest) -> None:
+        self.end(self.get(req.push_id), "aborted", req.reason)
+
+    def start_loading(self, push_id: str) -> ActivePush:
+        """The complete, validated push, now loading (no timeout, no further calls).
+
+        Raises:
+            PushError(400): a tensor never sent, or overlapping tensors (rejected).
+        """
+        push = self.get(push_id)
+        try:
+            missing = sorted(set(push.expected) - set(push.slots))
+            if missing:
+                raise PushError(400, f"finish: tensor {missing[0]!r} was never sent "
+                                     f"({len(missing)} missing in all)")
+            check_no_overlap(list(push.slots.values()))
+        except PushError as exc:
+            self.end(push, "rejected", str(exc))
+            raise
+        push.is_loading = True
+        if self._watchdog is not None:
+            self._watchdog.cancel()
+            self._watchdog = None
+        return push
+
+    def record(self, req: wire.PushBeginRequest, outcome: str, detail: str) -> None:
+        """Remember how a push ended (``/weights/status``), count it, log failures."""
+        self.last_push = wire.LastPush(version=req.version, target=req.target,
+                                       outcome=outcome, detail=detail)  # type: ignore[arg-type]
+        if self._metrics is not None:
+            self._metrics.count_outcome(outcome)
+        if outcome != "loaded":
+            logger.warning("weight push %s (version %d): %s", outcome, req.version, detail)
+
+    def end(self, push: ActivePush, outcome: str, detail: str) -> None:
+        """Record ``push``'s outcome; it is no longer active."""
+        self.record(push.request, outcome, detail)
+        if self.active is push:
+            self.active = None
+        if self._watchdog is not None and self._watchdog is not asyncio.current_task():
+            self._watchdog.cancel()
+        self._watchdog = None
+
+    async def _expire(self, push: ActivePush) -> None:
+        """Abort ``push`` once it has gone ``timeout_s`` without a call."""
+        while True:
+            remaining = push.last_call_s + self._timeout_s - time.monotonic()
+            if remaining <= 0:
+                break
+            await asyncio.sleep(remaining)
+        if self.active is push and not push.is_loading:
+            self.end(push, "aborted", f"no call from the trainer for {self._timeout_s:g} s; "
+                                      "nothing was loaded, the old weights are still served")
+
+
+def roles(target: wire.PushTarget) -> list[str]:
+    """The models a push target names."""
+    return {"main": ["main"], "draft": ["draft"], "both": ["main", "draft"]}[target]
+
+
 class WeightPushManager:
     """Owns the push protocol and the served weight versions of one engine.
 
@@ -201,24 +343,24 @@ class WeightPushManager:
                  metrics: WeightMetrics, *, timeout_s: float, has_draft: bool,
                  transport: wire.Transport = "shm") -> None:
         self._engine = engine
-        self._transport = transport
-        self._checkpoint = checkpoint
         self._metrics = metrics
-        self._timeout_s = timeout_s
-        self._has_draft = has_draft
+        self._intake = PushIntake(checkpoint, timeout_s=timeout_s, has_draft=has_draft,
+                                  transport=transport, metrics=metrics)
         self._lock = asyncio.Lock()
-        self._active: ActivePush | None = None
-        self._watchdog: asyncio.Task[None] | None = None
         self.main_version: int | None = None
         self.draft_version: int | None = None
         self.is_consistent = True
-        self.last_push: wire.LastPush | None = None
+
+    @property
+    def last_push(self) -> wire.LastPush | None:
+        return self._intake.last_push
 
     def status(self) -> wire.WeightStatus:
+        active = self._intake.active
         return wire.WeightStatus(
             main_version=self.main_version, draft_version=self.draft_version,
-            active_push_id=self._active.push_id if self._active else None,
-            consistent=self.is_consistent, last_push=self.last_push)
+            active_push_id=active.push_id if active else None,
+            consistent=self.is_consistent, last_push=self._intake.last_push)
 
     async def get_status(self) -> wire.WeightStatus:
         """:meth:`status` for the HTTP handler (the Ray Serve ingress's is a remote call)."""
@@ -226,93 +368,36 @@ class WeightPushManager:
 
     async def begin(self, req: wire.PushBeginRequest) -> wire.PushBeginResponse:
         async with self._lock:
-            if self._active is not None:
-                raise PushError(409, f"push {self._active.push_id} is in progress; one push "
-                                     "at a time")
-            self._check_target_and_version(req)
-            try:
-                expected = validate_announcement(req, self._checkpoint,
-                                                 transport=self._transport)
-            except PushError as exc:
-                self._record(req, "rejected", str(exc))
-                raise
-            self._active = ActivePush(push_id=uuid.uuid4().hex, request=req, expected=expected)
-            self._watchdog = asyncio.create_task(self._expire(self._active))
-            return wire.PushBeginResponse(push_id=self._active.push_id, timeout_s=self._timeout_s)
-
-    def _check_target_and_version(self, req: wire.PushBeginRequest) -> None:
-        if req.target != "main" and not self._has_draft:
-            raise PushError(400, f"target: {req.target!r} needs an MTP drafter, and this "
-                                 "service runs without speculative decoding (use 'main')")
-        for role, current in self._versions_of(req.target):
-            if current is not None and req.version <= current:
-                raise PushError(409, f"version: {req.version} is not newer than the {role} "
-                                     f"model's version {current}")
-
-    def _versions_of(self, target: wire.PushTarget) -> list[tuple[str, int | None]]:
-        roles = {"main": ["main"], "draft": ["draft"], "both": ["main", "draft"]}[target]
-        current = {"main": self.main_version, "draft": self.draft_version}
-        return [(role, current[role]) for role in roles]
-
-    def _get(self, push_id: str) -> ActivePush:
-        push = self._active
-        if push is None or push.push_id != push_id:
-            raise PushError(404, f"push_id: {push_id!r} is not the active push "
-                                 f"(active: {push.push_id if push else None})")
-        if push.is_loading:
-            raise PushError(409, f"push {push_id} is already loading")
-        push.last_call_s = time.monotonic()
-        return push
+            return self._intake.begin(req, {"main": self.main_version,
+                                            "draft": self.draft_version})
 
     async def update(self, req: wire.PushUpdateRequest) -> wire.PushUpdateResponse:
         async with self._lock:
-            push = self._get(req.push_id)
-            try:
-                for slot in req.tensors:
-                    validate_slot(push, slot)
-                    push.slots[slot.name] = slot
-            except PushError as exc:
-                self._end(push, "rejected", str(exc))
-                raise
-            return wire.PushUpdateResponse(num_received=len(push.slots),
-                                           num_expected=len(push.expected))
+            return self._intake.update(req)
 
     async def abort(self, req: wire.PushAbortRequest) -> wire.WeightStatus:
         async with self._lock:
-            push = self._get(req.push_id)
-            self._end(push, "aborted", req.reason)
+            self._intake.abort(req)
             return self.status()
 
     async def finish(self, req: wire.PushFinishRequest) -> wire.PushFinishResponse:
         async with self._lock:
-            push = self._get(req.push_id)
-            try:
-                missing = sorted(set(push.expected) - set(push.slots))
-                if missing:
-                    raise PushError(400, f"finish: tensor {missing[0]!r} was never sent "
-                                         f"({len(missing)} missing in all)")
-                check_no_overlap(list(push.slots.values()))
-            except PushError as exc:
-                self._end(push, "rejected", str(exc))
-                raise
-            push.is_loading = True
-            if self._watchdog is not None:
-                self._watchdog.cancel()
+            push = self._intake.start_loading(req.push_id)
             try:
                 timings = await self._load(push)
             except Exception as exc:
                 self.is_consistent = False
-                self._end(push, "failed", f"engine failed while loading: {exc}")
+                self._intake.end(push, "failed", f"engine failed while loading: {exc}")
                 logger.exception("weight load failed; generation refused until a full push")
                 raise PushError(500, f"the engine failed while loading; generation is refused "
                                      f"until a complete push succeeds: {exc}") from exc
             self.is_consistent = True
-            for role, _ in self._versions_of(push.request.target):
+            for role in roles(push.request.target):
                 setattr(self, f"{role}_version", push.request.version)
                 self._metrics.set_version(role, push.request.version)
             self._metrics.observe_push(push.request.total_bytes, timings.total_s)
-            self._end(push, "loaded", f"{push.request.total_bytes} bytes in "
-                                      f"{timings.total_s:.3f} s")
+            self._intake.end(push, "loaded", f"{push.request.total_bytes} bytes in "
+                                             f"{timings.total_s:.3f} s")
             return wire.PushFinishResponse(version=push.request.version,
                                            target=push.request.target,
                                            num_bytes=push.request.total_bytes, timings=timings)
@@ -342,30 +427,3 @@ class WeightPushManager:
                                 finalize_main_s=main.finalize_s, load_draft_s=draft.load_s,
                                 finalize_draft_s=draft.finalize_s, resume_s=t3 - t2,
                                 total_s=t3 - t0)
-
-    def _record(self, req: wire.PushBeginRequest, outcome: str, detail: str) -> None:
-        self.last_push = wire.LastPush(version=req.version, target=req.target,
-                                       outcome=outcome, detail=detail)  # type: ignore[arg-type]
-        self._metrics.count_outcome(outcome)
-        if outcome != "loaded":
-            logger.warning("weight push %s (version %d): %s", outcome, req.version, detail)
-
-    def _end(self, push: ActivePush, outcome: str, detail: str) -> None:
-        self._record(push.request, outcome, detail)
-        if self._active is push:
-            self._active = None
-        if self._watchdog is not None and self._watchdog is not asyncio.current_task():
-            self._watchdog.cancel()
-        self._watchdog = None
-
-    async def _expire(self, push: ActivePush) -> None:
-        """Abort ``push`` once it has gone ``timeout_s`` without a call."""
-        while True:
-            remaining = push.last_call_s + self._timeout_s - time.monotonic()
-            if remaining <= 0:
-                break
-            await asyncio.sleep(remaining)
-        async with self._lock:
-            if self._active is push and not push.is_loading:
-                self._end(push, "aborted", f"no call from the trainer for {self._timeout_s:g} s; "
-                                           "the old weights are still served")
