@@ -73,22 +73,6 @@ def perturb(tensors: StateDict, step: int) -> None:
         tensors[name].add_(2**-6 if step % 2 else -2**-6)
 
 
-def wait_healthy(proc: ServiceProcess) -> None:
-    deadline = time.monotonic() + STARTUP_TIMEOUT_S
-    while True:
-        if not proc.is_alive():
-            raise RuntimeError(f"the service exited before it became healthy; see "
-                               f"{proc.log_path}")
-        try:
-            if httpx.get(f"{proc.url}/health", timeout=5.0).status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"{proc.url} not healthy after {STARTUP_TIMEOUT_S:.0f} s")
-        time.sleep(0.5)
-
-
 def bench_push(size: str, tensors: StateDict, num_pushes: int, scratch: Path) -> Timed:
     """Mode ``a``: the shm push into a running service, main and drafter in one window."""
     token = secrets.token_hex(16)
@@ -96,7 +80,7 @@ def bench_push(size: str, tensors: StateDict, num_pushes: int, scratch: Path) ->
     config_path.write_text(json.dumps({"model": f"embedded:{size}", "weights_token": token,
                                        "engine_kwargs": ENGINE_KWARGS}))
     with ServiceProcess(scratch / "service.log", config=config_path) as proc:
-        wait_healthy(proc)
+        proc.wait_healthy(STARTUP_TIMEOUT_S)
         reports: list[PushReport] = []
         with WeightPusher(proc.url, token) as pusher:
             for version in range(1, num_pushes + 2):

@@ -5,9 +5,6 @@ Runs in the caller's process; speaks only the JSON messages of ``wire``.
 
 from __future__ import annotations
 
-import asyncio
-import time
-from collections.abc import Callable
 from types import TracebackType
 
 import httpx
@@ -63,33 +60,6 @@ class RolloutClient:
         response = await self._http.get("/metrics")
         response.raise_for_status()
         return response.text
-
-    async def wait_until_healthy(self, timeout_s: float = 300.0,
-                                 is_alive: Callable[[], bool] = lambda: True
-                                 ) -> wire.HealthResponse:
-        """Poll ``/health`` until it says ok.
-
-        Args:
-            timeout_s: give up after this long.
-            is_alive: checked each poll, so a server that died fails fast.
-
-        Raises:
-            TimeoutError: not healthy within ``timeout_s``.
-            RuntimeError: ``is_alive`` turned false.
-        """
-        deadline = time.monotonic() + timeout_s
-        while True:
-            if not is_alive():
-                raise RuntimeError("the service process exited before it became healthy")
-            try:
-                health = await self.health()
-                if health.status == "ok":
-                    return health
-            except (httpx.TransportError, ValueError):
-                pass
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"service not healthy after {timeout_s:.0f} s")
-            await asyncio.sleep(0.5)
 
 
 def _json_or_raise(response: httpx.Response) -> dict:

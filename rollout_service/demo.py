@@ -13,7 +13,6 @@ import asyncio
 import tempfile
 from pathlib import Path
 
-from prometheus_client.parser import text_string_to_metric_families
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
 from rich.table import Table
@@ -22,7 +21,7 @@ from rollout_service import wire
 from rollout_service.client import RolloutClient
 from rollout_service.launch import ServiceProcess
 from rollout_service.model.corpus import arithmetic_prompts
-from rollout_service.telemetry import summarize
+from rollout_service.telemetry import sample_sum, summarize
 
 
 def _fmt(value: float | None) -> str:
@@ -31,14 +30,8 @@ def _fmt(value: float | None) -> str:
 
 def prometheus_macro(metrics_text: str, histogram: str) -> float | None:
     """``_sum / _count`` of a histogram over all its label sets in a /metrics page."""
-    total = count = 0.0
-    for family in text_string_to_metric_families(metrics_text):
-        for sample in family.samples:
-            if sample.name == f"{histogram}_sum":
-                total += sample.value
-            elif sample.name == f"{histogram}_count":
-                count += sample.value
-    return total / count if count else None
+    count = sample_sum(metrics_text, f"{histogram}_count")
+    return sample_sum(metrics_text, f"{histogram}_sum") / count if count else None
 
 
 async def _rollout(url: str, prompts: list[str], max_tokens: int, temperature: float,
@@ -95,12 +88,13 @@ def run_demo(*, num_prompts: int, max_tokens: int, temperature: float, model: st
     log_path = Path(tempfile.mkdtemp(prefix="rollout-demo-")) / "service.log"
     with ServiceProcess(log_path, model=model) as service:
         with console.status(f"starting the service on {model} (log: {log_path})"):
-            health = asyncio.run(_wait(service))
+            service.wait_healthy(timeout_s=600)
+            health = asyncio.run(_health(service.url))
         console.print(f"service up at {service.url}: model {health.model}, "
                       f"engine {health.engine}")
         asyncio.run(_rollout(service.url, prompts, max_tokens, temperature, console))
 
 
-async def _wait(service: ServiceProcess) -> wire.HealthResponse:
-    async with RolloutClient(service.url) as client:
-        return await client.wait_until_healthy(timeout_s=600, is_alive=service.is_alive)
+async def _health(url: str) -> wire.HealthResponse:
+    async with RolloutClient(url) as client:
+        return await client.health()

@@ -15,6 +15,8 @@ import time
 from pathlib import Path
 from types import TracebackType
 
+import httpx
+
 
 def free_port() -> int:
     """A TCP port free on loopback right now."""
@@ -60,6 +62,34 @@ class ServiceProcess:
 
     def is_alive(self) -> bool:
         return self._proc is not None and self._proc.poll() is None
+
+    def wait_healthy(self, timeout_s: float = 600.0) -> None:
+        """Poll ``/health`` until its status is ``ok`` (every replica serving, for
+        ``serve-ray``).
+
+        Raises:
+            RuntimeError: the process exited first (the log's tail is in the message).
+            TimeoutError: not healthy within ``timeout_s`` (same).
+        """
+        deadline = time.monotonic() + timeout_s
+        while True:
+            if not self.is_alive():
+                raise RuntimeError(f"{self._args[3]} exited before it became healthy:\n"
+                                   f"{self.log_tail()}")
+            try:
+                if httpx.get(f"{self.url}/health", timeout=30).json().get("status") == "ok":
+                    return
+            except (httpx.TransportError, ValueError):
+                pass
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{self.url} not healthy after {timeout_s:.0f} s:\n"
+                                   f"{self.log_tail()}")
+            time.sleep(0.5)
+
+    def log_tail(self, num_lines: int = 60) -> str:
+        """The last lines of the child's log."""
+        lines = self.log_path.read_text(errors="replace").splitlines()
+        return "\n".join(lines[-num_lines:])
 
     @property
     def returncode(self) -> int | None:

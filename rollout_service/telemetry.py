@@ -275,3 +275,13 @@ class SpecDecodeMetrics:
             self.no_spec_requests.labels(**labels).inc()
         else:
             self.request_accept_rate.labels(**labels).observe(rate)
+
+
+def sample_sum(metrics_text: str, name: str, **labels: str) -> float:
+    """Sum of the samples called ``name`` whose labels include ``labels``, in a /metrics
+    page (what ``sum(name{labels})`` gives in PromQL, for one scrape)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    return sum(sample.value for family in text_string_to_metric_families(metrics_text)
+               for sample in family.samples
+               if sample.name == name and labels.items() <= sample.labels.items())

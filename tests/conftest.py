@@ -39,20 +39,32 @@ def service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServiceProcess
         "push_timeout_s": PUSH_TIMEOUT_S,
     }))
     with ServiceProcess(workdir / "service.log", config=config) as proc:
-        deadline = time.monotonic() + 600
-        while True:
-            if not proc.is_alive():
-                pytest.fail(f"service exited at startup:\n{_tail(proc.log_path)}")
-            try:
-                if httpx.get(f"{proc.url}/health", timeout=5).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            if time.monotonic() > deadline:
-                pytest.fail(f"service not healthy in time:\n{_tail(proc.log_path)}")
-            time.sleep(0.5)
+        proc.wait_healthy(timeout_s=600)
         yield proc
 
+
+
+def weights_status(service: ServiceProcess):  # noqa: ANN201 - wire.WeightStatus, lazily
+    """``GET /weights/status`` of the session's service."""
+    from rollout_service import wire
+
+    response = httpx.get(f"{service.url}/weights/status", timeout=60,
+                         headers={"authorization": f"Bearer {WEIGHTS_TOKEN}"})
+    return wire.WeightStatus.model_validate(response.json())
+
+
+def weights_checksums(service: ServiceProcess) -> dict[str, str]:
+    """SHA-256 of the served main model's and drafter's parameters."""
+    response = httpx.get(f"{service.url}/weights/checksums", timeout=60,
+                         headers={"authorization": f"Bearer {WEIGHTS_TOKEN}"})
+    return response.json()
+
+
+def served_version(service: ServiceProcess) -> int:
+    """The newest served version of main or drafter (0 before any push)."""
+    state = weights_status(service)
+    return max((v for v in (state.main_version, state.draft_version) if v is not None),
+               default=0)
 
 def _tail(path: Path, num_lines: int = 60) -> str:
     return "\n".join(path.read_text(errors="replace").splitlines()[-num_lines:])

@@ -11,7 +11,6 @@ plots them.
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import json
 import tempfile
@@ -124,17 +123,12 @@ def _checkpoint(model: str) -> Path:
 def _demo_run(console: Console, name: str, config: Path, log_path: Path,
               make_cfg: Callable[[str], LoopConfig]) -> list[StepLog]:
     """Start a fresh service, run the loop against it, stop it."""
-    from rollout_service.client import RolloutClient
     from rollout_service.launch import ServiceProcess
     from trainer_client.loop import run_loop
 
-    async def wait(service: ServiceProcess) -> None:
-        async with RolloutClient(service.url) as client:
-            await client.wait_until_healthy(timeout_s=600, is_alive=service.is_alive)
-
     with ServiceProcess(log_path, config=config) as service:
         with console.status(f"[{name}] starting the service (log: {log_path})"):
-            asyncio.run(wait(service))
+            service.wait_healthy(timeout_s=600)
         cfg = make_cfg(service.url)
         columns = (*Progress.get_default_columns()[:1], BarColumn(), MofNCompleteColumn(),
                    TimeElapsedColumn())

@@ -7,25 +7,15 @@ import asyncio
 import httpx
 import openai
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from rollout_service import wire
 from rollout_service.client import RolloutClient, ServiceError
 from rollout_service.launch import ServiceProcess
 from rollout_service.model.corpus import arithmetic_prompts
+from rollout_service.telemetry import sample_sum
 from tests.conftest import API_KEY, NUM_SPECULATIVE_TOKENS
 
 PROMPTS = [p for p, _ in arithmetic_prompts(8, seed=1)]
-
-
-def scrape(text: str, name: str, **labels: str) -> float:
-    """Sum of the samples called ``name`` whose labels include ``labels``."""
-    total = 0.0
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if sample.name == name and labels.items() <= sample.labels.items():
-                total += sample.value
-    return total
 
 
 def outputs(responses: list[wire.GenerateResponse]) -> list[wire.SequenceOutput]:
@@ -82,9 +72,9 @@ async def test_batch_summary_is_macro_over_all_sequences(client: RolloutClient) 
 
 async def _engine_counters(client: RolloutClient) -> tuple[float, float, float]:
     text = await client.metrics_text()
-    return (scrape(text, "vllm:spec_decode_num_accepted_tokens_total"),
-            scrape(text, "vllm:spec_decode_num_draft_tokens_total"),
-            scrape(text, "vllm:spec_decode_num_drafts_total"))
+    return (sample_sum(text, "vllm:spec_decode_num_accepted_tokens_total"),
+            sample_sum(text, "vllm:spec_decode_num_draft_tokens_total"),
+            sample_sum(text, "vllm:spec_decode_num_drafts_total"))
 
 
 async def test_per_request_stats_match_engine_counters(client: RolloutClient) -> None:
@@ -118,7 +108,7 @@ async def _prometheus_value(url: str, query: str) -> float | None:
 async def _prometheus_caught_up(url: str, client: RolloutClient) -> tuple[float, float]:
     """Wait until Prometheus has scraped the service's current request count."""
     name = "rollout_spec_decode_request_accept_rate"
-    want = scrape(await client.metrics_text(), "rollout_requests_total")
+    want = sample_sum(await client.metrics_text(), "rollout_requests_total")
     for _ in range(150):
         if await _prometheus_value(url, "sum(rollout_requests_total)") == want:
             return (await _prometheus_value(url, f"sum({name}_sum)"),

@@ -28,7 +28,8 @@ from rollout_service.client import RolloutClient
 from rollout_service.launch import ServiceProcess
 from rollout_service.model import ensure_model
 from rollout_service.model.corpus import arithmetic_prompts
-from tests.conftest import API_KEY, NUM_SPECULATIVE_TOKENS, WEIGHTS_TOKEN, _tail, run_prometheus
+from rollout_service.telemetry import sample_sum
+from tests.conftest import API_KEY, NUM_SPECULATIVE_TOKENS, WEIGHTS_TOKEN, run_prometheus
 from trainer_client.push import PushRejected, WeightPusher
 
 NUM_REPLICAS = 2
@@ -69,19 +70,7 @@ def ray_service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServicePro
     config.write_text(json.dumps(CONFIG))
     with ServiceProcess(workdir / "serve.log", config=config, command="serve-ray",
                         extra_args=("--num-cpus", "2")) as proc:
-        deadline = time.monotonic() + 600
-        while True:
-            if not proc.is_alive():
-                pytest.fail(f"serve-ray exited at startup:\n{_tail(proc.log_path)}")
-            try:
-                body = health(proc.url)
-                if body.get("status") == "ok":
-                    break
-            except (httpx.TransportError, ValueError):
-                pass
-            if time.monotonic() > deadline:
-                pytest.fail(f"serve-ray not healthy in time:\n{_tail(proc.log_path)}")
-            time.sleep(1.0)
+        proc.wait_healthy(timeout_s=600)
         yield proc
 
 
@@ -115,10 +104,8 @@ def _direct(url: str) -> dict[str, float]:
     totals = dict.fromkeys(MACRO_PARTS, 0.0)
     for group in httpx.get(f"{url}/metrics/targets", timeout=30).json():
         text = httpx.get(f"http://{group['targets'][0]}/metrics", timeout=30).text
-        for line in text.splitlines():
-            name = line.split("{")[0].split(" ")[0]
-            if name in totals:
-                totals[name] += float(line.rsplit(" ", 1)[1])
+        for name in totals:
+            totals[name] += sample_sum(text, name)
     return totals
 
 
@@ -274,7 +261,7 @@ async def test_a_replica_whose_engine_dies_is_replaced_and_catches_up(
             if body["status"] == "ok" and fresh and fresh[0]["status"] == "ok":
                 break
             assert time.monotonic() < deadline, (
-                f"no replacement in time: {body}\n{_tail(ray_service.log_path)}")
+                f"no replacement in time: {body}\n{ray_service.log_tail()}")
             await asyncio.sleep(1.0)
     assert "degraded" in statuses, statuses
     assert victim_states & {"unavailable", "gone"}, victim_states

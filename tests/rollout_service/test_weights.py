@@ -22,7 +22,9 @@ from rollout_service.client import RolloutClient, ServiceError
 from rollout_service.launch import ServiceProcess
 from rollout_service.model import ensure_model
 from rollout_service.weights.shm import Segment
-from tests.conftest import PUSH_TIMEOUT_S, WEIGHTS_TOKEN
+from tests.conftest import PUSH_TIMEOUT_S, WEIGHTS_TOKEN, served_version
+from tests.conftest import weights_checksums as checksums
+from tests.conftest import weights_status as status
 from trainer_client.push import (
     PushRejected,
     WeightPusher,
@@ -53,20 +55,8 @@ def http(service: ServiceProcess, token: str | None = WEIGHTS_TOKEN) -> httpx.Cl
     return httpx.Client(base_url=service.url, headers=headers, timeout=60)
 
 
-def status(service: ServiceProcess) -> wire.WeightStatus:
-    with http(service) as c:
-        return wire.WeightStatus.model_validate(c.get("/weights/status").json())
-
-
-def checksums(service: ServiceProcess) -> dict[str, str]:
-    with http(service) as c:
-        return c.get("/weights/checksums").json()
-
-
 def next_version(service: ServiceProcess) -> int:
-    versions = [v for v in (status(service).main_version, status(service).draft_version)
-                if v is not None]
-    return max(versions, default=0) + 1
+    return served_version(service) + 1
 
 
 @pytest.fixture(scope="module")

@@ -11,15 +11,15 @@ import math
 from collections.abc import Iterator
 from pathlib import Path
 
-import httpx
 import pytest
 import torch
 from safetensors.torch import load_file
 
-from rollout_service import wire
 from rollout_service.launch import ServiceProcess
 from rollout_service.model import ensure_model
-from tests.conftest import API_KEY, WEIGHTS_TOKEN
+from tests.conftest import API_KEY, WEIGHTS_TOKEN, served_version
+from tests.conftest import weights_checksums as checksums
+from tests.conftest import weights_status as status
 from trainer_client.batch import Rollout, pack_padded
 from trainer_client.loop import LoopConfig, StepLog, policy_gradient_loss, reward, run_loop
 from trainer_client.push import WeightPusher
@@ -27,24 +27,6 @@ from trainer_client.push import WeightPusher
 pytest.importorskip("vllm", reason="needs the vLLM engine (the service or the drafter)")
 
 NUM_STEPS = 3
-
-
-def status(service: ServiceProcess) -> wire.WeightStatus:
-    response = httpx.get(f"{service.url}/weights/status", timeout=30,
-                         headers={"authorization": f"Bearer {WEIGHTS_TOKEN}"})
-    return wire.WeightStatus.model_validate(response.json())
-
-
-def served_version(service: ServiceProcess) -> int:
-    state = status(service)
-    return max((v for v in (state.main_version, state.draft_version) if v is not None),
-               default=0)
-
-
-def checksums(service: ServiceProcess) -> dict[str, str]:
-    response = httpx.get(f"{service.url}/weights/checksums", timeout=60,
-                         headers={"authorization": f"Bearer {WEIGHTS_TOKEN}"})
-    return response.json()
 
 
 @pytest.fixture
