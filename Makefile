@@ -27,7 +27,7 @@ $(STAMP): pyproject.toml
 # (drafter synced every step vs never), with a plot of the macro accept rate.
 demo: venv
 	$(BIN)/rollout-service demo
-	$(BIN)/trainer-client demo --plot mtp-demo.png
+	$(BIN)/rollout-service rl-demo --plot mtp-demo.png
 
 # The tests scrape the service with a real Prometheus server (Debian package).
 prometheus:
@@ -39,7 +39,7 @@ test: venv prometheus
 	$(BIN)/python -m pytest -q
 
 bench-serving: venv
-	$(BIN)/python bench/serving.py
+	$(BIN)/python -m bench.serving
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import math
-import socket
 import statistics
 import time
 from collections.abc import Callable
@@ -30,7 +29,8 @@ from typing import Any
 
 import torch
 
-from trainer_client.padding import padding_overhead
+from bench.padding_rules import padding_overhead
+from rollout_service.tools.launch import free_port
 
 HF_CONFIG: dict[str, Any] = {
     "architectures": ["MiMoForCausalLM"], "model_type": "qwen2", "hidden_size": 2048,
@@ -136,10 +136,8 @@ def gpu_table(batch: int, seq: int, steps: int, warmup: int) -> None:
     from megatron.core import parallel_state, tensor_parallel
 
     torch.backends.cuda.matmul.allow_tf32 = True
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        address = f"tcp://127.0.0.1:{sock.getsockname()[1]}"
-    dist.init_process_group("nccl", init_method=address, rank=0, world_size=1)
+    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0,
+                            world_size=1)
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=1)
     tensor_parallel.model_parallel_cuda_manual_seed(0)
     batches = [make_batch(batch, seq, seed=i) for i in range(warmup + steps)]

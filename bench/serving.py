@@ -1,30 +1,33 @@
 """Serving throughput: this service vs vLLM's ``AsyncLLM`` and vLLM's own OpenAI server.
 
-Runs in the caller's terminal process. One engine config (the service's: its
-``ServiceConfig`` resolved and turned into ``AsyncEngineArgs`` by the service's
-own ``build_engine_args``) and one workload go through three modes, one after
-another, each stopped before the next starts:
+Runs in the caller's terminal process. One engine config (the service's own
+``build_engine_args``) and one workload go through up to three modes, all
+running at once and measured round by round in rotating order, so drift in the
+machine (clocks, other load) hits every mode alike:
 
 - ``asyncllm``: ``AsyncLLM`` in this process (it spawns its engine-core process);
-  the requests are sent with ``asyncio.gather``.
-- ``service``: ``rollout-service serve`` as a child process, with that config
-  written to a JSON file, reached with httpx posts to ``/generate``.
+  requests sent with ``asyncio.gather``: the engine's own ceiling.
+- ``service``: ``rollout-service serve`` as a child process, reached with httpx
+  posts to ``/generate``.
 - ``vllm-server``: ``python -m vllm.entrypoints.openai.api_server`` as a child
-  process, with the same engine args as CLI flags (every ``AsyncEngineArgs``
-  field that differs from its default), reached with httpx posts to
-  ``/v1/completions``.
+  process with the same engine args as CLI flags, reached with ``/v1/completions``.
 
-Workload: ``--num-requests`` prompts from ``arithmetic_prompts``, all in flight at
-once, n=1 each, ``ignore_eos`` so every request yields exactly ``--max-tokens``
-tokens, temperature 1.0 (``--temperature``) with seed i for request i (the same
-seeds every round and mode, so every round samples the same sequences; RL
-rollouts sample rather than decode greedily). Each mode runs one untimed warm-up round, then
-``--rounds`` timed rounds; a round's rate is the generated tokens (counted from
-the responses) over its wall time, and the table shows the median. The ratios
-service/asyncllm (the HTTP + service overhead; target >= 0.95) and
-service/vllm-server (target >= 1.0) are printed with their targets.
+Workload: ``--concurrency`` requests in flight at once (each level measured on
+its own), prompts from the embedded corpus, n=1, ``ignore_eos`` so every request
+yields exactly ``--max-tokens`` tokens, temperature 1.0 with seed i for request i.
+Each mode runs one untimed warm-up round per level, then ``--rounds`` timed
+rounds. A round's rate is the tokens generated (counted from the responses) over
+its wall time. The table shows each mode's median and range, and each ratio's
+median over the rounds with its range (a round's ratio pairs the two modes'
+rates of that round).
 
-    python -m bench.serving --model embedded:tiny --num-requests 16 --max-tokens 32 --rounds 2
+On a GPU (``--device cuda``, the default when CUDA is present) every engine gets
+``--gpu-memory-utilization`` and bf16; on the CPU the embedded defaults.
+``--profile-service DIR`` samples the service process with py-spy during the
+timed rounds (collapsed stacks, read with ``bench/profile_summary.py``).
+
+    python -m bench.serving --model embedded:tiny --concurrency 16 --max-tokens 32 --rounds 2
+    python -m bench.serving --model embedded:small --concurrency 128,512 --max-tokens 256
 """
 
 from __future__ import annotations
@@ -34,7 +37,6 @@ import asyncio
 import dataclasses
 import json
 import os
-import signal
 import statistics
 import subprocess
 import sys
@@ -48,60 +50,39 @@ import httpx
 from rich.console import Console
 from rich.table import Table
 
-from rollout_service import wire
 from rollout_service.config import ServiceConfig, load_config
-from rollout_service.launch import free_port
-from rollout_service.model.corpus import arithmetic_prompts
+from rollout_service.embedded.corpus import arithmetic_prompts
+from rollout_service.protocol import messages
+from rollout_service.tools.launch import ChildProcess, free_port, wait_http_ok
 
 MODES = ("asyncllm", "service", "vllm-server")
-TARGETS = {("service", "asyncllm"): 0.95, ("service", "vllm-server"): 1.0}
+RATIOS = (("service", "asyncllm", 0.90), ("service", "vllm-server", 1.0))
+"""(numerator, denominator, target) of each printed ratio."""
 STARTUP_TIMEOUT_S = 900.0
 HTTP_TIMEOUT_S = 1800.0
+
+RoundFn = Callable[[int], Awaitable[int]]
+"""``run_round(concurrency) -> tokens generated``."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
 class Workload:
-    """What every mode runs: all prompts concurrently, ``num_rounds`` timed times."""
+    """What every mode runs."""
 
     prompts: tuple[str, ...]
+    """One prompt per request slot; a round at concurrency c sends the first c."""
     max_tokens: int
     temperature: float
-    num_rounds: int
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
-class ModeResult:
-    """One mode's start-up time and per-round throughput."""
-
-    startup_s: float
-    num_tokens_per_round: int
-    tokens_per_s: tuple[float, ...]
-
-    @property
-    def median_tokens_per_s(self) -> float:
-        return statistics.median(self.tokens_per_s)
-
-
-async def measure(run_round: Callable[[], Awaitable[int]], workload: Workload,
-                  startup_s: float) -> ModeResult:
-    """One warm-up round, then the timed rounds; ``run_round`` returns tokens generated."""
-    await run_round()
-    rates, num_tokens = [], 0
-    for _ in range(workload.num_rounds):
-        start = time.perf_counter()
-        num_tokens = await run_round()
-        rates.append(num_tokens / (time.perf_counter() - start))
-    return ModeResult(startup_s=startup_s, num_tokens_per_round=num_tokens,
-                      tokens_per_s=tuple(rates))
 
 
 def engine_args(cfg: ServiceConfig) -> Any:
     """The ``AsyncEngineArgs`` the service builds for this config."""
-    from rollout_service.engines.vllm import build_engine_args
-    from rollout_service.speculative import load_checkpoint_config
+    from rollout_service.local import engine_spec
+    from rollout_service.engines.vllm.engine import build_engine_args
 
-    model_path, kwargs = cfg.resolve_model()
-    return build_engine_args(model_path, kwargs, cfg.mtp, load_checkpoint_config(model_path))
+    spec = engine_spec(cfg)
+    return build_engine_args(spec.model_path, spec.engine_kwargs, spec.mtp,
+                             spec.checkpoint_config, served_model_name=spec.served_model_name)
 
 
 def non_default_engine_args(args: Any) -> dict[str, Any]:
@@ -127,195 +108,250 @@ def cli_flags(kwargs: dict[str, Any]) -> list[str]:
     return flags
 
 
-async def bench_asyncllm(cfg: ServiceConfig, workload: Workload) -> ModeResult:
+async def start_asyncllm(cfg: ServiceConfig, workload: Workload) -> tuple[RoundFn, Callable]:
+    """``AsyncLLM`` in this process; returns its round function and its shutdown."""
     from vllm import SamplingParams
     from vllm.sampling_params import RequestOutputKind
     from vllm.v1.engine.async_llm import AsyncLLM
 
-    start = time.perf_counter()
-    llm = AsyncLLM.from_engine_args(engine_args(cfg))
-    startup_s = time.perf_counter() - start
-    num_calls = 0
+    engine = AsyncLLM.from_engine_args(engine_args(cfg))
+    calls = 0
 
-    async def one(i: int, prompt: str, request_id: str) -> int:
+    async def one(i: int, request_id: str) -> int:
         params = SamplingParams(n=1, max_tokens=workload.max_tokens,
                                 temperature=workload.temperature, seed=i, ignore_eos=True,
                                 output_kind=RequestOutputKind.FINAL_ONLY)
         final = None
-        async for output in llm.generate(prompt, params, request_id):
+        async for output in engine.generate(workload.prompts[i], params, request_id):
             final = output
         assert final is not None and final.finished
         return len(final.outputs[0].token_ids)
 
-    async def run_round() -> int:
-        nonlocal num_calls
-        num_calls += 1
-        counts = await asyncio.gather(*(one(i, p, f"bench-{num_calls}-{i}")
-                                        for i, p in enumerate(workload.prompts)))
-        return sum(counts)
+    async def run_round(concurrency: int) -> int:
+        nonlocal calls
+        calls += 1
+        return sum(await asyncio.gather(*(one(i, f"bench-{calls}-{i}")
+                                          for i in range(concurrency))))
 
-    try:
-        return await measure(run_round, workload, startup_s)
-    finally:
-        llm.shutdown()
-        # Something in vLLM keeps this frame alive; without the del, AsyncLLM.__del__
-        # shuts down again at interpreter exit and raises there.
-        del llm
+    return run_round, engine.shutdown
 
 
-async def wait_healthy(url: str, is_alive: Callable[[], bool], log_path: Path) -> None:
-    """Poll ``url`` until it answers 200; fail fast if the process died."""
-    deadline = time.monotonic() + STARTUP_TIMEOUT_S
-    async with httpx.AsyncClient(timeout=5.0) as http:
-        while True:
-            if not is_alive():
-                raise RuntimeError(f"server exited before it became healthy; see {log_path}")
-            try:
-                if (await http.get(url)).status_code == 200:
-                    return
-            except httpx.TransportError:
-                pass
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"{url} not healthy after {STARTUP_TIMEOUT_S:.0f} s")
-            await asyncio.sleep(0.5)
+class HttpMode:
+    """A server in a child process and the client that drives it."""
+
+    def __init__(self, server: ChildProcess, url: str, path: str,
+                 body: Callable[[int], dict[str, Any]], count: Callable[[dict[str, Any]], int],
+                 max_concurrency: int) -> None:
+        self.server, self.url, self._path, self._body, self._count = (server, url, path, body,
+                                                                       count)
+        # One kept-alive connection per request in flight: no connection is opened
+        # during a timed round once the warm-up has opened them.
+        limits = httpx.Limits(max_connections=max_concurrency,
+                              max_keepalive_connections=max_concurrency)
+        self._http = httpx.AsyncClient(base_url=url, limits=limits, timeout=HTTP_TIMEOUT_S)
+
+    async def _one(self, i: int) -> int:
+        response = await self._http.post(self._path, json=self._body(i))
+        if response.is_error:
+            raise RuntimeError(f"{self._path}: HTTP {response.status_code}: {response.text}")
+        return self._count(response.json())
+
+    async def run_round(self, concurrency: int) -> int:
+        return sum(await asyncio.gather(*(self._one(i) for i in range(concurrency))))
+
+    async def close(self) -> None:
+        await self._http.aclose()
+        self.server.stop()
 
 
-class ChildServer:
-    """A server command run in its own process group; ``stop`` ends the whole group."""
-
-    def __init__(self, args: list[str], log_path: Path) -> None:
-        self.log_path = log_path
-        with log_path.open("wb") as log:
-            self._proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT,
-                                          start_new_session=True)
-
-    def is_alive(self) -> bool:
-        return self._proc.poll() is None
-
-    def stop(self, timeout_s: float = 60.0) -> None:
-        if not self.is_alive():
-            return
-        os.killpg(self._proc.pid, signal.SIGTERM)
-        try:
-            self._proc.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            os.killpg(self._proc.pid, signal.SIGKILL)
-            self._proc.wait()
-
-
-async def bench_server(cmd: list[str], log_path: Path, workload: Workload, path: str,
-                       body: Callable[[int, str], dict[str, Any]],
-                       count: Callable[[dict[str, Any]], int],
-                       headers: dict[str, str]) -> ModeResult:
-    """Start ``cmd`` on a free port; each round posts ``body(i, prompt)`` for every prompt
-    to ``path`` concurrently and sums ``count(response)``, the tokens generated."""
+async def start_http(mode: str, cfg: ServiceConfig, workload: Workload, scratch: Path,
+                     max_concurrency: int) -> HttpMode:
+    """Start the service or vLLM's server on a free port; wait until it is healthy."""
     port = free_port()
-    start = time.perf_counter()
-    server = ChildServer([*cmd, "--host", "127.0.0.1", "--port", str(port)], log_path)
-    try:
-        url = f"http://127.0.0.1:{port}"
-        await wait_healthy(f"{url}/health", server.is_alive, log_path)
-        startup_s = time.perf_counter() - start
-        limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
-        async with httpx.AsyncClient(base_url=url, headers=headers, limits=limits,
-                                     timeout=HTTP_TIMEOUT_S) as http:
-
-            async def one(i: int, prompt: str) -> int:
-                response = await http.post(path, json=body(i, prompt))
-                if response.is_error:
-                    raise RuntimeError(f"{path}: HTTP {response.status_code}: {response.text}")
-                return count(response.json())
-
-            async def run_round() -> int:
-                return sum(await asyncio.gather(*(one(i, p)
-                                                  for i, p in enumerate(workload.prompts))))
-
-            return await measure(run_round, workload, startup_s)
-    finally:
-        server.stop()
-
-
-def run_mode(mode: str, cfg: ServiceConfig, workload: Workload, scratch: Path) -> ModeResult:
-    """Run one mode to the end: its engine or server is shut down when this returns."""
-    if mode == "asyncllm":
-        return asyncio.run(bench_asyncllm(cfg, workload))
+    url = f"http://127.0.0.1:{port}"
+    address = ["--host", "127.0.0.1", "--port", str(port)]
     if mode == "service":
         config_path = scratch / "service.json"
         config_path.write_text(cfg.model_dump_json(exclude={"api_key"}))
-        api_key = cfg.resolved_api_key()
-        return asyncio.run(bench_server(
-            [sys.executable, "-m", "rollout_service.cli", "serve", "--config", str(config_path)],
-            scratch / "service.log", workload, "/generate",
-            body=lambda i, prompt: wire.GenerateRequest(
-                prompt=prompt, max_tokens=workload.max_tokens, temperature=workload.temperature,
-                seed=i, ignore_eos=True).model_dump(exclude_none=True),
-            count=lambda response: len(response["outputs"][0]["token_ids"]),
-            headers={"authorization": f"Bearer {api_key}"} if api_key else {}))
-    kwargs = non_default_engine_args(engine_args(cfg))
-    return asyncio.run(bench_server(
-        [sys.executable, "-m", "vllm.entrypoints.openai.api_server", *cli_flags(kwargs)],
-        scratch / "vllm-server.log", workload, "/v1/completions",
-        body=lambda i, prompt: {
-            "model": kwargs["model"], "prompt": prompt, "max_tokens": workload.max_tokens,
-            "temperature": workload.temperature, "seed": i, "ignore_eos": True},
-        count=lambda response: response["usage"]["completion_tokens"], headers={}))
+        cmd = [sys.executable, "-m", "rollout_service.cli", "serve", "--config",
+               str(config_path), *address]
+
+        def body(i: int) -> dict[str, Any]:
+            return messages.GenerateRequest(
+                prompt=workload.prompts[i], max_tokens=workload.max_tokens,
+                temperature=workload.temperature, seed=i, ignore_eos=True,
+            ).model_dump(exclude_none=True)
+
+        def count(response: dict[str, Any]) -> int:
+            return len(response["outputs"][0]["token_ids"])
+
+        path = "/generate"
+    else:
+        kwargs = non_default_engine_args(engine_args(cfg))
+        model = kwargs["model"]
+        kwargs.setdefault("tokenizer", model)  # offline machines: no hub look-up
+        cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+               *cli_flags(kwargs), *address]
+
+        def body(i: int) -> dict[str, Any]:
+            return {"model": kwargs.get("served_model_name", model),
+                    "prompt": workload.prompts[i], "max_tokens": workload.max_tokens,
+                    "temperature": workload.temperature, "seed": i, "ignore_eos": True}
+
+        def count(response: dict[str, Any]) -> int:
+            return response["usage"]["completion_tokens"]
+
+        path = "/v1/completions"
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    server = ChildProcess(cmd, scratch / f"{mode}.log", env=env)
+    try:
+        await asyncio.to_thread(wait_http_ok, f"{url}/health", server, STARTUP_TIMEOUT_S)
+    except BaseException:
+        server.stop()
+        raise
+    return HttpMode(server, url, path, body, count, max_concurrency)
 
 
-def print_report(console: Console, cfg: ServiceConfig, workload: Workload,
-                 results: dict[str, ModeResult]) -> None:
-    kwargs = non_default_engine_args(engine_args(cfg))
-    console.print(f"model: {cfg.model} ({kwargs.pop('model')})")
-    console.print(f"engine args (non-default): {kwargs}")
-    console.print(f"workload: {len(workload.prompts)} concurrent requests x "
-                  f"{workload.max_tokens} tokens, n=1, ignore_eos, temperature "
-                  f"{workload.temperature}, seed i per request; 1 warm-up + "
-                  f"{workload.num_rounds} timed rounds")
-    table = Table("mode", "median tok/s", "rounds tok/s", "tokens/round", "startup s")
-    for mode, result in results.items():
-        table.add_row(mode, f"{result.median_tokens_per_s:.1f}",
-                      " ".join(f"{r:.1f}" for r in result.tokens_per_s),
-                      str(result.num_tokens_per_round), f"{result.startup_s:.1f}")
+@dataclasses.dataclass(kw_only=True, slots=True)
+class Rates:
+    """Per-round tokens/s of each mode at one concurrency, in round order."""
+
+    by_mode: dict[str, list[float]] = dataclasses.field(default_factory=dict)
+
+    def add(self, mode: str, rate: float) -> None:
+        self.by_mode.setdefault(mode, []).append(rate)
+
+
+async def measure(rounds: dict[str, RoundFn], concurrency: int, num_rounds: int,
+                  console: Console) -> Rates:
+    """A warm-up round per mode, then ``num_rounds`` rounds with the modes' order rotated."""
+    modes = list(rounds)
+    for mode in modes:
+        await rounds[mode](concurrency)
+    rates = Rates()
+    for r in range(num_rounds):
+        order = modes[r % len(modes):] + modes[:r % len(modes)]
+        for mode in order:
+            start = time.perf_counter()
+            tokens = await rounds[mode](concurrency)
+            rates.add(mode, tokens / (time.perf_counter() - start))
+        console.print(f"  c={concurrency} round {r + 1}: " + ", ".join(
+            f"{m} {rates.by_mode[m][-1]:.0f}" for m in modes) + " tok/s")
+    return rates
+
+
+def spread(values: list[float]) -> str:
+    return f"{min(values):.3g}-{max(values):.3g}"
+
+
+def print_report(console: Console, results: dict[int, Rates], workload: Workload,
+                 num_rounds: int) -> None:
+    console.print(f"workload: {workload.max_tokens} tokens per request, n=1, ignore_eos, "
+                  f"temperature {workload.temperature}; 1 warm-up + {num_rounds} timed rounds "
+                  "per mode, modes interleaved")
+    table = Table("concurrency", "mode", "median tok/s", "range tok/s")
+    ratios = Table("concurrency", "ratio", "median", "range", "target", "met")
+    for concurrency, rates in results.items():
+        for mode, values in rates.by_mode.items():
+            table.add_row(str(concurrency), mode, f"{statistics.median(values):.0f}",
+                          spread(values))
+        for num, den, target in RATIOS:
+            if num in rates.by_mode and den in rates.by_mode:
+                per_round = [a / b for a, b in zip(rates.by_mode[num], rates.by_mode[den])]
+                median = statistics.median(per_round)
+                ratios.add_row(str(concurrency), f"{num} / {den}", f"{median:.3f}",
+                               spread(per_round), f">= {target}",
+                               "yes" if median >= target else "NO")
     console.print(table)
-    ratios = Table("ratio", "value", "target", "met")
-    for (num, den), target in TARGETS.items():
-        if num in results and den in results:
-            ratio = results[num].median_tokens_per_s / results[den].median_tokens_per_s
-            ratios.add_row(f"{num} / {den}", f"{ratio:.3f}", f">= {target}",
-                           "yes" if ratio >= target else "NO")
-    if ratios.row_count:
-        console.print(ratios)
+    console.print(ratios)
+
+
+def build_config(opts: argparse.Namespace) -> ServiceConfig:
+    overrides: dict[str, Any] = {"mtp": {"num_speculative_tokens": opts.num_speculative_tokens}}
+    if opts.device == "cuda":
+        overrides["engine_kwargs"] = {"dtype": "bfloat16",
+                                      "gpu_memory_utilization": opts.gpu_memory_utilization}
+    return load_config(model=opts.model, **overrides)
+
+
+async def run(opts: argparse.Namespace, console: Console) -> dict[int, Rates]:
+    cfg = build_config(opts)
+    modes = opts.modes.split(",")
+    levels = [int(c) for c in opts.concurrency.split(",")]
+    prompts = tuple(p for p, _ in arithmetic_prompts(max(levels)))
+    workload = Workload(prompts=prompts, max_tokens=opts.max_tokens,
+                        temperature=opts.temperature)
+    scratch = Path(opts.logs or tempfile.mkdtemp(prefix="bench-serving-"))
+    scratch.mkdir(parents=True, exist_ok=True)
+    console.print(f"logs: {scratch}\nengine args (non-default): "
+                  f"{non_default_engine_args(engine_args(cfg))}")
+    rounds: dict[str, RoundFn] = {}
+    closers: list[Callable[[], Awaitable[None]]] = []
+    profiler: subprocess.Popen[bytes] | None = None
+    try:
+        for mode in modes:  # all up at once; the servers start first (own processes)
+            console.print(f"starting {mode} ...")
+            if mode == "asyncllm":
+                run_round, shutdown = await start_asyncllm(cfg, workload)
+
+                async def close(shutdown: Callable = shutdown) -> None:
+                    shutdown()
+            else:
+                http = await start_http(mode, cfg, workload, scratch, max(levels))
+                run_round, close = http.run_round, http.close
+                if mode == "service" and opts.profile_service:
+                    profiler = start_profiler(http.server.pid, Path(opts.profile_service))
+            rounds[mode] = run_round
+            closers.append(close)
+        return {c: await measure(rounds, c, opts.rounds, console) for c in levels}
+    finally:
+        if profiler is not None:
+            profiler.terminate()
+            profiler.wait(timeout=60)
+        for close in closers:
+            await close()
+
+
+def start_profiler(pid: int, out_dir: Path) -> subprocess.Popen[bytes]:
+    """py-spy sampling the service process (and its children) until terminated."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    return subprocess.Popen(
+        ["py-spy", "record", "--pid", str(pid), "--format", "raw", "--rate", "200",
+         "--output", str(out_dir / "service.collapsed.txt"), "--threads"],
+        stdout=(out_dir / "py-spy.log").open("wb"), stderr=subprocess.STDOUT)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="embedded:small",
-                        help="embedded:small, embedded:tiny or a checkpoint directory")
-    parser.add_argument("--num-requests", type=int, default=64)
+                        help="embedded:<size> (tiny, small, 1b, 7b) or a checkpoint directory")
+    parser.add_argument("--concurrency", default="64",
+                        help="comma-separated levels of requests in flight")
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--rounds", type=int, default=3, help="timed rounds per mode")
     parser.add_argument("--num-speculative-tokens", type=int, default=1)
     parser.add_argument("--temperature", type=float, default=1.0, help="0 decodes greedily")
     parser.add_argument("--modes", default=",".join(MODES),
                         help=f"comma-separated subset of {','.join(MODES)}")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default=None,
+                        help="default: cuda when torch sees a GPU")
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.25,
+                        help="per engine, on the GPU (all modes run at once)")
+    parser.add_argument("--logs", default=None, help="directory for server logs")
+    parser.add_argument("--profile-service", default=None,
+                        help="directory for a py-spy profile of the service process")
     opts = parser.parse_args()
-    modes = opts.modes.split(",")
-    unknown = sorted(set(modes) - set(MODES))
-    if unknown or opts.rounds < 1 or opts.num_requests < 1:
-        parser.error(f"bad --modes {unknown}" if unknown else "--rounds and --num-requests >= 1")
-    cfg = load_config(model=opts.model, mtp={"num_speculative_tokens": opts.num_speculative_tokens})
-    prompts = tuple(p for p, _ in arithmetic_prompts(opts.num_requests))
-    workload = Workload(prompts=prompts, max_tokens=opts.max_tokens,
-                        temperature=opts.temperature,
-                        num_rounds=opts.rounds)
+    unknown = sorted(set(opts.modes.split(",")) - set(MODES))
+    if unknown or opts.rounds < 1:
+        parser.error(f"bad --modes {unknown}" if unknown else "--rounds must be >= 1")
+    if opts.device is None:
+        import torch
+
+        opts.device = "cuda" if torch.cuda.is_available() else "cpu"
     console = Console()
-    scratch = Path(tempfile.mkdtemp(prefix="bench-serving-"))
-    console.print(f"logs: {scratch}")
-    results: dict[str, ModeResult] = {}
-    for mode in modes:
-        console.print(f"[bold]{mode}[/bold] ...")
-        results[mode] = run_mode(mode, cfg, workload, scratch)
-        console.print(f"  median {results[mode].median_tokens_per_s:.1f} tok/s")
-    print_report(console, cfg, workload, results)
+    results = asyncio.run(run(opts, console))
+    print_report(console, results, Workload(prompts=(), max_tokens=opts.max_tokens,
+                                            temperature=opts.temperature), opts.rounds)
 
 
 if __name__ == "__main__":

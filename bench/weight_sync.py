@@ -45,13 +45,14 @@ from rich.console import Console
 from rich.table import Table
 from safetensors.torch import load_file, save_file
 
-from rollout_service import wire
 from rollout_service.config import EMBEDDED_ENGINE_KWARGS
-from rollout_service.launch import ServiceProcess
-from rollout_service.model import ensure_model
+from rollout_service.embedded import ensure_model
+from rollout_service.protocol import messages
+from rollout_service.tools.launch import ServiceProcess
 from trainer_client.push import PushReport, WeightPusher
 
 MODES = ("a", "b", "c")
+DISK_RELOAD_EXTENSION = "bench.disk_reload.DiskReloadExtension"
 ENGINE_KWARGS = {"dtype": "bfloat16"}
 STARTUP_TIMEOUT_S = 900.0
 TARGET_SPEEDUP = 2.0
@@ -86,7 +87,7 @@ def bench_push(size: str, tensors: StateDict, num_pushes: int, scratch: Path) ->
             for version in range(1, num_pushes + 2):
                 perturb(tensors, version)
                 reports.append(pusher.push(tensors.items(), version=version, target="both"))
-        status = wire.WeightStatus.model_validate(httpx.get(
+        status = messages.WeightStatus.model_validate(httpx.get(
             f"{proc.url}/weights/status", headers={"authorization": f"Bearer {token}"}).json())
     last = num_pushes + 1
     if (status.main_version, status.draft_version) != (last, last):
@@ -115,10 +116,11 @@ async def bench_disk(model_path: Path, tensors: StateDict, num_pushes: int,
     """Mode ``b``: save a safetensors checkpoint, reload main and drafter from it."""
     from vllm.v1.engine.async_llm import AsyncLLM
 
-    from rollout_service.engines.vllm import build_engine_args
-    from rollout_service.speculative import MTPSettings, load_checkpoint_config
+    from rollout_service.engines.speculative import MTPSettings, load_checkpoint_config
+    from rollout_service.engines.vllm.engine import build_engine_args
 
-    args = build_engine_args(str(model_path), {**EMBEDDED_ENGINE_KWARGS, **ENGINE_KWARGS},
+    args = build_engine_args(str(model_path), {**EMBEDDED_ENGINE_KWARGS, **ENGINE_KWARGS,
+                                               "worker_extension_cls": DISK_RELOAD_EXTENSION},
                              MTPSettings(), load_checkpoint_config(model_path))
     llm = AsyncLLM.from_engine_args(args)
     runs: list[tuple[float, float, float, float]] = []

@@ -1,9 +1,11 @@
-"""``rollout-service`` command line: ``serve``, ``serve-ray``, ``demo``, ``look``, ``make-model``.
+"""``rollout-service`` command line.
 
 ``serve`` runs the service standalone under uvicorn in this process (the engine
 spawns its own worker process); ``serve-ray`` deploys it on Ray Serve with N
-engine replicas (``serve.py``). ``demo`` starts ``serve`` as a child process and
-talks to it over HTTP, as a trainer would.
+engine replicas (``serve/``). The rest are tools (``tools/``): ``demo`` and
+``rl-demo`` start ``serve`` as a child process and talk to it over HTTP, as a
+trainer would; ``look`` renders Prometheus's view of it; ``make-model`` builds
+the embedded checkpoint.
 """
 
 from __future__ import annotations
@@ -14,6 +16,8 @@ from typing import Annotated, Optional
 
 import typer
 
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="RL rollout service with MTP speculative decoding.")
 
@@ -21,7 +25,8 @@ app = typer.Typer(add_completion=False, no_args_is_help=True,
 @app.command()
 def serve(
     config: Annotated[Optional[Path], typer.Option(help="Service config (YAML or JSON).")] = None,
-    host: Annotated[Optional[str], typer.Option(help="Bind address (overrides the config).")] = None,
+    host: Annotated[Optional[str], typer.Option(
+        help="Bind address (overrides the config).")] = None,
     port: Annotated[Optional[int], typer.Option(help="Port (overrides the config).")] = None,
     model: Annotated[Optional[str], typer.Option(
         help="Checkpoint dir or embedded:tiny / embedded:small (overrides the config).")] = None,
@@ -29,13 +34,12 @@ def serve(
     """Serve the HTTP API on one engine (the embedded tiny MTP model by default)."""
     import uvicorn
 
-    from rollout_service.api import create_app
+    from rollout_service.api.app import create_app
     from rollout_service.config import load_config
 
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=logging.INFO, format=LOG_FORMAT)
     try:
         cfg = load_config(config, host=host, port=port, model=model)
-
         app_ = create_app(cfg)
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from exc
@@ -46,7 +50,8 @@ def serve(
 def serve_ray(
     config: Annotated[Optional[Path], typer.Option(
         help="Ray Serve config (YAML or JSON): the serve fields plus replicas, resources.")] = None,
-    host: Annotated[Optional[str], typer.Option(help="Bind address (overrides the config).")] = None,
+    host: Annotated[Optional[str], typer.Option(
+        help="Bind address (overrides the config).")] = None,
     port: Annotated[Optional[int], typer.Option(help="Port (overrides the config).")] = None,
     model: Annotated[Optional[str], typer.Option(help="Checkpoint (overrides the config).")] = None,
     replicas: Annotated[Optional[int], typer.Option(
@@ -57,15 +62,15 @@ def serve_ray(
         help="CPUs of the local Ray (default: all of this machine's).")] = None,
 ) -> None:
     """Serve the HTTP API on Ray Serve: N engine replicas, pushes reach every one."""
-    from rollout_service.serve_config import load_serve_config
+    from rollout_service.serve.config import load_serve_config
 
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=logging.INFO, format=LOG_FORMAT)
     try:
         cfg = load_serve_config(config, host=host, port=port, model=model, num_replicas=replicas)
         cfg.resolved_weights_token()
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from exc
-    from rollout_service.serve import run
+    from rollout_service.serve.app import run
 
     run(cfg, address=address, num_cpus=num_cpus)
 
@@ -78,10 +83,29 @@ def demo(
     model: Annotated[str, typer.Option(help="Model to serve.")] = "embedded:tiny",
 ) -> None:
     """Start the service, roll out a batch, show per-request and macro acceptance."""
-    from rollout_service.demo import run_demo
+    from rollout_service.tools.demo import run_demo
 
     run_demo(num_prompts=num_prompts, max_tokens=max_tokens, temperature=temperature,
              model=model)
+
+
+@app.command("rl-demo")
+def rl_demo(
+    steps: Annotated[int, typer.Option(help="Training steps per run.")] = 20,
+    batch_size: Annotated[int, typer.Option(help="Prompts per step.")] = 16,
+    max_tokens: Annotated[int, typer.Option(help="Tokens per sample.")] = 32,
+    lr: Annotated[float, typer.Option(help="Adam learning rate.")] = 2e-3,
+    mtp_scaling_factor: Annotated[float, typer.Option(help="MTP loss weight.")] = 1.0,
+    num_speculative_tokens: Annotated[int, typer.Option(help="Draft tokens per step.")] = 2,
+    seed: Annotated[int, typer.Option(help="Torch and prompt seed.")] = 0,
+    plot: Annotated[Path, typer.Option(help="Where the PNG goes.")] = Path("mtp-demo.png"),
+) -> None:
+    """The RL loop twice from the same weights: drafter synced every step vs never."""
+    from rollout_service.tools.rl_demo import DemoOptions, run_rl_demo
+
+    run_rl_demo(DemoOptions(num_steps=steps, batch_size=batch_size, max_tokens=max_tokens,
+                            lr=lr, mtp_scaling_factor=mtp_scaling_factor,
+                            num_speculative_tokens=num_speculative_tokens, seed=seed), plot)
 
 
 @app.command()
@@ -93,7 +117,7 @@ def look(
     window: Annotated[str, typer.Option(help="rate() window.")] = "1m",
 ) -> None:
     """Render the key panels (macro vs micro acceptance, weight versions) into a PNG."""
-    from rollout_service.look import render_look
+    from rollout_service.tools.look import render_look
 
     try:
         render_look(prometheus, out, minutes=minutes, step_s=step, window=window)
@@ -104,11 +128,11 @@ def look(
 
 @app.command("make-model")
 def make_model(
-    size: Annotated[str, typer.Option(help="tiny or small.")] = "tiny",
+    size: Annotated[str, typer.Option(help="tiny, small, 1b or 7b.")] = "tiny",
     out: Annotated[Optional[Path], typer.Option(help="Directory (default: the cache).")] = None,
 ) -> None:
     """Generate the embedded MiMo checkpoint with one MTP layer and print its path."""
-    from rollout_service.model import ensure_model
+    from rollout_service.embedded import ensure_model
 
     typer.echo(ensure_model(size, cache_dir=out))
 

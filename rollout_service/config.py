@@ -1,6 +1,6 @@
 """The service configuration: one pydantic model, loadable from YAML or JSON.
 
-Read by the ``rollout-service`` CLI (and, later, the Ray Serve app builder) in
+Read by the ``rollout-service`` CLI (and, extended, by the Ray Serve app builder) in
 the service process before the engine starts; every field is validated there, so
 a bad config fails at startup with the field's name, not at the first request.
 """
@@ -14,7 +14,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, model_validator
 
-from rollout_service.speculative import MTPSettings
+from rollout_service.engines.speculative import MTPSettings
 
 EMBEDDED_PREFIX = "embedded:"
 API_KEY_ENV = "ROLLOUT_API_KEY"
@@ -41,7 +41,7 @@ class ServiceConfig(BaseModel):
 
     model: str = Field(
         f"{EMBEDDED_PREFIX}tiny",
-        description=("A local checkpoint directory, or 'embedded:tiny' / 'embedded:small' "
+        description=("A local checkpoint directory, or 'embedded:<size>' (tiny, small, 1b, 7b) "
                      "for the generated MiMo checkpoints (built and cached on first use)."))
     served_model_name: str | None = Field(
         None, description="Name in responses and metrics labels; defaults to the model field.")
@@ -125,7 +125,7 @@ class ServiceConfig(BaseModel):
             if not Path(self.model).is_dir():
                 raise ValueError(f"model: {self.model!r} is not a local checkpoint directory")
             return self.model, dict(self.engine_kwargs)
-        from rollout_service.model import ensure_model
+        from rollout_service.embedded import ensure_model
 
         size = self.model.removeprefix(EMBEDDED_PREFIX)
         path = ensure_model(size)

@@ -1,6 +1,6 @@
 """The service object: HTTP messages in, engine calls out, telemetry on the way.
 
-Runs in the rollout service process, between the FastAPI handlers (``api.py``)
+Runs in the rollout service process, between the FastAPI handlers (``api``)
 and an :class:`~rollout_service.engines.base.Engine`. Every sequence is one
 engine request (``n`` fans out), and each finished sequence is observed into
 the Prometheus metrics exactly once, here.
@@ -14,7 +14,6 @@ import uuid
 from collections.abc import Awaitable, Sequence
 from typing import TypeVar
 
-from rollout_service import wire
 from rollout_service.engines.base import (
     Engine,
     EngineUnavailableError,
@@ -22,8 +21,10 @@ from rollout_service.engines.base import (
     InvalidRequestError,
     SamplingOptions,
 )
-from rollout_service.telemetry import SpecDecodeMetrics, SpecDecodeStats, summarize
-from rollout_service.weights.session import WeightPushManager
+from rollout_service.protocol import messages
+from rollout_service.protocol.acceptance import SpecDecodeStats, summarize
+from rollout_service.telemetry.acceptance import SpecDecodeMetrics
+from rollout_service.weights.manager import WeightPushManager
 
 T = TypeVar("T")
 
@@ -44,7 +45,7 @@ def _first_leaf(error: BaseException) -> BaseException:
     return error
 
 
-def sampling_options(req: wire.SamplingFields, index: int) -> SamplingOptions:
+def sampling_options(req: messages.SamplingFields, index: int) -> SamplingOptions:
     """Engine sampling options for sequence ``index`` of a request."""
     return SamplingOptions(
         max_tokens=req.max_tokens, temperature=req.temperature, top_p=req.top_p,
@@ -52,27 +53,26 @@ def sampling_options(req: wire.SamplingFields, index: int) -> SamplingOptions:
         stop=tuple(req.stop), ignore_eos=req.ignore_eos, logprobs=req.logprobs)
 
 
-def to_spec_info(stats: SpecDecodeStats | None) -> wire.SpecDecodeInfo | None:
+def to_spec_info(stats: SpecDecodeStats | None) -> messages.SpecDecodeInfo | None:
     if stats is None:
         return None
-    return wire.SpecDecodeInfo(
+    return messages.SpecDecodeInfo(
         num_drafts=stats.num_drafts, num_draft_tokens=stats.num_draft_tokens,
         num_accepted_tokens=stats.num_accepted_tokens, num_verify_steps=stats.num_verify_steps,
         accepted_per_position=list(stats.accepted_per_position),
         accept_rate=stats.accept_rate, accept_length=stats.accept_length)
 
 
-def to_summary(results: Sequence[GenerationResult]) -> wire.AcceptanceSummary:
+def to_summary(results: Sequence[GenerationResult]) -> messages.AcceptanceSummary:
     return summarize(r.spec_decode for r in results)
 
 
-def to_sequence(index: int, result: GenerationResult) -> wire.SequenceOutput:
-    return wire.SequenceOutput(
+def to_sequence(index: int, result: GenerationResult) -> messages.SequenceOutput:
+    return messages.SequenceOutput(
         index=index, token_ids=list(result.token_ids), text=result.text,
         finish_reason=result.finish_reason,
         logprobs=None if result.logprobs is None else list(result.logprobs),
-        weight_versions=[wire.WeightVersionSpan(version=s.version, start=s.start, end=s.end)
-                         for s in result.weight_versions],
+        weight_versions=list(result.weight_versions),
         spec_decode=to_spec_info(result.spec_decode))
 
 
@@ -85,7 +85,7 @@ class RolloutService:
         self.metrics = metrics
         self.weights = weights
 
-    async def health(self) -> tuple[wire.HealthResponse, int]:
+    async def health(self) -> tuple[messages.HealthResponse, int]:
         """The health body and HTTP status: 503 if the engine is dead or weights are torn."""
         info = self.engine.info
         detail = None
@@ -95,9 +95,9 @@ class RolloutService:
             detail = str(exc)
         if detail is None and not self.weights.is_consistent:
             detail = "a weight load failed midway; generation is refused until a full push"
-        body = wire.HealthResponse(status="ok" if detail is None else "unavailable",
-                                   model=info.model, engine=info.engine,
-                                   weights=self.weights.status(), detail=detail)
+        body = messages.HealthResponse(status="ok" if detail is None else "unavailable",
+                                       model=info.model, engine=info.engine,
+                                       weights=self.weights.status(), detail=detail)
         return body, 200 if detail is None else 503
 
     async def weight_checksums(self) -> dict[str, str]:
@@ -113,7 +113,7 @@ class RolloutService:
         self.metrics.observe(result.spec_decode)
         return result
 
-    async def _sequences(self, req: wire.GenerateRequest, request_id: str
+    async def _sequences(self, req: messages.GenerateRequest, request_id: str
                          ) -> list[GenerationResult]:
         prompt = req.prompt if req.prompt is not None else req.prompt_token_ids
         assert prompt is not None
@@ -121,49 +121,49 @@ class RolloutService:
             self._sequence(prompt, sampling_options(req, i), f"{request_id}-{i}")
             for i in range(req.n)])
 
-    async def generate(self, req: wire.GenerateRequest) -> wire.GenerateResponse:
+    async def generate(self, req: messages.GenerateRequest) -> messages.GenerateResponse:
         """Sample ``req.n`` sequences for one prompt."""
         request_id = uuid.uuid4().hex
         results = await self._sequences(req, request_id)
         return self._response(request_id, results)
 
-    async def generate_batch(self, batch: wire.BatchGenerateRequest
-                             ) -> wire.BatchGenerateResponse:
+    async def generate_batch(self, batch: messages.BatchGenerateRequest
+                             ) -> messages.BatchGenerateResponse:
         """Run every request concurrently; one failure fails the batch (others abort)."""
         ids = [uuid.uuid4().hex for _ in batch.requests]
         per_request = await gather_or_cancel(
             [self._sequences(req, rid) for req, rid in zip(batch.requests, ids)])
-        return wire.BatchGenerateResponse(
+        return messages.BatchGenerateResponse(
             responses=[self._response(rid, results) for rid, results in zip(ids, per_request)],
             acceptance=to_summary([r for results in per_request for r in results]))
 
     @staticmethod
-    def _response(request_id: str, results: list[GenerationResult]) -> wire.GenerateResponse:
-        return wire.GenerateResponse(
+    def _response(request_id: str, results: list[GenerationResult]) -> messages.GenerateResponse:
+        return messages.GenerateResponse(
             request_id=request_id, prompt_token_ids=list(results[0].prompt_token_ids),
             outputs=[to_sequence(i, r) for i, r in enumerate(results)],
             acceptance=to_summary(results))
 
-    async def complete(self, req: wire.CompletionRequest) -> wire.CompletionResponse:
+    async def complete(self, req: messages.CompletionRequest) -> messages.CompletionResponse:
         """OpenAI ``/v1/completions``: every prompt times ``n``, choices in that order."""
         prompts = _completion_prompts(req.prompt)
         stop = [req.stop] if isinstance(req.stop, str) else (req.stop or [])
         request_id = f"cmpl-{uuid.uuid4().hex}"
-        sampling = wire.SamplingFields(max_tokens=req.max_tokens, temperature=req.temperature,
-                                       top_p=req.top_p, seed=req.seed, stop=stop)
+        sampling = messages.SamplingFields(max_tokens=req.max_tokens, temperature=req.temperature,
+                                           top_p=req.top_p, seed=req.seed, stop=stop)
         results = await gather_or_cancel([
             self._sequence(prompt, sampling_options(sampling, i), f"{request_id}-{p}-{i}")
             for p, prompt in enumerate(prompts) for i in range(req.n)])
         num_prompt_tokens = sum(len(results[p * req.n].prompt_token_ids)
                                 for p in range(len(prompts)))
         num_completion_tokens = sum(len(r.token_ids) for r in results)
-        return wire.CompletionResponse(
+        return messages.CompletionResponse(
             id=request_id, created=int(time.time()), model=self.engine.info.model,
-            choices=[wire.CompletionChoice(index=i, text=r.text, finish_reason=r.finish_reason)
+            choices=[messages.CompletionChoice(index=i, text=r.text, finish_reason=r.finish_reason)
                      for i, r in enumerate(results)],
-            usage=wire.CompletionUsage(prompt_tokens=num_prompt_tokens,
-                                       completion_tokens=num_completion_tokens,
-                                       total_tokens=num_prompt_tokens + num_completion_tokens),
+            usage=messages.CompletionUsage(prompt_tokens=num_prompt_tokens,
+                                           completion_tokens=num_completion_tokens,
+                                           total_tokens=num_prompt_tokens + num_completion_tokens),
             acceptance=to_summary(results))
 
 

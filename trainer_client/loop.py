@@ -5,12 +5,10 @@ gloo, see ``megatron.model.init_parallel_cpu``). Talks to one rollout service ov
 HTTP: rollouts through ``RolloutClient.generate_batch`` (generation API key), weights
 through ``WeightPusher`` (shared memory plus JSON control calls, weights token).
 
-Reward (toy, verifiable, shaped): 1.0 when the arithmetic answer appears in the
-response text, otherwise the share of the response's characters that are digits.
-The tiny model's weights are random, so the exact answer almost never appears; the
-digit share gives every sample a different reward, so REINFORCE moves the policy
-(towards digit-heavy text) within a few steps. That moving policy is what the demo
-needs: a drafter that is never synced keeps predicting the old policy.
+Prompts come from a :data:`~trainer_client.task.PromptSource`; the reward is
+:func:`~trainer_client.task.reward` (toy, verifiable, shaped), which moves the
+policy within a few steps. That moving policy is what the demo needs: a drafter
+that is never synced keeps predicting the old policy.
 
 Policy loss (pluggable, :data:`PolicyLoss`): plain policy gradient,
 ``-(advantage * logprob)`` over the response tokens, advantage = reward - batch mean.
@@ -34,14 +32,13 @@ from typing import Any
 
 import torch
 
-from rollout_service import wire
 from rollout_service.client import RolloutClient
-from rollout_service.model.corpus import arithmetic_prompts
+from rollout_service.protocol import messages
 from trainer_client.batch import PaddedBatch, Rollout, pack_padded
 from trainer_client.push import PushReport, WeightPusher
+from trainer_client.task import PromptSource, reward
 
-__all__ = ["LoopConfig", "PolicyLoss", "StepLog", "policy_gradient_loss", "reward",
-           "run_loop"]
+__all__ = ["LoopConfig", "PolicyLoss", "StepLog", "policy_gradient_loss", "run_loop"]
 
 PolicyLoss = Callable[[torch.Tensor, PaddedBatch], torch.Tensor]
 """``(per-token cross-entropy [b, s] = -logprob of labels, batch) -> scalar loss``."""
@@ -113,13 +110,6 @@ class Losses:
     mtp: list[float]
 
 
-def reward(text: str, answer: str) -> float:
-    """1.0 if ``answer`` appears in ``text``, else the share of digit characters."""
-    if answer in text:
-        return 1.0
-    return sum(c.isdigit() for c in text) / max(len(text), 1)
-
-
 def policy_gradient_loss(per_token_ce: torch.Tensor, batch: PaddedBatch) -> torch.Tensor:
     """REINFORCE: mean over response tokens of ``advantage * ce`` (= ``-adv * logprob``)."""
     advantage = batch.rewards - batch.rewards.mean()
@@ -129,25 +119,25 @@ def policy_gradient_loss(per_token_ce: torch.Tensor, batch: PaddedBatch) -> torc
 
 # --------------------------------------------------------------------------- the loop
 
-def run_loop(cfg: LoopConfig, *, log: Callable[[StepLog], None],
+def run_loop(cfg: LoopConfig, prompts: PromptSource, *, log: Callable[[StepLog], None],
              policy_loss: PolicyLoss = policy_gradient_loss) -> list[StepLog]:
     """Runs ``cfg.num_steps`` steps; calls ``log`` after each and returns all logs.
 
     Raises:
-        PushRejected: the service refused a push (e.g. a stale version).
-        ServiceError: the service refused a generation request.
+        ServiceError: the service refused a generation request or a push (e.g. a
+            stale version); a refused push changed nothing on the service.
     """
     hf_config = json.loads((cfg.checkpoint / "config.json").read_text(encoding="utf-8"))
     target = "both" if cfg.sync_drafter else "main"
     history = []
     with trainer(cfg, hf_config) as (model, optimizer), \
             WeightPusher(cfg.service_url, cfg.weights_token) as pusher:
-        version = served_version(cfg)
+        version = asyncio.run(served_version(cfg))
         for step in range(cfg.num_steps):
             start = time.perf_counter()
-            prompts = arithmetic_prompts(cfg.batch_size, seed=cfg.seed * 100_003 + step)
-            response = asyncio.run(generate(cfg, [p for p, _ in prompts], step=step))
-            rollouts = to_rollouts(response, [a for _, a in prompts])
+            batch_prompts = prompts(cfg.batch_size, cfg.seed * 100_003 + step)
+            response = asyncio.run(generate(cfg, [p for p, _ in batch_prompts], step=step))
+            rollouts = to_rollouts(response, [a for _, a in batch_prompts])
             batch = pack_padded(rollouts, tp=1, cp=1, pad_id=int(hf_config["eos_token_id"]))
             losses = train_step(model, optimizer, batch, hf_config, cfg, policy_loss)
             version += 1
@@ -183,35 +173,29 @@ def trainer(cfg: LoopConfig, hf_config: dict[str, Any]
         yield model, torch.optim.Adam(model.parameters(), lr=cfg.lr)
 
 
-def served_version(cfg: LoopConfig) -> int:
-    """The highest weight version the service serves (0 before any push)."""
-    import httpx
-
-    response = httpx.get(f"{cfg.service_url}/weights/status", timeout=30,
-                         headers={"authorization": f"Bearer {cfg.weights_token}"})
-    response.raise_for_status()
-    status = wire.WeightStatus.model_validate(response.json())
-    return max((v for v in (status.main_version, status.draft_version) if v is not None),
-               default=0)
+async def served_version(cfg: LoopConfig) -> int:
+    """The newest weight version the service serves (0 before any push)."""
+    async with RolloutClient(cfg.service_url, weights_token=cfg.weights_token) as client:
+        return (await client.weight_status()).newest_version
 
 
 async def generate(cfg: LoopConfig, prompts: Sequence[str], *, step: int
-                   ) -> wire.BatchGenerateResponse:
+                   ) -> messages.BatchGenerateResponse:
     """One sample per prompt, with its per-token log-probabilities.
 
     Each request is seeded from (seed, step, index): two runs from the same weights
     draw the same first batch.
     """
     first_seed = (cfg.seed * 1_000_003 + step) * cfg.batch_size
-    requests = [wire.GenerateRequest(prompt=prompt, max_tokens=cfg.max_tokens,
-                                     temperature=cfg.temperature, logprobs=True,
-                                     seed=first_seed + i)
+    requests = [messages.GenerateRequest(prompt=prompt, max_tokens=cfg.max_tokens,
+                                         temperature=cfg.temperature, logprobs=True,
+                                         seed=first_seed + i)
                 for i, prompt in enumerate(prompts)]
     async with RolloutClient(cfg.service_url, api_key=cfg.api_key) as client:
-        return await client.generate_batch(wire.BatchGenerateRequest(requests=requests))
+        return await client.generate_batch(messages.BatchGenerateRequest(requests=requests))
 
 
-def to_rollouts(response: wire.BatchGenerateResponse, answers: Sequence[str]) -> list[Rollout]:
+def to_rollouts(response: messages.BatchGenerateResponse, answers: Sequence[str]) -> list[Rollout]:
     """One ``Rollout`` per response, rewarded with :func:`reward`.
 
     A sample that stopped before its first token gets no Rollout (nothing to train).
@@ -262,7 +246,7 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: 
 
 
 def push(pusher: WeightPusher | None, model: torch.nn.Module, hf_config: dict[str, Any], *,
-         version: int, target: wire.PushTarget,
+         version: int, target: messages.PushTarget,
          tp_group: torch.distributed.ProcessGroup | None = None) -> PushReport | None:
     """The trained weights, under checkpoint names and dtype, into the service.
 
@@ -281,7 +265,7 @@ def push(pusher: WeightPusher | None, model: torch.nn.Module, hf_config: dict[st
             return None
         tp_size = 1 if tp_group is None else torch.distributed.get_world_size(tp_group)
         dtype = str(export_dtype(model, hf_config)).removeprefix("torch.")
-        specs = [wire.ParamSpec(name=name, shape=list(shape), dtype=dtype)
+        specs = [messages.ParamSpec(name=name, shape=list(shape), dtype=dtype)
                  for name, shape in hf_tensor_shapes(model, hf_config, tp_size).items()]
         return pusher.push(exported, version=version, target=target, specs=specs)
     finally:

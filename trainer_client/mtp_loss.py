@@ -1,14 +1,16 @@
 """Multi-Token Prediction (MTP) loss that trains the MTP layers and never the shared lm_head.
 
 Runs in the trainer process, inside the forward step, on the pipeline stage that holds
-the output layer. It talks to other ranks in three places only: :func:`roll_left` under
-context parallelism (boundary tokens go to the neighbouring CP rank, through
-megatron-core's ``roll_tensor``), the vocabulary-parallel cross-entropy under tensor
-parallelism (megatron-core's, three small all-reduces per depth over the TP group, and
-one all-reduce of the hidden states' gradient in backward), and
-:func:`reduce_for_logging` (one all-reduce per group, called by every rank).
+the output layer. It talks to other ranks in three places only: rolling labels
+(``trainer_client.roll``) under context parallelism (boundary tokens go to the
+neighbouring CP rank, through megatron-core's ``roll_tensor``), the vocabulary-parallel
+cross-entropy under tensor parallelism (megatron-core's, three small all-reduces per
+depth over the TP group, and one all-reduce of the hidden states' gradient in backward),
+and :func:`reduce_for_logging` (one all-reduce per group, called by every rank).
 
-The formula (UPSTREAM.md, "MTP loss (Megatron-core)"). For depth ``k = 1 .. D``::
+The formula, as megatron-core computes it (NVIDIA/Megatron-LM,
+``megatron/core/transformer/multi_token_prediction.py``: ``roll_tensor``,
+``MTPLossAutoScaler``; ``process_mtp_loss`` from 0.17 on). For depth ``k = 1 .. D``::
 
     labels_k, mask_k = labels, loss_mask rolled left k times (vacated tail = 0)
     CE_k[b, t]  = cross_entropy(hidden_k[b, t] @ W^T + bias, labels_k[b, t])
@@ -23,7 +25,7 @@ multiplying by ``N_0 / N_k`` turns that division into a per-depth token mean aga
 ("per-token-loss mode scales by N_0 / N_k instead"). ``N_0`` and ``N_k`` are counted over
 the tensors this rank holds (its CP shard), as Megatron does. Note that megatron-core
 0.16's own ``GPTModel`` adds ``(lambda / D) * L_k`` unnormalized in per-token mode; the
-``N_0 / N_k`` rule above is UPSTREAM's description of the newer code.
+``N_0 / N_k`` rule above is what ``process_mtp_loss`` does from 0.17 on.
 
 Gradient isolation. The logits are computed with the output layer's weight *and bias*
 detached: the gradient reaches ``hidden_k`` (the MTP layers, and through them the trunk)
@@ -61,6 +63,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from trainer_client.roll import roll_left
+
 __all__ = [
     "MTPDepthLoss",
     "MTPLossConfig",
@@ -70,7 +74,6 @@ __all__ = [
     "mtp_depth_losses",
     "mtp_embedding_input",
     "reduce_for_logging",
-    "roll_left",
     "set_mtp_loss_backward_scale",
     "total_mtp_loss",
 ]
@@ -91,10 +94,6 @@ class MTPLossConfig:
     detach_embedding: bool = False
     """Cut the gradient from the MTP layers into the token embedding they consume (slime
     does); applied by the caller through :func:`mtp_embedding_input`."""
-    train_output_layer: bool = False
-    """Leave the output layer's parameters attached. Keep it False: the MTP loss must not
-    train the shared lm_head, which the main model and the rollout drafter share. True
-    reproduces Megatron's stock behaviour, for comparisons only."""
 
     def __post_init__(self) -> None:
         if isinstance(self.num_layers, bool) or not isinstance(self.num_layers, int) \
@@ -104,7 +103,7 @@ class MTPLossConfig:
         if isinstance(factor, bool) or not isinstance(factor, (int, float)) \
                 or not factor >= 0 or factor == float("inf"):
             raise ValueError(f"scaling_factor must be a finite number >= 0, got {factor!r}")
-        for name in ("per_token", "detach_embedding", "train_output_layer"):
+        for name in ("per_token", "detach_embedding"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
 
@@ -125,103 +124,20 @@ class MTPDepthLoss:
     """This depth's contribution to the trained loss (module docstring); carries the graph."""
 
 
-def roll_left(t: torch.Tensor, shifts: int = 1, dim: int = -1, *,
-              cp_group: dist.ProcessGroup | None = None,
-              cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
-    """Shift ``t`` left by ``shifts`` along ``dim`` and zero the vacated tail.
-
-    ``torch.roll`` would wrap the head around to the tail; a rolled loss mask would then
-    mark the last positions as targets. Here they are 0.
-
-    Args:
-        t: Any tensor; ``dim`` is its sequence dim.
-        shifts: How far, >= 0.
-        dim: The sequence dim.
-        cp_group: The context-parallel group when ``t`` is this rank's zigzag shard
-            (chunks ``r`` and ``2cp-1-r``). Then a token shifted off a chunk's head comes
-            from the next chunk, possibly on another rank: the roll is delegated to
-            megatron-core's ``roll_tensor`` (one exchange per shift). Every rank of the
-            group must call. None, or a group of size 1: a local roll.
-        cu_seqlens: For a packed (THD) row, the padded sequence boundaries
-            ``[num_seqs + 1]`` of the *whole* row (before any CP split; Megatron's
-            convention): each sequence is rolled alone, so no sequence's token becomes
-            another's target. Only with ``dim`` the last dim.
-
-    Returns:
-        A new tensor, same shape, dtype and device.
-
-    Raises:
-        ValueError: ``shifts`` is negative, or ``cu_seqlens`` does not fit ``t``.
-        RuntimeError: ``cp_group`` has more than one rank and megatron-core's
-            ``roll_tensor`` (with ``cp_group`` / ``packed_seq_params``) is not available.
-    """
-    if isinstance(shifts, bool) or not isinstance(shifts, int) or shifts < 0:
-        raise ValueError(f"shifts must be an int >= 0, got {shifts!r}")
-    if shifts == 0:
-        return t.clone()
-    dim = dim % t.dim()
-    if cu_seqlens is not None and dim != t.dim() - 1:
-        raise ValueError(f"cu_seqlens needs the sequence in the last dim, got dim={dim}")
-    if cp_group is not None and dist.get_world_size(cp_group) > 1:
-        out = t
-        for _ in range(shifts):
-            out = _megatron_roll_once(out, dim, cp_group, cu_seqlens)
-        return out
-    if cu_seqlens is not None:
-        return _roll_packed(t, shifts, cu_seqlens)
-    length = t.size(dim)
-    if shifts >= length:
-        return torch.zeros_like(t)
-    tail_shape = list(t.shape)
-    tail_shape[dim] = shifts
-    return torch.cat([t.narrow(dim, shifts, length - shifts), t.new_zeros(tail_shape)], dim=dim)
-
-
-def _roll_packed(t: torch.Tensor, shifts: int, cu_seqlens: torch.Tensor) -> torch.Tensor:
-    """Roll each sequence of a packed last dim on its own (no CP)."""
-    bounds = cu_seqlens.to(device=t.device, dtype=torch.int64)
-    length = t.size(-1)
-    if bounds.dim() != 1 or bounds.numel() < 2 or int(bounds[0]) != 0 \
-            or int(bounds[-1]) != length or bool((bounds[1:] < bounds[:-1]).any()):
-        raise ValueError(f"cu_seqlens must rise from 0 to t.size(-1) = {length}, "
-                         f"got {cu_seqlens.tolist()}")
-    positions = torch.arange(length, device=t.device)
-    # End of the sequence each position belongs to.
-    seq_end = bounds[torch.searchsorted(bounds, positions, right=True)]
-    source = positions + shifts
-    valid = source < seq_end
-    gathered = t.index_select(-1, source.clamp(max=length - 1))
-    return torch.where(valid, gathered, torch.zeros((), dtype=t.dtype, device=t.device))
-
-
-def _megatron_roll_once(t: torch.Tensor, dim: int, cp_group: dist.ProcessGroup,
-                        cu_seqlens: torch.Tensor | None) -> torch.Tensor:
-    """One zigzag-aware left shift through megatron-core's ``roll_tensor``."""
-    try:
-        from megatron.core.transformer.multi_token_prediction import roll_tensor
-    except ImportError as exc:
-        raise RuntimeError("roll_left with a CP group of size > 1 needs megatron-core's "
-                           "roll_tensor (pip install megatron-core)") from exc
-    params = inspect.signature(roll_tensor).parameters
-    needed = ["shifts", "dims", "cp_group"] + (["packed_seq_params"] if cu_seqlens is not None
-                                               else [])
-    missing = [name for name in needed if name not in params]
-    if missing:
-        raise RuntimeError(f"megatron-core's roll_tensor{inspect.signature(roll_tensor)} lacks "
-                           f"{missing}: zigzag-aware rolling is not supported on this version")
-    kwargs: dict[str, Any] = {"shifts": -1, "dims": dim, "cp_group": cp_group}
-    if cu_seqlens is not None:
-        from megatron.core.packed_seq_params import PackedSeqParams
-        kwargs["packed_seq_params"] = PackedSeqParams(
-            qkv_format="thd", cu_seqlens_q=cu_seqlens.to(device=t.device, dtype=torch.int32))
-    # roll_tensor writes into its chunks; keep the caller's tensor intact.
-    result = roll_tensor(t.clone(), **kwargs)
-    return result[0] if isinstance(result, tuple) else result
-
-
 def mtp_embedding_input(embedding: torch.Tensor, cfg: MTPLossConfig) -> torch.Tensor:
     """The token embedding as the MTP layers should consume it: detached if configured."""
     return embedding.detach() if cfg.detach_embedding else embedding
+
+
+def isolated_output_layer(weight: torch.Tensor, bias: torch.Tensor | None
+                          ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The shared output layer as the MTP loss sees it: weight and bias detached.
+
+    The MTP loss must not train the lm_head the main model and the rollout drafter
+    share (Megatron's stock MTP loss does); detaching both here is the one place
+    that guarantees it.
+    """
+    return weight.detach(), None if bias is None else bias.detach()
 
 
 def mtp_depth_losses(hidden_per_depth: Sequence[torch.Tensor], labels: torch.Tensor,
@@ -282,10 +198,7 @@ def mtp_depth_losses(hidden_per_depth: Sequence[torch.Tensor], labels: torch.Ten
 
     is_vocab_parallel = tp_group is not None and dist.get_world_size(tp_group) > 1
     cross_entropy = _vocab_parallel_ce(tp_group) if is_vocab_parallel else _local_ce
-    weight, bias = output_weight, output_bias
-    if not cfg.train_output_layer:
-        weight = weight.detach()
-        bias = None if bias is None else bias.detach()
+    weight, bias = isolated_output_layer(output_weight, output_bias)
     depth_scale = cfg.scaling_factor / num_depths
     rolled_labels, rolled_mask = labels, loss_mask.detach()
     losses = []

@@ -29,23 +29,20 @@ from __future__ import annotations
 
 import math
 import operator
-from collections.abc import Iterable, Sequence
-from typing import Literal
+from collections.abc import Sequence
 
 import torch
 
 __all__ = [
     "pad_multiple",
     "padded_length",
-    "padding_overhead",
-    "verl_pad_multiple",
     "zigzag_merge",
     "zigzag_split",
     "zigzag_split_packed",
 ]
 
 
-def _check_int(name: str, value: object, *, minimum: int) -> int:
+def check_int(name: str, value: object, *, minimum: int) -> int:
     """Return ``value`` as an int, refusing bools, non-integers and values below ``minimum``."""
     # bool is an int subclass: tp=True would silently mean tp=1.
     if isinstance(value, bool):
@@ -75,22 +72,11 @@ def pad_multiple(tp: int, cp: int, *, extra_multiple: int = 1) -> int:
     Raises:
         ValueError: a size is not an integer or is below 1; the message names it.
     """
-    tp = _check_int("tp", tp, minimum=1)
-    cp = _check_int("cp", cp, minimum=1)
-    extra_multiple = _check_int("extra_multiple", extra_multiple, minimum=1)
+    tp = check_int("tp", tp, minimum=1)
+    cp = check_int("cp", cp, minimum=1)
+    extra_multiple = check_int("extra_multiple", extra_multiple, minimum=1)
     base = tp if cp == 1 else math.lcm(2 * cp, cp * tp)
     return math.lcm(base, extra_multiple)
-
-
-def verl_pad_multiple(tp: int, cp: int) -> int:
-    """verl's multiple, ``tp * cp * 2`` when cp > 1 else ``tp``; kept for comparisons only.
-
-    Raises:
-        ValueError: as :func:`pad_multiple`.
-    """
-    tp = _check_int("tp", tp, minimum=1)
-    cp = _check_int("cp", cp, minimum=1)
-    return tp * cp * 2 if cp > 1 else tp
 
 
 def padded_length(length: int, tp: int, cp: int, extra_multiple: int = 1) -> int:
@@ -109,46 +95,9 @@ def padded_length(length: int, tp: int, cp: int, extra_multiple: int = 1) -> int
         ValueError: ``length`` is negative, or an argument is not an integer or out of
             range; the message names it.
     """
-    length = _check_int("length", length, minimum=0)
+    length = check_int("length", length, minimum=0)
     multiple = pad_multiple(tp, cp, extra_multiple=extra_multiple)
     return -(-length // multiple) * multiple
-
-
-def padding_overhead(lengths: Iterable[int], tp: int, cp: int, *,
-                     rule: Literal["ours", "verl"] = "ours", extra_multiple: int = 1) -> float:
-    """Padded tokens per real token when every sequence is padded on its own (THD).
-
-    Args:
-        lengths: Real length of each sequence.
-        tp: Tensor-parallel size.
-        cp: Context-parallel size.
-        rule: ``"ours"`` (:func:`pad_multiple`) or ``"verl"`` (:func:`verl_pad_multiple`),
-            so a benchmark can compare the two on the same lengths.
-        extra_multiple: Folded into the multiple through an lcm (both rules).
-
-    Returns:
-        ``sum(padded - length) / sum(length)``; 0.0 means no padding at all.
-
-    Raises:
-        ValueError: ``rule`` is unknown, ``lengths`` is empty or sums to zero (the ratio
-            has no meaning), or a length / size is invalid.
-    """
-    if rule == "ours":
-        multiple = pad_multiple(tp, cp, extra_multiple=extra_multiple)
-    elif rule == "verl":
-        multiple = math.lcm(verl_pad_multiple(tp, cp),
-                            _check_int("extra_multiple", extra_multiple, minimum=1))
-    else:
-        raise ValueError(f"rule must be 'ours' or 'verl', got {rule!r}")
-    checked = [_check_int(f"lengths[{i}]", length, minimum=0)
-               for i, length in enumerate(lengths)]
-    if not checked:
-        raise ValueError("lengths is empty")
-    num_real = sum(checked)
-    if num_real == 0:
-        raise ValueError("lengths sum to zero: the overhead ratio is undefined")
-    num_padded = sum(-(-length // multiple) * multiple - length for length in checked)
-    return num_padded / num_real
 
 
 def zigzag_split(x: torch.Tensor, cp: int, dim: int = 1) -> list[torch.Tensor]:
@@ -167,7 +116,7 @@ def zigzag_split(x: torch.Tensor, cp: int, dim: int = 1) -> list[torch.Tensor]:
         ValueError: ``cp`` is invalid, or the length along ``dim`` is not a multiple of
             ``2 * cp`` (pad it with :func:`padded_length` first).
     """
-    cp = _check_int("cp", cp, minimum=1)
+    cp = check_int("cp", cp, minimum=1)
     if cp == 1:
         return [x]
     seq_len = x.size(dim)
@@ -232,8 +181,8 @@ def zigzag_split_packed(x: torch.Tensor, cu_seqlens_padded: torch.Tensor | Seque
             start at 0, decreases, does not end at ``x.size(dim)``, or has a sequence whose
             padded length is not a multiple of ``2 * cp``.
     """
-    cp = _check_int("cp", cp, minimum=1)
-    rank = _check_int("rank", rank, minimum=0)
+    cp = check_int("cp", cp, minimum=1)
+    rank = check_int("rank", rank, minimum=0)
     if rank >= cp:
         raise ValueError(f"rank must be < cp = {cp}, got {rank}")
     bounds = [int(b) for b in (cu_seqlens_padded.tolist()

@@ -23,21 +23,19 @@ from dataclasses import dataclass
 import httpx
 import torch
 
-from rollout_service import wire
-from rollout_service.weights.checkpoint import TensorMeta
-from rollout_service.weights.cuda_ipc import contiguous_stride, export_handle
-from rollout_service.weights.shm import Segment, align
+from rollout_service.client import ServiceError, bearer, raise_for_error
+from rollout_service.protocol import messages
+from rollout_service.protocol.cuda_ipc import export_handle
+from rollout_service.protocol.placement import (
+    CudaIpcLocation,
+    ShmLocation,
+    TensorPlacement,
+    Transport,
+)
+from rollout_service.protocol.shm import Segment, align
+from rollout_service.protocol.tensors import TensorMeta, contiguous_stride
 
 DEFAULT_BUCKET_BYTES = 512 * 1024**2
-
-
-class PushRejected(RuntimeError):
-    """The service refused the push; nothing was loaded. ``status`` is the HTTP code."""
-
-    def __init__(self, status: int, message: str) -> None:
-        super().__init__(f"HTTP {status}: {message}")
-        self.status = status
-        self.message = message
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -53,7 +51,7 @@ class PushReport:
     exporting their handles."""
     control_s: float
     """Begin and update calls."""
-    server: wire.PushFinishResponse
+    server: messages.PushFinishResponse
     """The service's own timings (pause, load per model, resume)."""
     total_s: float
 
@@ -63,12 +61,12 @@ class PushReport:
         return self.num_bytes / self.total_s / 1e9
 
 
-def param_spec(name: str, tensor: torch.Tensor) -> wire.ParamSpec:
-    return wire.ParamSpec(name=name, shape=list(tensor.shape),
-                          dtype=str(tensor.dtype).removeprefix("torch."))
+def param_spec(name: str, tensor: torch.Tensor) -> messages.ParamSpec:
+    return messages.ParamSpec(name=name, shape=list(tensor.shape),
+                              dtype=str(tensor.dtype).removeprefix("torch."))
 
 
-def spec_nbytes(spec: wire.ParamSpec) -> int:
+def spec_nbytes(spec: messages.ParamSpec) -> int:
     return TensorMeta(shape=tuple(spec.shape), dtype=spec.dtype).nbytes
 
 
@@ -123,20 +121,19 @@ class WeightPusher:
         token: the service's weights token.
         transport: ``shm`` (a shared-memory segment; any device) or ``cuda_ipc``
             (CUDA tensors shared in place; the engine on the same GPU). Must be the
-            service's ``weights_transport``. NCCL is not built (see the README).
+            service's ``weights_transport``.
         bucket_bytes: bytes announced per update call; a larger tensor goes alone.
         timeout_s: HTTP timeout; loading a large model can take a while.
     """
 
-    def __init__(self, url: str, token: str, *, transport: wire.Transport = "shm",
+    def __init__(self, url: str, token: str, *, transport: Transport = "shm",
                  bucket_bytes: int = DEFAULT_BUCKET_BYTES, timeout_s: float = 600.0) -> None:
         if transport not in ("shm", "cuda_ipc"):
             raise ValueError(f"transport: {transport!r} is not supported (accepted: 'shm', "
                              "'cuda_ipc')")
         if bucket_bytes <= 0:
             raise ValueError(f"bucket_bytes: must be > 0, got {bucket_bytes}")
-        self._http = httpx.Client(base_url=url, timeout=timeout_s,
-                                  headers={"authorization": f"Bearer {token}"})
+        self._http = httpx.Client(base_url=url, timeout=timeout_s, headers=bearer(token))
         self._bucket_bytes = bucket_bytes
         self._transport = transport
         self._segment: Segment | None = None
@@ -163,20 +160,15 @@ class WeightPusher:
             self._segment = Segment.create(self._segment_name, nbytes)
         return self._segment
 
-    def _call(self, path: str, body: wire.BaseModel) -> dict:
+    def _call(self, path: str, body: messages.BaseModel) -> dict:
         response = self._http.post(path, content=body.model_dump_json(),
                                    headers={"content-type": "application/json"})
-        if not response.is_success:
-            try:
-                message = response.json()["error"]["message"]
-            except (ValueError, KeyError, TypeError):
-                message = response.text
-            raise PushRejected(response.status_code, message)
+        raise_for_error(response)
         return response.json()
 
     def push(self, tensors: Iterable[tuple[str, torch.Tensor]], *, version: int,
-             target: wire.PushTarget = "both", pause_mode: wire.PauseMode = "wait",
-             specs: Sequence[wire.ParamSpec] | None = None) -> PushReport:
+             target: messages.PushTarget = "both", pause_mode: messages.PauseMode = "wait",
+             specs: Sequence[messages.ParamSpec] | None = None) -> PushReport:
         """Push a full set of weights and wait until the service serves them.
 
         Args:
@@ -189,7 +181,7 @@ class WeightPusher:
                 Without it, ``tensors`` is materialized first to learn them.
 
         Raises:
-            PushRejected: the service refused it; the served weights are unchanged.
+            ServiceError: the service refused it; the served weights are unchanged.
         """
         start = time.perf_counter()
         if specs is None:
@@ -199,19 +191,19 @@ class WeightPusher:
         offsets, segment_bytes = layout(sizes)
         segment = self._segment_for(segment_bytes) if self._transport == "shm" else None
         total = sum(sizes)
-        begin = wire.PushBeginResponse.model_validate(self._call("/weights/begin",
-            wire.PushBeginRequest(version=version, target=target, transport=self._transport,
-                                  segment=segment.name if segment else None,
-                                  segment_bytes=segment.nbytes if segment else None,
-                                  total_bytes=total, params=list(specs),
-                                  pause_mode=pause_mode)))
+        begin = messages.PushBeginResponse.model_validate(self._call("/weights/begin",
+            messages.PushBeginRequest(version=version, target=target, transport=self._transport,
+                                      segment=segment.name if segment else None,
+                                      segment_bytes=segment.nbytes if segment else None,
+                                      total_bytes=total, params=list(specs),
+                                      pause_mode=pause_mode)))
         # cuda_ipc: the engine maps these tensors' memory until finish returns; a
         # handle does not keep its tensor alive, so this list does.
         exported: list[torch.Tensor] = []
         fill_s = 0.0
         num_buckets = 0
         try:
-            bucket: list[wire.TensorSlot] = []
+            bucket: list[TensorPlacement] = []
             bucket_bytes = 0
             for (name, tensor), spec, offset, nbytes in zip(tensors, specs, offsets, sizes,
                                                             strict=True):
@@ -223,28 +215,29 @@ class WeightPusher:
                 t0 = time.perf_counter()
                 if segment is not None:
                     copy_into(segment, offset, tensor, nbytes)
-                    slot = wire.TensorSlot(name=name, offset=offset, nbytes=nbytes)
+                    location: ShmLocation | CudaIpcLocation = ShmLocation(
+                        segment=segment.name, offset=offset)
                 else:
                     exported.append(shareable(tensor, name))
-                    slot = wire.TensorSlot(name=name, nbytes=nbytes,
-                                           cuda_ipc=export_handle(exported[-1], name))
+                    location = CudaIpcLocation(handle=export_handle(exported[-1], name))
                 fill_s += time.perf_counter() - t0
-                bucket.append(slot)
+                bucket.append(TensorPlacement(name=name, dtype=spec.dtype,
+                                              shape=tuple(spec.shape), location=location))
                 bucket_bytes += nbytes
                 if bucket_bytes >= self._bucket_bytes:
                     self._call("/weights/update",
-                               wire.PushUpdateRequest(push_id=begin.push_id, tensors=bucket))
+                               messages.PushUpdateRequest(push_id=begin.push_id, tensors=bucket))
                     num_buckets += 1
                     bucket, bucket_bytes = [], 0
             if bucket:
                 self._call("/weights/update",
-                           wire.PushUpdateRequest(push_id=begin.push_id, tensors=bucket))
+                           messages.PushUpdateRequest(push_id=begin.push_id, tensors=bucket))
                 num_buckets += 1
             control_s = time.perf_counter() - start - fill_s
-            finished = wire.PushFinishResponse.model_validate(
-                self._call("/weights/finish", wire.PushFinishRequest(push_id=begin.push_id)))
+            finished = messages.PushFinishResponse.model_validate(
+                self._call("/weights/finish", messages.PushFinishRequest(push_id=begin.push_id)))
         except BaseException as exc:
-            if not isinstance(exc, PushRejected):  # a rejection already ended the push
+            if not isinstance(exc, ServiceError):  # a refusal already ended the push
                 self._abort(begin.push_id, f"trainer error: {exc!r}")
             raise
         finally:
@@ -257,7 +250,7 @@ class WeightPusher:
 
     def _abort(self, push_id: str, reason: str) -> None:
         try:
-            self._call("/weights/abort", wire.PushAbortRequest(push_id=push_id, reason=reason))
-        except (PushRejected, httpx.HTTPError):
+            self._call("/weights/abort", messages.PushAbortRequest(push_id=push_id, reason=reason))
+        except (ServiceError, httpx.HTTPError):
             pass  # the service times the push out by itself
 

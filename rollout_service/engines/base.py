@@ -3,16 +3,23 @@
 Runs inside the rollout service process. An engine owns one inference engine
 (which may spawn its own worker processes) and answers one sequence per
 ``generate`` call, so every sequence carries exact per-request spec-decode stats.
-The HTTP layer never sees engine types: only the dataclasses below.
+The HTTP layer never sees engine types: only the types below.
+
+Each engine package (``engines/vllm``, ``engines/sglang``) exposes
+``async def start(spec: EngineSpec) -> Engine`` (:data:`EngineStarter`), called
+inside the event loop that will serve the engine.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
 
-from rollout_service.telemetry import SpecDecodeStats
-from rollout_service.weights.cuda_ipc import CudaIpcHandle
+from rollout_service.engines.speculative import MTPSettings
+from rollout_service.protocol.acceptance import SpecDecodeStats
+from rollout_service.protocol.messages import PauseMode, PushTarget, WeightVersionSpan
+from rollout_service.protocol.placement import TensorPlacement, Transport
 
 
 class InvalidRequestError(ValueError):
@@ -43,15 +50,6 @@ class SamplingOptions:
     """Keep generating past end-of-sequence (benchmarks)."""
     logprobs: bool = False
     """Return the log-probability of each sampled token."""
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class WeightVersionSpan:
-    """Output tokens ``[start, end)`` were produced by weights labelled ``version``."""
-
-    version: str
-    start: int
-    end: int
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -91,26 +89,18 @@ class EngineInfo:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class WeightUpdate:
-    """A complete, validated set of checkpoint-named tensors: in a shared segment
-    (``shm``) or behind CUDA IPC handles (``cuda_ipc``)."""
+    """A complete, validated push: every tensor's placement, loaded into the main model,
+    the drafter, or both (one ``load_weights`` call each)."""
 
-    segment: str | None
-    """Shared-memory segment name (``shm``); None for ``cuda_ipc``."""
-    tensors: tuple[tuple[str, str, tuple[int, ...], int | None], ...]
-    """``(name, dtype name, shape, byte offset in the segment)`` per tensor; the offset is
-    None for ``cuda_ipc``."""
-    cuda_ipc_handles: tuple[CudaIpcHandle, ...] = ()
-    """``cuda_ipc``: each tensor's handle, in ``tensors`` order; empty for ``shm``."""
-    push_id: str = ""
-    """The push this stream belongs to: an engine may open ``cuda_ipc`` handles once for
-    the main model and keep them for the drafter's load of the same push."""
-    target: str = "both"
-    """``main``, ``draft`` or ``both``: which loads follow, so an engine knows the last
-    one and releases what it opened after it."""
-
-    @property
-    def transport(self) -> str:
-        return "cuda_ipc" if self.cuda_ipc_handles else "shm"
+    push_id: str
+    """The push: an engine may open ``cuda_ipc`` handles once for the main model and
+    keep them for the drafter's load of the same push."""
+    target: PushTarget
+    """Which loads follow, so an engine knows the last one and releases what it opened."""
+    transport: Transport
+    """The transport of every placement (checked by the intake)."""
+    tensors: tuple[TensorPlacement, ...]
+    """Every tensor of the checkpoint, in announcement order."""
 
     def is_last_load(self, *, draft: bool) -> bool:
         """Whether the load of this model is the last of the push (drafter after main)."""
@@ -127,7 +117,46 @@ class LoadTimings:
     """The engine's post-processing: placing and repacking the loaded layers."""
 
 
-@runtime_checkable
+@dataclass(frozen=True, kw_only=True, slots=True)
+class EngineSpec:
+    """Everything an engine needs to start, resolved from the service config."""
+
+    model_path: str
+    """The checkpoint directory to serve."""
+    served_model_name: str
+    """The name in responses and metric labels."""
+    engine_kwargs: Mapping[str, Any] = field(default_factory=dict)
+    """The user's engine arguments, passed through (``speculative_config`` is merged
+    with :attr:`mtp`)."""
+    mtp: MTPSettings = field(default_factory=MTPSettings)
+    """MTP speculative decoding settings."""
+    checkpoint_config: Mapping[str, Any] | None = None
+    """The checkpoint's ``config.json`` (MTP layer count), when it has one."""
+    weights_transport: Transport = "shm"
+    """The data path of weight pushes the engine must be able to load."""
+    engine_url: str | None = None
+    """SGLang: a running server to drive instead of launching one."""
+
+
+def check_prompt(info: EngineInfo, prompt_ids: Sequence[int], max_tokens: int) -> None:
+    """Refuse a prompt the engine cannot serve, naming why (shared by every engine).
+
+    Raises:
+        InvalidRequestError: an empty prompt, a token outside the vocabulary, or a
+            prompt plus ``max_tokens`` beyond the context.
+    """
+    if not prompt_ids:
+        raise InvalidRequestError("prompt: empty (it must hold at least one token)")
+    bad = next((t for t in prompt_ids if not 0 <= t < info.vocab_size), None)
+    if bad is not None:
+        raise InvalidRequestError(f"prompt_token_ids: token id {bad} is outside the "
+                                  f"vocabulary [0, {info.vocab_size})")
+    if len(prompt_ids) + max_tokens > info.max_model_len:
+        raise InvalidRequestError(f"prompt: {len(prompt_ids)} prompt tokens + max_tokens "
+                                  f"{max_tokens} exceed the model's context length "
+                                  f"{info.max_model_len}")
+
+
 class Engine(Protocol):
     """An inference engine behind the service."""
 
@@ -143,7 +172,7 @@ class Engine(Protocol):
         """
         ...
 
-    async def pause(self, mode: str = "wait") -> None:
+    async def pause(self, mode: PauseMode = "wait") -> None:
         """Stop scheduling: ``wait`` drains running requests, ``abort`` aborts them,
         ``keep`` freezes them in place."""
         ...
@@ -175,3 +204,7 @@ class Engine(Protocol):
     async def shutdown(self) -> None:
         """Release the engine and its worker processes."""
         ...
+
+
+EngineStarter = Callable[[EngineSpec], Awaitable[Engine]]
+"""``start`` of an engine package: the engine, running, inside the caller's event loop."""

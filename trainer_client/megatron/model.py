@@ -20,7 +20,6 @@ import contextlib
 import dataclasses
 import enum
 import functools
-import socket
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -284,12 +283,6 @@ def build_gpt_mtp_model(hf_config: Mapping[str, Any], *, tp_size: int = 1,
                     **spec.model_kwargs(hf_config))
 
 
-def _free_tcp_address() -> str:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return f"tcp://127.0.0.1:{sock.getsockname()[1]}"
-
-
 @contextlib.contextmanager
 def init_parallel_cpu(tp_size: int = 1, *, rank: int = 0, world_size: int | None = None,
                       init_method: str | None = None, seed: int = 0) -> Iterator[None]:
@@ -306,7 +299,7 @@ def init_parallel_cpu(tp_size: int = 1, *, rank: int = 0, world_size: int | None
         rank: this process's rank.
         world_size: number of processes; defaults to ``tp_size``.
         init_method: rendezvous address (``tcp://host:port``); required when
-            ``world_size`` > 1, a free local port otherwise.
+            ``world_size`` > 1. A world of one needs no rendezvous (an in-memory store).
         seed: seeds torch (and, with CUDA, megatron's model-parallel RNG tracker).
 
     Raises:
@@ -324,8 +317,12 @@ def init_parallel_cpu(tp_size: int = 1, *, rank: int = 0, world_size: int | None
     if dist.is_initialized():
         raise ValueError("a torch.distributed process group is already initialized")
     with megatron_on_cpu():
-        dist.init_process_group("gloo", init_method=init_method or _free_tcp_address(),
-                                rank=rank, world_size=world_size)
+        if init_method is None:  # a world of one: no port to find, nothing to race for
+            dist.init_process_group("gloo", store=dist.HashStore(), rank=rank,
+                                    world_size=world_size)
+        else:
+            dist.init_process_group("gloo", init_method=init_method, rank=rank,
+                                    world_size=world_size)
         try:
             parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp_size)
             torch.manual_seed(seed)

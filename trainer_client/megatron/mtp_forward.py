@@ -6,7 +6,8 @@ layers do (TP all-reduces, CP exchanges).
 
 Why not ``model(..., labels=...)``: ``GPTModel`` then computes its own MTP loss through the
 shared output layer, with the layer's parameters live (they receive MTP gradient), and
-the way it does so drifted across megatron-core versions (UPSTREAM.md): inline in
+the way it does so drifted across megatron-core versions (NVIDIA/Megatron-LM,
+``megatron/core/models/gpt/gpt_model.py``): inline in
 ``GPTModel._postprocess`` on 0.16, through ``process_mtp_loss`` from 0.17 on (0.19 adds
 ``mtp_detach_heads`` and derives labels from ``input_ids`` when ``labels`` is None, which
 crashes on 0.16 and skips the loss on 0.17/0.18). :func:`mtp_forward` never enters either

@@ -1,0 +1,1 @@
+"""Prometheus config and the rules generated from Python (see ``rules``)."""

@@ -1,0 +1,201 @@
+"""The rollout service's Prometheus recording rules and alerts, generated from Python.
+
+Runs on a developer's machine or in CI, never in the service: ``python -m
+deploy.prometheus.rules`` writes ``deploy/prometheus/rules.yml``, which
+``prometheus.yml`` loads. Every expression comes from
+``rollout_service/telemetry/queries.py``; this module names them, and gives each
+alert its severity and annotations. The committed YAML must equal what this
+module generates (tests/integration/test_deploy.py checks it, checks it with
+promtool, unit-tests each alert and evaluates every expression against a real
+Prometheus), so edit this file or queries.py, not the YAML.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import textwrap
+from dataclasses import dataclass
+from pathlib import Path
+
+from rollout_service.telemetry import queries
+
+OUTPUT = Path(__file__).parent / "rules.yml"
+SCOPE = queries.Scope(window="5m", by=("model",))
+"""Recording rules: 5m rates per model, summed over replicas."""
+RECORDED = {
+    f"rollout:spec_decode_{name}:rate{SCOPE.window}": figure(SCOPE) for name, figure in (
+        ("macro_accept_rate", queries.macro_accept_rate),
+        ("micro_accept_rate", queries.micro_accept_rate),
+        ("macro_accept_length", queries.macro_accept_length),
+        ("micro_accept_length", queries.micro_accept_length),
+        ("accept_rate_per_position", queries.accept_rate_per_position),
+    )
+}
+"""Recorded series name -> expression."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Alert:
+    """One alerting rule."""
+
+    name: str
+    expr: str
+    severity: str
+    """``critical`` or ``warning``."""
+    summary: str
+    description: str
+    """Folded into one paragraph in the YAML; Prometheus templates allowed."""
+    for_s: str | None = None
+    """How long the condition must hold (``5m``); None fires at once."""
+
+
+ALERTS = (
+    Alert(name="RolloutAcceptRateDroppedAfterWeightPush",
+          expr=queries.alert_accept_rate_dropped_after_push(), for_s="5m", severity="critical",
+          summary="Macro accept rate of {{ $labels.model }} halved after a weight push",
+          description=(
+              "The macro accept rate of {{ $labels.model }} over 5m is {{ $value | "
+              "humanizePercentage }}, less than half its value an hour ago, and weights were "
+              "loaded in the last 15m. The drafter likely no longer matches the main model "
+              "(pushed without the MTP layers, or from a diverged checkpoint): compare "
+              "rollout_weight_version by role and the checksums at GET /weights/checksums; "
+              "rollouts are slower but their tokens are unaffected.")),
+    Alert(name="RolloutDrafterVersionBehindMain",
+          expr=queries.alert_drafter_behind_main(), for_s="5m", severity="warning",
+          summary="MTP drafter of {{ $labels.model }} on {{ $labels.instance }} is behind main",
+          description=(
+              "On {{ $labels.instance }} the drafter has served a weight version {{ $value }} "
+              "behind the main model's for 5m. Drafts then come from an older model and "
+              "acceptance falls. Push with target=\"both\" (WeightPusher.push), or check the "
+              "trainer's drafter export.")),
+    Alert(name="RolloutWeightPushFailed",
+          expr=queries.alert_push_unsuccessful(), severity="warning",
+          summary="Weight push {{ $labels.outcome }} on {{ $labels.instance }}",
+          description=(
+              "{{ $value | humanize }} weight push(es) to {{ $labels.model }} on "
+              "{{ $labels.instance }} ended {{ $labels.outcome }} in the last 15m; the replica "
+              "keeps serving its previous version. rejected: the trainer announced "
+              "names/shapes/dtypes the model does not have; aborted: the trainer vanished or "
+              "cancelled mid-push; failed: the engine could not load the weights (see the "
+              "service log and GET /weights/status).")),
+    Alert(name="RolloutWeightPushSlow",
+          expr=queries.alert_push_slow(), severity="warning",
+          summary="Weight pushes on {{ $labels.instance }} take {{ $value | humanizeDuration }}",
+          description=(
+              "Completed weight pushes to {{ $labels.model }} on {{ $labels.instance }} took "
+              "{{ $value | humanizeDuration }} on average over 15m (pause to resume; the "
+              "replica generates nothing meanwhile). Check the push's bucket size, shared "
+              "memory and the engine's load time.")),
+    Alert(name="RolloutSpecDecodeStatsMissing",
+          expr=queries.alert_stats_missing(), for_s="5m", severity="warning",
+          summary="Engine on {{ $labels.instance }} returns no spec-decode stats",
+          description=(
+              "Requests to {{ $labels.model }} on {{ $labels.instance }} finish without "
+              "per-request speculative-decoding stats, so acceptance figures leave them out. "
+              "The engine likely runs with per_request_spec_decode_metrics=\"none\" or a "
+              "version without per-request stats; see the service log's warning.")),
+    Alert(name="RolloutServiceDown",
+          expr=queries.alert_service_down(), for_s="2m", severity="critical",
+          summary="Rollout service {{ $labels.instance }} is not scraped",
+          description=(
+              "Prometheus cannot scrape /metrics of {{ $labels.instance }} for 2m: the replica "
+              "is down or unreachable, and every other rollout alert is blind to it.")),
+)
+
+HEADER = """\
+# Recording rules and alerts of the MTP rollout service.
+#
+# GENERATED by deploy/prometheus/rules.py from rollout_service/telemetry/queries.py
+# (`python -m deploy.prometheus.rules`); edit those, not this file. docs/telemetry.md
+# defines every figure. Ratios sum numerator and denominator over replicas before
+# dividing, so they are exact across replicas.
+"""
+
+
+def _alert(alert: Alert) -> dict[str, object]:
+    rule: dict[str, object] = {"alert": alert.name, "expr": alert.expr}
+    if alert.for_s is not None:
+        rule["for"] = alert.for_s
+    rule["labels"] = {"severity": alert.severity}
+    rule["annotations"] = {"summary": alert.summary, "description": alert.description}
+    return rule
+
+
+def rule_groups() -> dict[str, object]:
+    """The rule file's content, as Prometheus reads it."""
+    return {"groups": [
+        {"name": "rollout_spec_decode",
+         "rules": [{"record": name, "expr": expr} for name, expr in RECORDED.items()]},
+        {"name": "rollout_alerts", "rules": [_alert(alert) for alert in ALERTS]},
+    ]}
+
+
+WIDTH = 96
+_BREAK_BEFORE = {"/", "<", ">", "==", "-", "and", "or", "unless"}
+
+
+def _expr_lines(expr: str) -> list[str]:
+    """``expr`` split before its top-level binary operators (but ``> 0`` stays on its
+    line), then wrapped: PromQL ignores the line breaks a folded block adds."""
+    lines: list[list[str]] = [[]]
+    depth = 0
+    words = expr.split(" ")
+    for i, word in enumerate(words):
+        is_last_a_number = i + 2 == len(words) and words[-1].replace(".", "").isdigit()
+        if depth == 0 and word in _BREAK_BEFORE and lines[-1] and not is_last_a_number:
+            lines.append([])
+        lines[-1].append(word)
+        depth += sum(word.count(c) for c in "([{") - sum(word.count(c) for c in ")]}")
+    return [part for line in lines for part in _wrap(" ".join(line))]
+
+
+_KEEP_TOGETHER = re.compile(
+    r"\{\{.*?\}\}|\w+ (?:by|on|ignoring) \([^)]*\)|\] offset \w+")
+"""Never broken: a template (``{{ $value | humanize }}``), ``sum by (...)``, ``] offset 1h``."""
+
+
+def _wrap(text: str) -> list[str]:
+    protected = _KEEP_TOGETHER.sub(lambda m: m[0].replace(" ", "\0"), text)
+    return [line.replace("\0", " ") for line in textwrap.wrap(
+        protected, WIDTH - 8, break_long_words=False, break_on_hyphens=False)]
+
+
+def _block(key: str, lines: list[str], indent: str) -> list[str]:
+    """A folded block scalar: its lines join back with single spaces."""
+    return [f"{indent}{key}: >-", *(f"{indent}  {line}" for line in lines)]
+
+
+def _rule_lines(rule: dict[str, object]) -> list[str]:
+    (kind, name), *_ = rule.items()
+    lines = [f"      - {kind}: {name}", *_block("expr", _expr_lines(str(rule["expr"])), " " * 8)]
+    if "for" in rule:
+        lines.append(f"        for: {rule['for']}")
+    if "labels" in rule:
+        lines += ["        labels:", f"          severity: {rule['labels']['severity']}"]
+    if "annotations" in rule:
+        annotations = rule["annotations"]
+        lines += ["        annotations:",
+                  f"          summary: {json.dumps(annotations['summary'])}",
+                  *_block("description", _wrap(annotations["description"]), " " * 10)]
+    return lines
+
+
+def render() -> str:
+    """``rules.yml``: :func:`rule_groups` in block style, expressions and descriptions
+    as folded blocks (PyYAML's own folding breaks lines at odd places)."""
+    lines = [HEADER.rstrip("\n"), "groups:"]
+    for i, group in enumerate(rule_groups()["groups"]):
+        lines += [""] * (i > 0) + [f"  - name: {group['name']}", "    rules:"]
+        for j, rule in enumerate(group["rules"]):
+            lines += [""] * ("alert" in rule and j > 0) + _rule_lines(rule)
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    OUTPUT.write_text(render())
+    print(f"wrote {OUTPUT}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,103 @@
+"""The FastAPI application: generation, health and metrics handlers, and the routers.
+
+Runs in the rollout service process under uvicorn (standalone) or as a Ray Serve
+ingress. What the handlers call (:class:`~rollout_service.api.ports.AppState`)
+opens in ``lifespan``, inside the server's event loop, and is injected with
+``Depends``; nothing lives in module globals. Errors answer in OpenAI's shape
+(``api.errors``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Callable
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
+
+from fastapi import Depends, FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+from rollout_service.api.errors import check_bearer, install_error_handlers
+from rollout_service.api.ports import AppState, Rollouts
+from rollout_service.api.weights import weights_router
+from rollout_service.config import ServiceConfig
+from rollout_service.protocol import messages
+from rollout_service.telemetry.exposition import combined_registry
+
+StateOpener = Callable[[], AbstractAsyncContextManager[AppState]]
+"""Opens what the app serves for the server's lifetime."""
+
+
+@asynccontextmanager
+async def local_state(config: ServiceConfig) -> AsyncIterator[AppState]:
+    """One engine in this process (``rollout-service serve``)."""
+    from rollout_service.local import build_local_service, start_engine
+
+    engine = await start_engine(config)
+    try:
+        service, registry = build_local_service(engine, config)
+        yield AppState(rollouts=service, weights=service.weights, registry=registry)
+    finally:
+        await engine.shutdown()
+
+
+def create_app(config: ServiceConfig, open_state: StateOpener | None = None) -> FastAPI:
+    """Build the app; its state opens inside the server's event loop (``lifespan``).
+
+    Args:
+        config: the service configuration (tokens are resolved here, at startup).
+        open_state: what serves the handlers; default: one engine in this process.
+
+    Raises:
+        ValueError: an unreadable weights token file.
+    """
+    api_key = config.resolved_api_key()
+    opener = open_state or (lambda: local_state(config))
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        async with opener() as state:
+            app.state.serving = state
+            app.state.metrics_registry = combined_registry(state.registry)
+            yield
+
+    app = FastAPI(title="MTP rollout service", lifespan=lifespan)
+    install_error_handlers(app)
+    app.include_router(weights_router(config.resolved_weights_token()))
+
+    def rollouts(request: Request) -> Rollouts:
+        return request.app.state.serving.rollouts
+
+    def authorized(request: Request) -> None:
+        if api_key is not None:
+            check_bearer(request, api_key)
+
+    guarded = [Depends(authorized)]
+
+    @app.post("/generate", dependencies=guarded)
+    async def generate(req: messages.GenerateRequest,
+                       svc: Rollouts = Depends(rollouts)) -> messages.GenerateResponse:
+        return await svc.generate(req)
+
+    @app.post("/generate_batch", dependencies=guarded)
+    async def generate_batch(req: messages.BatchGenerateRequest,
+                             svc: Rollouts = Depends(rollouts)
+                             ) -> messages.BatchGenerateResponse:
+        return await svc.generate_batch(req)
+
+    @app.post("/v1/completions", dependencies=guarded)
+    async def completions(req: messages.CompletionRequest,
+                          svc: Rollouts = Depends(rollouts)) -> messages.CompletionResponse:
+        return await svc.complete(req)
+
+    @app.get("/health")
+    async def health(svc: Rollouts = Depends(rollouts)) -> JSONResponse:
+        body, status = await svc.health()
+        return JSONResponse(body.model_dump(), status_code=status)
+
+    @app.get("/metrics")
+    async def metrics(request: Request) -> Response:
+        return Response(generate_latest(request.app.state.metrics_registry),
+                        media_type=CONTENT_TYPE_LATEST)
+
+    return app

@@ -1,0 +1,62 @@
+"""What the HTTP handlers call: two protocols, met standalone and under Ray Serve.
+
+Standalone, :class:`Rollouts` is a :class:`~rollout_service.service.RolloutService`
+and :class:`WeightPushes` its
+:class:`~rollout_service.weights.manager.WeightPushManager`, in this process.
+Behind Ray Serve (``serve.app``) they are the ingress's ``ReplicatedService``
+(routes to engine replicas) and ``CoordinatorPushes`` (calls the weights
+coordinator). The handlers know only these protocols.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+from prometheus_client import CollectorRegistry
+
+from rollout_service.protocol import messages
+
+WeightChecksums = dict[str, str] | dict[str, dict[str, str]]
+"""SHA-256 per model (``main``, ``draft``); under Ray Serve, per replica, then per model."""
+
+
+class Rollouts(Protocol):
+    """Generation, health and checksums."""
+
+    async def generate(self, req: messages.GenerateRequest) -> messages.GenerateResponse: ...
+
+    async def generate_batch(self, batch: messages.BatchGenerateRequest
+                             ) -> messages.BatchGenerateResponse: ...
+
+    async def complete(self, req: messages.CompletionRequest) -> messages.CompletionResponse: ...
+
+    async def health(self) -> tuple[messages.HealthResponse, int]:
+        """The health body and its HTTP status."""
+        ...
+
+    async def weight_checksums(self) -> WeightChecksums: ...
+
+
+class WeightPushes(Protocol):
+    """The weight-push protocol (``/weights/*``)."""
+
+    async def begin(self, req: messages.PushBeginRequest) -> messages.PushBeginResponse: ...
+
+    async def update(self, req: messages.PushUpdateRequest) -> messages.PushUpdateResponse: ...
+
+    async def finish(self, req: messages.PushFinishRequest) -> messages.PushFinishResponse: ...
+
+    async def abort(self, req: messages.PushAbortRequest) -> messages.WeightStatus: ...
+
+    async def get_status(self) -> messages.WeightStatus: ...
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class AppState:
+    """What the app serves, opened in ``lifespan``."""
+
+    rollouts: Rollouts
+    weights: WeightPushes
+    registry: CollectorRegistry
+    """This service's metrics; ``/metrics`` shows them beside the process-wide registry."""

@@ -1,0 +1,63 @@
+"""The ``/weights/*`` router: the push protocol, behind the weights token.
+
+Runs in the service process. Each handler parses a typed message and calls the
+app's :class:`~rollout_service.api.ports.WeightPushes`; without a configured
+token every endpoint answers 403 (pushes disabled), with one a wrong or missing
+bearer token answers 401.
+"""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Depends, Request
+
+from rollout_service.api.errors import Forbidden, check_bearer
+from rollout_service.api.ports import Rollouts, WeightChecksums, WeightPushes
+from rollout_service.protocol import messages
+
+
+def weights_router(weights_token: str | None) -> APIRouter:
+    """The router; ``weights_token`` None disables pushes."""
+
+    def may_push(request: Request) -> None:
+        if weights_token is None:
+            raise Forbidden("weight pushes are disabled: no weights token is configured "
+                            "(weights_token, weights_token_file or $ROLLOUT_WEIGHTS_TOKEN)")
+        check_bearer(request, weights_token)
+
+    def pushes(request: Request) -> WeightPushes:
+        return request.app.state.serving.weights
+
+    def rollouts(request: Request) -> Rollouts:
+        return request.app.state.serving.rollouts
+
+    router = APIRouter(prefix="/weights", dependencies=[Depends(may_push)])
+
+    @router.post("/begin")
+    async def begin(req: messages.PushBeginRequest,
+                    mgr: WeightPushes = Depends(pushes)) -> messages.PushBeginResponse:
+        return await mgr.begin(req)
+
+    @router.post("/update")
+    async def update(req: messages.PushUpdateRequest,
+                     mgr: WeightPushes = Depends(pushes)) -> messages.PushUpdateResponse:
+        return await mgr.update(req)
+
+    @router.post("/finish")
+    async def finish(req: messages.PushFinishRequest,
+                     mgr: WeightPushes = Depends(pushes)) -> messages.PushFinishResponse:
+        return await mgr.finish(req)
+
+    @router.post("/abort")
+    async def abort(req: messages.PushAbortRequest,
+                    mgr: WeightPushes = Depends(pushes)) -> messages.WeightStatus:
+        return await mgr.abort(req)
+
+    @router.get("/status")
+    async def status(mgr: WeightPushes = Depends(pushes)) -> messages.WeightStatus:
+        return await mgr.get_status()
+
+    @router.get("/checksums")
+    async def checksums(svc: Rollouts = Depends(rollouts)) -> WeightChecksums:
+        return await svc.weight_checksums()
+
+    return router

@@ -1,0 +1,377 @@
+"""SGLang engine: an SGLang HTTP server behind the engine protocol.
+
+Runs inside the rollout service process and talks HTTP (httpx) to one SGLang server,
+either one given by ``engine_url`` or one launched here as a subprocess (``launch``).
+The server owns its scheduler and TP worker processes; this process never imports
+SGLang except to build weight payloads (``payload``). What the server accepts is read
+from its schema (``features``); acceptance counts come from each response's
+``meta_info`` (``stats``).
+
+Weight pushes go to ``/update_weights_from_tensor``. The model is picked by
+``selector`` (0.5.23), else by ``disable_draft_model`` (0.5.10-0.5.12, whose draft path
+loads the drafter and then the target from the same tensors); ``/begin_weight_update``
+... ``/end_weight_update`` wrap the load where they exist.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import httpx
+
+from rollout_service.engines.base import (
+    EngineInfo,
+    EngineSpec,
+    EngineUnavailableError,
+    GenerationResult,
+    InvalidRequestError,
+    LoadTimings,
+    SamplingOptions,
+    WeightUpdate,
+    check_prompt,
+)
+from rollout_service.engines.sglang.features import (
+    INFO_TIMEOUT_S,
+    ServerFeatures,
+    detect_features,
+)
+from rollout_service.engines.sglang.launch import build_launch_command, start_server, stop_process
+from rollout_service.engines.sglang.payload import PayloadBuilder, build_flattened_bucket_payloads
+from rollout_service.engines.sglang.stats import spec_stats_from_meta_info
+from rollout_service.engines.speculative import MTPSettings, load_checkpoint_config
+from rollout_service.protocol.messages import PauseMode, WeightVersionSpan
+
+logger = logging.getLogger(__name__)
+
+# Ours -> SGLang's. SGLang has no drain mode: "wait" drains this engine's own requests
+# first. "keep" retracts rather than freezes ("in_place"): /flush_cache refuses to run
+# while requests sit in place, and retracted ones recompute their KV with the new weights.
+_PAUSE_MODES: dict[PauseMode, str] = {"wait": "retract", "abort": "abort", "keep": "retract"}
+
+
+async def start(spec: EngineSpec) -> SGLangEngine:
+    """The :data:`~rollout_service.engines.base.EngineStarter` of SGLang: connect to
+    ``spec.engine_url``, or launch a server when it is None.
+
+    Raises:
+        ValueError: a weights transport other than ``shm``, or bad engine kwargs.
+        EngineUnavailableError: the server cannot be reached or did not start.
+    """
+    if spec.weights_transport != "shm":
+        raise ValueError(f"weights_transport: {spec.weights_transport!r} is not supported by "
+                         "engine 'sglang' (accepted: 'shm')")
+    if spec.engine_url is not None:
+        return await SGLangEngine.connect(spec.engine_url, served_model_name=spec.served_model_name,
+                                          model_path=spec.model_path)
+    return await SGLangEngine.launch(spec.model_path, spec.engine_kwargs, spec.mtp,
+                                     served_model_name=spec.served_model_name)
+
+
+class SGLangEngine:
+    """:class:`~rollout_service.engines.base.Engine` over an SGLang server's HTTP API.
+
+    Create it with :meth:`connect` (existing server) or :meth:`launch` (subprocess)
+    inside the event loop that will serve it.
+    """
+
+    def __init__(self, client: httpx.AsyncClient, info: EngineInfo, features: ServerFeatures, *,
+                 num_draft_tokens: int, num_tp_ranks: int,
+                 payload_builder: PayloadBuilder | None = None,
+                 process: asyncio.subprocess.Process | None = None) -> None:
+        self.info = info
+        self.features = features
+        self._client = client
+        self._num_draft_tokens = num_draft_tokens
+        self._num_tp_ranks = num_tp_ranks
+        self._build_payloads = payload_builder or build_flattened_bucket_payloads
+        self._process = process
+        self._resumed = asyncio.Event()
+        self._resumed.set()
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self._num_in_flight = 0
+
+    @classmethod
+    async def connect(cls, base_url: str, *, served_model_name: str, model_path: str | None = None,
+                      client: httpx.AsyncClient | None = None,
+                      payload_builder: PayloadBuilder | None = None) -> SGLangEngine:
+        """Attach to a running server.
+
+        Args:
+            base_url: the server, e.g. ``http://127.0.0.1:30000``.
+            served_model_name: the name in responses and metrics.
+            model_path: the local checkpoint directory (vocabulary size, push validation);
+                None: the server's ``model_path``, which must then be a local directory.
+            client: an httpx client for the server (tests pass one on the fake's ASGI app).
+            payload_builder: builds tensor payloads; None: SGLang's serializer.
+
+        Raises:
+            EngineUnavailableError: the server cannot be reached.
+            ValueError: the checkpoint's config.json cannot be read.
+        """
+        # Generation and weight loads take as long as they take; connecting does not.
+        client = client or httpx.AsyncClient(base_url=base_url,
+                                             timeout=httpx.Timeout(None, connect=10.0))
+        try:
+            model_info = await _get_json(client, "/model_info", "/get_model_info")
+            server_info = await _get_json(client, "/server_info", "/get_server_info")
+            models = await _get_json(client, "/v1/models")
+            features = await detect_features(client)
+            model_path = model_path or model_info["model_path"]
+            checkpoint = load_checkpoint_config(model_path)
+        except httpx.TransportError as exc:
+            await client.aclose()
+            raise EngineUnavailableError(f"SGLang server at {base_url} unreachable: {exc}") from exc
+        except BaseException:
+            await client.aclose()
+            raise
+        vocab_size = checkpoint.get("vocab_size") or checkpoint["text_config"]["vocab_size"]
+        max_model_len = models["data"][0].get("max_model_len") or server_info["context_length"]
+        is_spec = server_info.get("speculative_algorithm") is not None
+        info = EngineInfo(
+            model=served_model_name, engine="sglang", model_path=model_path,
+            max_model_len=max_model_len, vocab_size=vocab_size,
+            # The longest acceptable chain: the accept-length and per-position range.
+            num_speculative_tokens=server_info["speculative_num_steps"] if is_spec else 0)
+        return cls(client, info, features,
+                   num_draft_tokens=server_info["speculative_num_draft_tokens"] if is_spec else 0,
+                   num_tp_ranks=server_info.get("tp_size") or 1, payload_builder=payload_builder)
+
+    @classmethod
+    async def launch(cls, model_path: str, engine_kwargs: Mapping[str, Any], mtp: MTPSettings, *,
+                     served_model_name: str, host: str = "127.0.0.1", port: int = 30000,
+                     startup_timeout_s: float = 900.0) -> SGLangEngine:
+        """Start ``sglang.launch_server`` in its own session and connect once healthy.
+
+        Raises:
+            ValueError: bad engine kwargs (see :func:`build_launch_command`).
+            EngineUnavailableError: the server exited or was not healthy in time.
+        """
+        command = build_launch_command(model_path, engine_kwargs, mtp, host=host, port=port)
+        base_url = f"http://{host}:{port}"
+        process = await start_server(command, base_url, startup_timeout_s=startup_timeout_s)
+        try:
+            engine = await cls.connect(base_url, served_model_name=served_model_name,
+                                       model_path=model_path)
+        except BaseException:
+            await stop_process(process)
+            raise
+        engine._process = process
+        return engine
+
+    # --- generation ---
+
+    async def generate(self, prompt: str | list[int], sampling: SamplingOptions,
+                       request_id: str) -> GenerationResult:
+        await self._resumed.wait()  # pause holds new requests here
+        self._num_in_flight += 1
+        self._idle.clear()
+        try:
+            return await self._generate(prompt, sampling, request_id)
+        finally:
+            self._num_in_flight -= 1
+            if self._num_in_flight == 0:
+                self._idle.set()
+
+    async def _generate(self, prompt: str | list[int], sampling: SamplingOptions,
+                        request_id: str) -> GenerationResult:
+        body: dict[str, Any] = {"rid": request_id, "sampling_params": _sampling_params(sampling),
+                                "return_logprob": sampling.logprobs}
+        # Text goes to SGLang when it can return the prompt's ids; else we tokenize with
+        # its /v1/tokenize so that prompt_token_ids are exactly what it generated from.
+        is_text = isinstance(prompt, str) and self.features.accepts(
+            "/generate", "return_prompt_token_ids")
+        if is_text:
+            body |= {"text": prompt, "return_prompt_token_ids": True}
+        else:
+            ids = await self._tokenize(prompt) if isinstance(prompt, str) else list(prompt)
+            check_prompt(self.info, ids, sampling.max_tokens)
+            body["input_ids"] = ids
+        response = await self._request("POST", "/generate", body)
+        if response.status_code != 200:
+            raise InvalidRequestError(_error_message(response))
+        out = response.json()
+        prompt_ids = out["prompt_token_ids"] if is_text else body["input_ids"]
+        return _to_result(prompt_ids, out, self._num_draft_tokens)
+
+    async def _tokenize(self, text: str) -> list[int]:
+        response = await self._request("POST", "/v1/tokenize", {"prompt": text})
+        if response.status_code != 200:
+            raise InvalidRequestError(_error_message(response))
+        return list(response.json()["tokens"])
+
+    async def pause(self, mode: PauseMode = "wait") -> None:
+        if mode not in _PAUSE_MODES:
+            raise ValueError(f"pause mode: {mode!r} (accepted: {sorted(_PAUSE_MODES)})")
+        self._resumed.clear()
+        body = ({"mode": _PAUSE_MODES[mode]}
+                if self.features.accepts("/pause_generation", "mode") else {})
+        try:
+            if mode == "wait":
+                await self._idle.wait()
+            await self._control("/pause_generation", body)
+        except BaseException:
+            self._resumed.set()  # the caller resumes only after a successful pause
+            raise
+
+    async def resume(self) -> None:
+        await self._control("/continue_generation", {})
+        self._resumed.set()
+
+    # --- weights ---
+
+    async def load_weights(self, update: WeightUpdate, *, draft: bool,
+                           version: str | None) -> LoadTimings:
+        start_s = time.perf_counter()
+        route = "/update_weights_from_tensor"
+        payloads, keep_alive = await asyncio.to_thread(self._build_payloads, update,
+                                                       self._num_tp_ranks)
+        # flush_cache False: reset_prefix_cache flushes once, after both models load.
+        body = {"serialized_named_tensors": payloads, "load_format": "flattened_bucket",
+                "flush_cache": False, "weight_version": version, **self._target(route, draft)}
+        await self._begin_session(draft)
+        try:
+            await self._control(route, body)
+            loaded_s = time.perf_counter()
+        finally:
+            del keep_alive  # SGLang has copied the tensors into its parameters
+            await self._end_session()  # a failed load leaves no session open
+        return LoadTimings(load_s=loaded_s - start_s, finalize_s=time.perf_counter() - loaded_s)
+
+    async def _begin_session(self, draft: bool) -> None:
+        if self.features.has_weight_update_session:
+            await self._control("/begin_weight_update", self._target("/begin_weight_update", draft))
+
+    async def _end_session(self) -> None:
+        if self.features.has_weight_update_session:
+            await self._control("/end_weight_update", {})
+
+    def _target(self, route: str, draft: bool) -> dict[str, Any]:
+        """The field that picks the main model or the drafter on ``route``."""
+        if self.features.accepts(route, "selector"):
+            return {"selector": "draft" if draft else "target"}
+        if self.features.accepts(route, "disable_draft_model"):
+            return {"disable_draft_model": not draft}
+        if draft:
+            raise NotImplementedError(f"this SGLang server's {route} cannot target the drafter "
+                                      "(no 'selector' field); use SGLang 0.5.23 or later")
+        return {}
+
+    async def reset_prefix_cache(self) -> None:
+        await self._control("/flush_cache", None)
+
+    async def weight_checksums(self) -> dict[str, str]:
+        """SGLang's per-engine checksum per model where ``/weights_checker`` can target one
+        (0.5.23: SHA-256 over each rank's digest of its own, post-load parameter layout, so
+        it is comparable only with itself); {} on servers without it."""
+        route = "/weights_checker"
+        if route not in self.features.routes or not self.features.accepts(route, "selector"):
+            return {}
+        roles = {"main": "target", **({"draft": "draft"} if self._num_draft_tokens else {})}
+        checksums = {}
+        for role, selector in roles.items():
+            result = await self._control(route, {"action": "checksum", "selector": selector})
+            checksums[role] = result["per_engine_checksum"]
+        return checksums
+
+    # --- lifecycle ---
+
+    async def health(self) -> None:
+        response = await self._request("GET", "/health", None, timeout=INFO_TIMEOUT_S)
+        if response.status_code != 200:
+            raise EngineUnavailableError(f"SGLang /health answered {response.status_code}")
+
+    async def shutdown(self) -> None:
+        await self._client.aclose()
+        if self._process is not None:
+            await stop_process(self._process)
+
+    # --- HTTP ---
+
+    async def _request(self, method: str, path: str, body: Any, *,
+                       timeout: float | None = None) -> httpx.Response:
+        """Send; unreachable or a 5xx is EngineUnavailableError."""
+        try:
+            response = await self._client.request(method, path, json=body,
+                                                  timeout=timeout or httpx.USE_CLIENT_DEFAULT)
+        except httpx.TransportError as exc:
+            raise EngineUnavailableError(
+                f"SGLang server at {self._client.base_url} unreachable: {exc!r}") from exc
+        if response.status_code >= 500:
+            raise EngineUnavailableError(f"SGLang {path} answered {response.status_code}: "
+                                         f"{_error_message(response)}")
+        return response
+
+    async def _control(self, path: str, body: Any) -> Any:
+        """POST a control call; a refusal (non-200 or ``success: false``) is RuntimeError."""
+        response = await self._request("POST", path, body)
+        if response.status_code != 200:
+            raise RuntimeError(f"SGLang {path} failed ({response.status_code}): "
+                               f"{_error_message(response)}")
+        if "json" not in response.headers.get("content-type", ""):
+            return None
+        result = response.json()
+        if isinstance(result, dict) and result.get("success") is False:
+            raise RuntimeError(f"SGLang {path} failed: {result.get('message')}")
+        return result
+
+
+def _sampling_params(sampling: SamplingOptions) -> dict[str, Any]:
+    params: dict[str, Any] = {
+        "max_new_tokens": sampling.max_tokens, "temperature": sampling.temperature,
+        "top_p": sampling.top_p, "top_k": sampling.top_k or -1,  # SGLang: -1 keeps all
+        "ignore_eos": sampling.ignore_eos}
+    if sampling.stop:
+        params["stop"] = list(sampling.stop)
+    if sampling.seed is not None:
+        params["sampling_seed"] = sampling.seed
+    return params
+
+
+def _to_result(prompt_ids: Sequence[int], out: Mapping[str, Any],
+               num_draft_tokens: int) -> GenerationResult:
+    meta = out["meta_info"]
+    token_ids = tuple(out["output_ids"])
+    logprobs = None
+    if "output_token_logprobs" in meta:  # [logprob, token id, text] per token
+        logprobs = tuple(float(entry[0]) for entry in meta["output_token_logprobs"])
+    if meta.get("weight_versions"):
+        spans = tuple(WeightVersionSpan(version=s["version"], start=s["start"], end=s["end"])
+                      for s in meta["weight_versions"])
+    elif meta.get("weight_version") is not None:
+        # Older servers report only the version at finish time.
+        spans = (WeightVersionSpan(version=meta["weight_version"], start=0, end=len(token_ids)),)
+    else:
+        spans = ()
+    finish = meta.get("finish_reason") or {"type": "abort"}
+    return GenerationResult(
+        prompt_token_ids=tuple(prompt_ids), token_ids=token_ids, text=out.get("text", ""),
+        finish_reason=finish["type"] if finish["type"] in ("stop", "length") else "abort",
+        logprobs=logprobs, weight_versions=spans,
+        spec_decode=spec_stats_from_meta_info(meta, num_draft_tokens))
+
+
+async def _get_json(client: httpx.AsyncClient, path: str, fallback: str | None = None) -> Any:
+    """GET an info route; ``fallback`` is its older name (404 on the new one)."""
+    response = await client.get(path, timeout=INFO_TIMEOUT_S)
+    if response.status_code == 404 and fallback is not None:
+        response = await client.get(fallback, timeout=INFO_TIMEOUT_S)
+    if response.status_code != 200:
+        raise EngineUnavailableError(f"SGLang {path} answered {response.status_code}")
+    return response.json()
+
+
+def _error_message(response: httpx.Response) -> str:
+    """SGLang's ``{"error": {"message"}}``, ``{"success", "message"}`` or plain text."""
+    try:
+        body = response.json()
+    except ValueError:
+        return response.text
+    if not isinstance(body, dict):
+        return response.text
+    error = body.get("error") or body.get("message") or body.get("detail") or response.text
+    return str(error.get("message", error)) if isinstance(error, dict) else str(error)

@@ -1,0 +1,111 @@
+"""Launch and stop an SGLang server as a subprocess of the rollout service.
+
+Runs in the rollout service process when no ``engine_url`` is given: it starts
+``python -m sglang.launch_server`` in its own session (the server spawns its scheduler
+and TP worker processes), polls its ``/health`` over HTTP until it serves, and stops it
+on shutdown. The speculative arguments come from
+:func:`rollout_service.engines.speculative.build_sglang_server_args`; every other
+argument is the user's ``engine_kwargs``, passed through.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import signal
+import sys
+import time
+from collections.abc import Mapping
+from typing import Any
+
+import httpx
+
+from rollout_service.engines.base import EngineUnavailableError
+from rollout_service.engines.speculative import MTPSettings, build_sglang_server_args
+
+logger = logging.getLogger(__name__)
+
+_RESERVED = ("model_path", "host", "port")
+_STOP_TIMEOUT_S = 60.0
+
+
+def build_launch_command(model_path: str, engine_kwargs: Mapping[str, Any], mtp: MTPSettings, *,
+                         host: str, port: int, python: str = sys.executable) -> list[str]:
+    """``python -m sglang.launch_server`` with the MTP arguments and the user's kwargs.
+
+    Each kwarg ``name`` becomes ``--name-with-dashes``: True is a bare flag, False and
+    None are left out (SGLang's boolean flags are switches, off by default), a list gives
+    several values, a mapping its JSON, anything else its ``str``.
+
+    Raises:
+        ValueError: a bad speculative setting, or ``engine_kwargs`` setting ``model_path``,
+            ``host`` or ``port`` (the service sets those).
+    """
+    reserved = [key for key in _RESERVED if key in engine_kwargs]
+    if reserved:
+        raise ValueError(f"engine_kwargs: {reserved} are set by the service (model, host, "
+                         "port), not by engine_kwargs")
+    speculative = build_sglang_server_args(mtp, engine_kwargs)
+    user = {key: value for key, value in engine_kwargs.items() if key not in speculative}
+    args = {"model_path": model_path, "host": host, "port": port, **user, **speculative}
+    command = [python, "-m", "sglang.launch_server"]
+    for key, value in args.items():
+        flag = "--" + key.replace("_", "-")
+        if value is None or value is False:
+            continue
+        if value is True:
+            command.append(flag)
+        elif isinstance(value, (list, tuple)):
+            command += [flag, *map(str, value)]
+        elif isinstance(value, Mapping):
+            command += [flag, json.dumps(value)]
+        else:
+            command += [flag, str(value)]
+    return command
+
+
+async def start_server(command: list[str], base_url: str, *,
+                       startup_timeout_s: float) -> asyncio.subprocess.Process:
+    """Run ``command`` in its own session and return once ``base_url`` is healthy.
+
+    Raises:
+        EngineUnavailableError: the server exited or was not healthy in time (it is
+            stopped then).
+    """
+    logger.info("launching SGLang: %s", " ".join(command))
+    process = await asyncio.create_subprocess_exec(*command, start_new_session=True)
+    try:
+        await _wait_healthy(base_url, process, startup_timeout_s)
+    except BaseException:
+        await stop_process(process)
+        raise
+    return process
+
+
+async def stop_process(process: asyncio.subprocess.Process) -> None:
+    """SIGTERM the server (it stops its own children), then kill its session."""
+    if process.returncode is None:
+        process.terminate()
+        try:
+            await asyncio.wait_for(process.wait(), _STOP_TIMEOUT_S)
+        except TimeoutError:
+            os.killpg(process.pid, signal.SIGKILL)
+            await process.wait()
+
+
+async def _wait_healthy(base_url: str, process: asyncio.subprocess.Process,
+                        timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    async with httpx.AsyncClient(base_url=base_url, timeout=5.0) as client:
+        while time.monotonic() < deadline:
+            if process.returncode is not None:
+                raise EngineUnavailableError(f"SGLang exited with code {process.returncode}")
+            try:
+                if (await client.get("/health")).status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            await asyncio.sleep(2.0)
+    raise EngineUnavailableError(f"SGLang was not healthy within {timeout_s} s")

@@ -1,0 +1,92 @@
+"""A shared-memory weight push as SGLang ``/update_weights_from_tensor`` payloads.
+
+Runs in the rollout service process (in a worker thread), once per load. Pushes are
+colocated and shm only: the trainer's segment becomes one ``flattened_bucket`` (a uint8
+tensor over the whole segment and one ``FlattenedTensorMetadata`` per tensor at its byte
+offset), pickled by SGLang's ``MultiprocessingSerializer`` under torch's ``file_system``
+sharing strategy: torch copies the bytes once into a shared-memory file whose name
+travels in the pickle, and SGLang's TP workers map that file. (The default
+``file_descriptor`` strategy hands fds over multiprocessing's resource sharer, which
+rejects a process outside this one's multiprocessing family.) Every TP rank gets the
+same payload (SGLang indexes the list by rank) and its loader takes its own shard. This
+process pickles and never unpickles.
+
+SGLang itself is imported only here, and only when a push is loaded.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from rollout_service.engines.base import WeightUpdate
+from rollout_service.protocol.placement import ShmLocation
+
+PayloadBuilder = Callable[[WeightUpdate, int], tuple[list[str], Any]]
+"""``(update, num_tp_ranks) -> (one serialized payload per rank, object to keep alive)``."""
+
+
+def push_segment(update: WeightUpdate) -> str:
+    """The one shared-memory segment every tensor of ``update`` lies in.
+
+    Raises:
+        ValueError: the push has no tensors, a tensor outside shared memory (SGLang loads
+            shm pushes only), or tensors in more than one segment.
+    """
+    if not update.tensors:
+        raise ValueError(f"push {update.push_id}: no tensors to load")
+    outside = next((p for p in update.tensors if not isinstance(p.location, ShmLocation)), None)
+    if outside is not None:
+        raise ValueError(f"push {update.push_id}: tensor {outside.name!r} travels by "
+                         f"{outside.transport!r}; SGLang loads 'shm' pushes only")
+    segments = sorted({p.location.segment for p in update.tensors})
+    if len(segments) > 1:
+        raise ValueError(f"push {update.push_id}: tensors lie in segments {segments}; a push "
+                         "to SGLang uses one segment")
+    return segments[0]
+
+
+def build_flattened_bucket_payloads(update: WeightUpdate, num_ranks: int) -> tuple[list[str], Any]:
+    """One base64 ``flattened_bucket`` pickle of the whole segment per TP rank.
+
+    Returns:
+        The payloads and the shared tensor, which must stay referenced until SGLang has
+        loaded (its shared-memory file goes with the last reference).
+
+    Raises:
+        ValueError: the push is not in one shared-memory segment (see :func:`push_segment`).
+        RuntimeError: sglang is not installed in this process's environment.
+    """
+    segment_name = push_segment(update)
+    import torch
+    import torch.multiprocessing
+
+    from rollout_service.protocol.shm import Segment
+
+    try:
+        from sglang.srt.utils import MultiprocessingSerializer
+        from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorMetadata
+    except ImportError as exc:
+        raise RuntimeError(
+            "pushing weights to SGLang needs the sglang package in the rollout service's "
+            f"environment (its MultiprocessingSerializer builds the payload): {exc}") from exc
+    segment = Segment.attach(segment_name)
+    try:
+        flat = segment.tensor(0, torch.uint8, (segment.nbytes,))
+        metadata = []
+        for placement in update.tensors:
+            offset = placement.location.offset
+            metadata.append(FlattenedTensorMetadata(
+                name=placement.name, shape=torch.Size(placement.shape),
+                dtype=getattr(torch, placement.dtype), start_idx=offset,
+                end_idx=offset + placement.nbytes, numel=placement.nbytes))
+        strategy = torch.multiprocessing.get_sharing_strategy()
+        torch.multiprocessing.set_sharing_strategy("file_system")
+        try:
+            payload = MultiprocessingSerializer.serialize(
+                {"flattened_tensor": flat, "metadata": metadata}, output_str=True)
+        finally:
+            torch.multiprocessing.set_sharing_strategy(strategy)
+    finally:
+        segment.close()  # the pickled tensor now lives in torch's own shared memory
+    return [payload] * num_ranks, flat

@@ -1,0 +1,224 @@
+"""vLLM engine: ``AsyncLLM`` with MTP speculative decoding and per-request stats.
+
+Runs inside the rollout service process; ``AsyncLLM`` spawns the engine-core
+process (and its workers) and talks to it over ZMQ. Each ``generate`` call is one
+engine request with ``n == 1``, so vLLM attaches exact spec-decode counts to the
+finished output (``per_request_spec_decode_metrics``), which this module turns
+into :class:`~rollout_service.protocol.acceptance.SpecDecodeStats`.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Mapping
+from typing import Any
+
+from vllm import SamplingParams
+from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
+from vllm.engine.arg_utils import AsyncEngineArgs
+from vllm.exceptions import VLLMClientError
+from vllm.sampling_params import RequestOutputKind
+from vllm.v1.engine.async_llm import AsyncLLM
+from vllm.v1.engine.exceptions import EngineDeadError
+
+from rollout_service.engines.base import (
+    EngineInfo,
+    EngineSpec,
+    EngineUnavailableError,
+    GenerationResult,
+    InvalidRequestError,
+    LoadTimings,
+    SamplingOptions,
+    WeightUpdate,
+    check_prompt,
+)
+from rollout_service.engines.speculative import MTPSettings, build_vllm_speculative_config
+from rollout_service.engines.vllm.transfer import update_info
+from rollout_service.protocol.acceptance import SpecDecodeStats
+from rollout_service.protocol.messages import PauseMode, WeightVersionSpan
+
+logger = logging.getLogger(__name__)
+
+# Per-request stats are what this service is for; "summary" has everything the
+# telemetry needs without per-step arrays.
+# Weight pushes go through vLLM's weight-transfer API with this project's `shm`
+# or `cuda_ipc` backend (registered by the `vllm.general_plugins` entry point,
+# chosen by `weights_transport`); the worker extension adds a checksum RPC used
+# to prove rejected pushes change nothing.
+_SERVICE_ENGINE_DEFAULTS: dict[str, Any] = {
+    "per_request_spec_decode_metrics": "summary",
+    "worker_extension_cls": "rollout_service.engines.vllm.worker_ext.RolloutWorkerExtension",
+}
+
+
+def build_engine_args(model: str, engine_kwargs: Mapping[str, Any], mtp: MTPSettings,
+                      checkpoint_config: Mapping[str, Any] | None,
+                      served_model_name: str | None = None,
+                      weights_transport: str = "shm") -> AsyncEngineArgs:
+    """Merge the user's engine kwargs with the service's MTP settings.
+
+    The user's kwargs win except ``speculative_config``, which is merged key by
+    key (see :mod:`rollout_service.engines.speculative`). ``weights_transport`` names the
+    vLLM weight-transfer backend (``shm`` or ``cuda_ipc``).
+
+    Raises:
+        ValueError: a bad speculative config or an engine kwarg vLLM does not know.
+    """
+    kwargs = {**_SERVICE_ENGINE_DEFAULTS,
+              "weight_transfer_config": {"backend": weights_transport},
+              **engine_kwargs, "model": model}
+    if served_model_name is not None:
+        # vLLM's own series then carry the same model name as this service's.
+        kwargs.setdefault("served_model_name", served_model_name)
+    speculative_config = build_vllm_speculative_config(mtp, engine_kwargs, checkpoint_config)
+    kwargs["speculative_config"] = speculative_config
+    if kwargs.get("per_request_spec_decode_metrics") == "none" and speculative_config:
+        raise ValueError("engine_kwargs.per_request_spec_decode_metrics: 'none' disables the "
+                         "per-request acceptance this service exports; use 'summary' or "
+                         "'detailed'")
+    try:
+        return AsyncEngineArgs(**kwargs)
+    except TypeError as exc:
+        raise ValueError(f"engine_kwargs: {exc} (accepted: the fields of vLLM's "
+                         "AsyncEngineArgs)") from exc
+
+
+async def start(spec: EngineSpec) -> VLLMEngine:
+    """The :data:`~rollout_service.engines.base.EngineStarter` of vLLM.
+
+    Raises:
+        ValueError: a config vLLM or the MTP settings reject (naming the field).
+    """
+    args = build_engine_args(spec.model_path, spec.engine_kwargs, spec.mtp,
+                             spec.checkpoint_config, served_model_name=spec.served_model_name,
+                             weights_transport=spec.weights_transport)
+    return VLLMEngine.start(args, served_model_name=spec.served_model_name)
+
+
+class VLLMEngine:
+    """:class:`~rollout_service.engines.base.Engine` on vLLM's ``AsyncLLM``.
+
+    Create it with :func:`start` inside the event loop that will serve it.
+    """
+
+    def __init__(self, llm: AsyncLLM, info: EngineInfo) -> None:
+        self._llm = llm
+        self.info = info
+        self._tokenizer = llm.get_tokenizer()
+
+    @classmethod
+    def start(cls, engine_args: AsyncEngineArgs, served_model_name: str) -> VLLMEngine:
+        """Start the engine (spawns vLLM's engine-core process)."""
+        llm = AsyncLLM.from_engine_args(engine_args)
+        model_config = llm.model_config
+        spec = llm.vllm_config.speculative_config
+        info = EngineInfo(
+            model=served_model_name,
+            engine="vllm",
+            model_path=model_config.model,
+            max_model_len=model_config.max_model_len,
+            vocab_size=model_config.get_vocab_size(),
+            num_speculative_tokens=spec.num_speculative_tokens if spec else 0,
+        )
+        return cls(llm, info)
+
+    def tokenize(self, text: str) -> list[int]:
+        """Token ids of ``text`` as the engine would see them."""
+        return list(self._tokenizer.encode(text))
+
+    async def generate(self, prompt: str | list[int], sampling: SamplingOptions,
+                       request_id: str) -> GenerationResult:
+        prompt_ids = self.tokenize(prompt) if isinstance(prompt, str) else list(prompt)
+        check_prompt(self.info, prompt_ids, sampling.max_tokens)
+        final = None
+        try:
+            params = _sampling_params(sampling)
+            async for output in self._llm.generate({"prompt_token_ids": prompt_ids}, params,
+                                                   request_id):
+                final = output
+        except EngineDeadError as exc:
+            raise EngineUnavailableError(f"vLLM engine died: {exc}") from exc
+        except (ValueError, VLLMClientError) as exc:
+            # vLLM's own request validation: the request's fault, not the engine's.
+            raise InvalidRequestError(str(exc)) from exc
+        assert final is not None and final.finished, "AsyncLLM ended without a final output"
+        return _to_result(prompt_ids, final.outputs[0])
+
+    async def pause(self, mode: PauseMode = "wait") -> None:
+        await self._llm.pause_generation(mode=mode)
+
+    async def resume(self) -> None:
+        await self._llm.resume_generation()
+
+    async def load_weights(self, update: WeightUpdate, *, draft: bool,
+                           version: str | None) -> LoadTimings:
+        # One vLLM weight-update session per model; the same stream feeds both.
+        start = time.perf_counter()
+        if draft:
+            await self._llm.start_draft_weight_update()
+        else:
+            await self._llm.start_weight_update()
+        info = update_info(update, is_last_load=update.is_last_load(draft=draft))
+        await self._llm.update_weights(WeightTransferUpdateRequest(update_info=info))
+        loaded = time.perf_counter()
+        await self._llm.finish_weight_update(weight_version=version)
+        return LoadTimings(load_s=loaded - start, finalize_s=time.perf_counter() - loaded)
+
+    async def reset_prefix_cache(self) -> None:
+        await self._llm.reset_prefix_cache()
+
+    async def weight_checksums(self) -> dict[str, str]:
+        """SHA-256 of the main model's and the drafter's parameters (worker 0)."""
+        return (await self._llm.collective_rpc("rollout_weight_checksums"))[0]
+
+    async def health(self) -> None:
+        try:
+            await self._llm.check_health()
+        except EngineDeadError as exc:
+            raise EngineUnavailableError(f"vLLM engine died: {exc}") from exc
+
+    async def shutdown(self) -> None:
+        self._llm.shutdown()
+
+
+def _sampling_params(sampling: SamplingOptions) -> SamplingParams:
+    """One sequence, final output only (no per-token streaming overhead)."""
+    return SamplingParams(
+        n=1,
+        max_tokens=sampling.max_tokens,
+        temperature=sampling.temperature,
+        top_p=sampling.top_p,
+        top_k=sampling.top_k,
+        seed=sampling.seed,
+        stop=list(sampling.stop) or None,
+        ignore_eos=sampling.ignore_eos,
+        logprobs=0 if sampling.logprobs else None,
+        output_kind=RequestOutputKind.FINAL_ONLY,
+    )
+
+
+def _to_result(prompt_ids: list[int], completion: Any) -> GenerationResult:
+    """Convert a finished ``CompletionOutput`` to the engine-neutral result."""
+    logprobs = None
+    if completion.logprobs is not None:
+        logprobs = tuple(step[token].logprob
+                         for step, token in zip(completion.logprobs, completion.token_ids))
+    spans = tuple(WeightVersionSpan(version=s.version, start=s.start, end=s.end)
+                  for s in completion.weight_versions or ())
+    return GenerationResult(
+        prompt_token_ids=tuple(prompt_ids),
+        token_ids=tuple(completion.token_ids),
+        text=completion.text,
+        finish_reason=completion.finish_reason or "abort",
+        logprobs=logprobs,
+        weight_versions=spans,
+        spec_decode=_to_stats(completion.spec_decode_metrics),
+    )
+
+
+def _to_stats(metrics: Any) -> SpecDecodeStats | None:
+    """vLLM's ``RequestSpecDecodeMetrics`` -> :class:`SpecDecodeStats` (None passes)."""
+    if metrics is None:
+        return None
+    return SpecDecodeStats.from_histogram(metrics.histogram, metrics.num_draft_tokens)

@@ -1,0 +1,29 @@
+"""vLLM plugin (entry point group ``vllm.general_plugins``): registers our transports.
+
+vLLM calls every ``vllm.general_plugins`` entry point in each of its processes
+(front end, engine core, workers), so the backend names resolve wherever vLLM
+builds its weight-transfer engine: ``shm`` (shared memory, CPU and GPU) and
+``cuda_ipc`` (CUDA IPC handles as JSON, GPU only). Backend modules are imported
+lazily, only by the engine that uses them. Registering changes nothing else in
+vLLM: a plain ``vllm serve`` in the same environment behaves as without it.
+Patches of vLLM bugs have entry points of their own (``patches/README.md``).
+"""
+
+from __future__ import annotations
+
+BACKENDS: dict[str, tuple[str, str]] = {
+    "shm": ("rollout_service.engines.vllm.shm_backend", "ShmWeightTransferEngine"),
+    "cuda_ipc": ("rollout_service.engines.vllm.cuda_ipc_backend", "CudaIpcWeightTransferEngine"),
+}
+"""vLLM weight-transfer backend name (= the service's ``weights_transport``) -> class."""
+
+
+def register() -> None:
+    """Register the weight-transfer backends (idempotent)."""
+    from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
+
+    for name, (module, class_name) in BACKENDS.items():
+        try:
+            WeightTransferEngineFactory.register_engine(name, module, class_name)
+        except ValueError:  # already registered in this process
+            pass

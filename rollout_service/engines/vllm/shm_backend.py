@@ -1,0 +1,89 @@
+"""The ``shm`` weight-transfer backend, inside vLLM's worker processes.
+
+vLLM's weight-transfer API (``start_weight_update`` / ``start_draft_weight_update``
+-> ``update_weights`` -> ``finish_weight_update``) calls this engine in every
+worker. It maps the trainer's shared-memory segment and feeds zero-copy tensor
+views to the target model's own ``load_weights``, wrapped in vLLM's layerwise
+reload so the CPU and quantized paths re-run their post-load processing. The
+service sends the same update to the main-model session and to the drafter
+session: the drafter's ``load_weights`` keeps only its MTP layers and the shared
+embedding and head, so the trainer writes the bytes once.
+
+Registered under the name ``shm`` by :mod:`rollout_service.engines.vllm.plugin`.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+from vllm.distributed.weight_transfer.base import WeightTransferEngine, WeightTransferInitInfo
+from vllm.model_executor.model_loader.reload.layerwise import (
+    finalize_layerwise_reload,
+    initialize_layerwise_reload,
+)
+
+from rollout_service.engines.vllm.transfer import PushUpdateInfo
+from rollout_service.protocol.placement import ShmLocation, TensorPlacement
+from rollout_service.protocol.shm import Segment, segment_path
+
+
+@dataclass
+class ShmInitInfo(WeightTransferInitInfo):
+    """Nothing to set up: segments are named per update."""
+
+
+class ShmWeightTransferEngine(WeightTransferEngine[ShmInitInfo, PushUpdateInfo]):
+    """Loads checkpoint-named tensors from a shared-memory segment."""
+
+    init_info_cls = ShmInitInfo
+    update_info_cls = PushUpdateInfo
+    supports_draft_weight_update = True
+
+    def init_transfer_engine(self, init_info: ShmInitInfo) -> None:
+        pass
+
+    def start_weight_update(self) -> None:
+        initialize_layerwise_reload(self.model)
+
+    def finish_weight_update(self) -> None:
+        finalize_layerwise_reload(self.model, self.model_config)
+
+    _mapped: tuple[tuple[str, int, int], Segment] | None = None
+
+    def _segment(self, name: str) -> Segment:
+        """The mapped segment, kept across updates while it is the same file.
+
+        The trainer reuses one segment for its whole run, and the main model and
+        the drafter read the same bytes: mapping it once saves a map per model
+        per push. A replaced file (new inode or size) is mapped anew.
+        """
+        stat = os.stat(segment_path(name))
+        identity = (name, stat.st_ino, stat.st_size)
+        if self._mapped is None or self._mapped[0] != identity:
+            self._release()
+            self._mapped = (identity, Segment.attach(name))
+        return self._mapped[1]
+
+    def _release(self) -> None:
+        if self._mapped is not None:
+            self._mapped[1].close()
+            self._mapped = None
+
+    def receive_weights(self, update_info: PushUpdateInfo) -> None:
+        update_info.check_transport("shm")
+        self.model.load_weights(self._tensors(update_info.placements))
+
+    def _tensors(self, placements: list[TensorPlacement]) -> Iterator[tuple[str, torch.Tensor]]:
+        """Zero-copy views of the segment's bytes, one per placement."""
+        for placement in placements:
+            location = placement.location
+            assert isinstance(location, ShmLocation)  # PushUpdateInfo checked the transport
+            segment = self._segment(location.segment)
+            yield placement.name, segment.tensor(location.offset, getattr(torch, placement.dtype),
+                                                 placement.shape)
+
+    def shutdown(self) -> None:
+        self._release()

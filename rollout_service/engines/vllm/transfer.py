@@ -1,0 +1,60 @@
+"""The ``update_info`` of this project's vLLM weight-transfer backends.
+
+Built in the service process (:func:`update_info`, JSON-safe: vLLM ships it to
+its workers over its RPC) and parsed in each worker by the backend
+(:class:`PushUpdateInfo`), back into the very
+:class:`~rollout_service.protocol.placement.TensorPlacement` values the trainer
+sent. Both backends, ``shm`` and ``cuda_ipc``, take the same update info.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from pydantic import TypeAdapter
+from vllm.distributed.weight_transfer.base import WeightTransferUpdateInfo
+
+from rollout_service.engines.base import WeightUpdate
+from rollout_service.protocol.placement import TensorPlacement, Transport
+
+_PLACEMENTS = TypeAdapter(list[TensorPlacement])
+
+
+@dataclass
+class PushUpdateInfo(WeightTransferUpdateInfo):
+    """One model's load of one push (validated on construction, in the worker)."""
+
+    push_id: str
+    """The push: a backend may keep what it opened for the next load of the same push."""
+    transport: Transport
+    """The transport of every placement; a backend refuses another."""
+    tensors: list[Any]
+    """``TensorPlacement`` per tensor: dicts on the wire, parsed in ``__post_init__``."""
+    is_last_load: bool = True
+    """Release what this push opened after this load (main then drafter: the drafter's)."""
+    placements: list[TensorPlacement] = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self.placements = _PLACEMENTS.validate_python(self.tensors)
+        wrong = next((p for p in self.placements if p.transport != self.transport), None)
+        if wrong is not None:
+            raise ValueError(f"tensors: {wrong.name!r} lies in {wrong.transport!r}, the update "
+                             f"is {self.transport!r}")
+
+    def check_transport(self, transport: Transport) -> None:
+        """Raises ValueError unless this update is for ``transport`` (the backend's)."""
+        if self.transport != transport:
+            raise ValueError(f"transport: this engine loads {transport!r} pushes, the update "
+                             f"is {self.transport!r}")
+
+
+def update_info(update: WeightUpdate, *, is_last_load: bool) -> dict[str, Any]:
+    """``update_info`` for ``LLM.update_weights`` of one model's load of ``update``.
+
+    The main model and the drafter get the same placements: the same segment
+    offsets, or the same CUDA IPC handles (opened once in the worker for both).
+    """
+    return {"push_id": update.push_id, "transport": update.transport,
+            "tensors": [p.model_dump(mode="json") for p in update.tensors],
+            "is_last_load": is_last_load}

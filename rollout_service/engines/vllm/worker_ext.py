@@ -1,0 +1,44 @@
+"""Methods mixed into vLLM's worker processes (``worker_extension_cls``).
+
+The service process calls them through ``AsyncLLM.collective_rpc``; they run in
+every worker and read the worker's own models. Only checks live here: nothing
+in this module changes a weight.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterable
+
+import torch
+
+
+class RolloutWorkerExtension:
+    """Parameter checksums of the main model and the drafter (``GET /weights/checksums``)."""
+
+    def rollout_weight_checksums(self) -> dict[str, str]:
+        """SHA-256 over the main model's parameters and over the drafter's own ones.
+
+        vLLM shares the embedding and the head between an MTP drafter and its
+        target; those count as the main model's, so the drafter digest moves only
+        when a drafter-only tensor (the MTP layers) changes. Tests compare these
+        before and after a rejected push: they must not move.
+        """
+        main = self.get_model()  # type: ignore[attr-defined]
+        draft = self.get_draft_model()  # type: ignore[attr-defined]
+        main_storage = {p.untyped_storage().data_ptr() for p in main.parameters()}
+        digests = {"main": _digest(main.named_parameters())}
+        if draft is not None:
+            digests["draft"] = _digest(
+                (name, p) for name, p in draft.named_parameters()
+                if p.untyped_storage().data_ptr() not in main_storage)
+        return digests
+
+
+def _digest(named: Iterable[tuple[str, torch.Tensor]]) -> str:
+    digest = hashlib.sha256()
+    for name, param in sorted(named, key=lambda item: item[0]):
+        digest.update(name.encode())
+        digest.update(param.detach().cpu().contiguous().view(-1).view(torch.uint8)
+                      .numpy().tobytes())
+    return digest.hexdigest()

@@ -1,0 +1,61 @@
+"""One engine in this process, assembled from the service config.
+
+Runs in the service process: ``rollout-service serve`` (through ``api.app``)
+and each Ray Serve engine replica (``serve.replica``) start their engine and
+wrap it in a :class:`~rollout_service.service.RolloutService` here, so both run
+exactly the same service around it.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import cast
+
+from prometheus_client import CollectorRegistry
+
+from rollout_service.config import ServiceConfig
+from rollout_service.engines.base import Engine, EngineSpec, EngineStarter
+from rollout_service.engines.speculative import load_checkpoint_config
+from rollout_service.protocol.tensors import checkpoint_tensors
+from rollout_service.service import RolloutService
+from rollout_service.telemetry.acceptance import SpecDecodeMetrics
+from rollout_service.telemetry.weights import WeightMetrics
+from rollout_service.weights.manager import WeightPushManager
+
+ENGINE_MODULES = {"vllm": "rollout_service.engines.vllm.engine",
+                  "sglang": "rollout_service.engines.sglang.engine"}
+"""Engine name -> the module whose ``start`` runs it (imported on demand)."""
+
+
+def engine_spec(config: ServiceConfig) -> EngineSpec:
+    """What the configured engine needs to start (the embedded model is built here)."""
+    model_path, engine_kwargs = config.resolve_model()
+    return EngineSpec(model_path=model_path, served_model_name=config.model_name,
+                      engine_kwargs=engine_kwargs, mtp=config.mtp,
+                      checkpoint_config=load_checkpoint_config(model_path),
+                      weights_transport=config.weights_transport, engine_url=config.engine_url)
+
+
+async def start_engine(config: ServiceConfig) -> Engine:
+    """Start the configured engine inside the serving event loop.
+
+    Raises:
+        ValueError: a config the engine rejects (the message names the field).
+    """
+    start = cast(EngineStarter, importlib.import_module(ENGINE_MODULES[config.engine]).start)
+    return await start(engine_spec(config))
+
+
+def build_local_service(engine: Engine, config: ServiceConfig
+                        ) -> tuple[RolloutService, CollectorRegistry]:
+    """The service around one engine, with its own metrics registry."""
+    info = engine.info
+    registry = CollectorRegistry()
+    metrics = SpecDecodeMetrics(registry=registry, model=info.model, engine=info.engine,
+                                num_speculative_tokens=info.num_speculative_tokens)
+    weights = WeightPushManager(
+        engine, checkpoint_tensors(info.model_path),
+        WeightMetrics(registry=registry, model=info.model, engine=info.engine),
+        timeout_s=config.push_timeout_s, has_draft=info.num_speculative_tokens > 0,
+        transport=config.weights_transport)
+    return RolloutService(engine, metrics, weights), registry

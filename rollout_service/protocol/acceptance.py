@@ -1,0 +1,144 @@
+"""Acceptance of speculative decoding: one sequence's counts and a batch's summary.
+
+Pure data and arithmetic, no Prometheus: the service computes these from the
+engine's per-request counts, sends them to clients (``messages``), and the
+exporter (``telemetry.acceptance``) turns the same counts into Prometheus series,
+so the numbers a trainer logs and the numbers Grafana shows are the same numbers.
+
+Definitions, per finished sequence (one engine request, ``n == 1``):
+
+- ``drafts``: verify steps in which the drafter proposed tokens (vLLM: the sum of
+  the acceptance histogram).
+- ``draft_tokens``: tokens the drafter proposed.
+- ``accepted_tokens``: proposed tokens the target accepted.
+- ``verify_steps``: target forward passes that verified a draft. vLLM drafts in
+  every verify step, so it equals ``drafts`` there; SGLang reports it separately
+  (``spec_verify_ct``).
+- ``accept_rate = accepted_tokens / draft_tokens``; undefined (and excluded from
+  the macro-average) for a sequence with no draft tokens.
+- ``accept_length = 1 + accepted_tokens / drafts``: tokens emitted per verify
+  step, the bonus token included. A sequence with no speculative step emitted one
+  token per step, so its accept length is 1.0 (verl reports 0, which drags its
+  mean below 1 for short answers).
+- ``accepted_per_position[i]``: drafts in which the draft token at position ``i``
+  (0-based) was accepted; acceptance is a prefix, so it counts drafts that
+  accepted more than ``i`` tokens.
+
+Micro-averages weigh every token equally (long answers dominate); macro-averages
+weigh every request equally (what a trainer means by "the batch's accept rate").
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from statistics import fmean
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class SpecDecodeStats:
+    """One finished sequence's speculative-decoding counts (see module docstring)."""
+
+    num_drafts: int
+    """Verify steps in which the drafter proposed tokens."""
+    num_draft_tokens: int
+    """Tokens the drafter proposed."""
+    num_accepted_tokens: int
+    """Proposed tokens the target accepted."""
+    num_verify_steps: int
+    """Target forward passes that verified a draft."""
+    accepted_per_position: tuple[int, ...] = ()
+    """Drafts whose token at position ``i`` was accepted; length ``k`` when known."""
+
+    def __post_init__(self) -> None:
+        counts = (self.num_drafts, self.num_draft_tokens, self.num_accepted_tokens,
+                  self.num_verify_steps, *self.accepted_per_position)
+        if any(c < 0 for c in counts):
+            raise ValueError(f"spec-decode counts must be >= 0, got {self}")
+        if self.num_accepted_tokens > self.num_draft_tokens:
+            raise ValueError(f"num_accepted_tokens > num_draft_tokens in {self}")
+
+    @classmethod
+    def from_histogram(cls, histogram: Sequence[int], num_draft_tokens: int) -> SpecDecodeStats:
+        """Build from an acceptance histogram (``histogram[j]``: steps accepting ``j``).
+
+        This is the shape vLLM reports per request; every step drafts, so drafts
+        and verify steps are both the histogram's total.
+        """
+        num_steps = sum(histogram)
+        num_accepted = sum(j * count for j, count in enumerate(histogram))
+        per_position = tuple(sum(histogram[i + 1:]) for i in range(len(histogram) - 1))
+        return cls(num_drafts=num_steps, num_draft_tokens=num_draft_tokens,
+                   num_accepted_tokens=num_accepted, num_verify_steps=num_steps,
+                   accepted_per_position=per_position)
+
+    @property
+    def has_speculation(self) -> bool:
+        """Whether any token was drafted (a rate is defined)."""
+        return self.num_draft_tokens > 0
+
+    @property
+    def accept_rate(self) -> float | None:
+        """Accepted / drafted tokens; None when nothing was drafted."""
+        if not self.has_speculation:
+            return None
+        return self.num_accepted_tokens / self.num_draft_tokens
+
+    @property
+    def accept_length(self) -> float:
+        """Tokens emitted per verify step, bonus token included; 1.0 without drafts."""
+        if self.num_drafts == 0:
+            return 1.0
+        return 1.0 + self.num_accepted_tokens / self.num_drafts
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class BatchSummary:
+    """Acceptance over a batch of sequences, macro- and micro-averaged."""
+
+    num_sequences: int
+    """Sequences in the batch."""
+    num_with_speculation: int
+    """Sequences with at least one drafted token (they define the macro rate)."""
+    num_without_speculation: int
+    """Sequences with stats but no drafted token (accept length 1.0)."""
+    num_missing_stats: int
+    """Sequences whose engine returned no stats (excluded from everything else)."""
+    macro_accept_rate: float | None
+    """Mean of per-sequence accept rates; None when no sequence drafted."""
+    macro_accept_length: float | None
+    """Mean of per-sequence accept lengths; None when no sequence has stats."""
+    micro_accept_rate: float | None
+    """All accepted / all drafted tokens; None when nothing was drafted."""
+    micro_accept_length: float | None
+    """1 + all accepted tokens / all drafts; None when no sequence has stats."""
+    micro_accept_rate_per_position: tuple[float, ...] = field(default=())
+    """Per draft position: drafts accepting that position / all drafts."""
+
+
+def summarize(stats: Iterable[SpecDecodeStats | None]) -> BatchSummary:
+    """Summarize a batch with the module's definitions (None = engine gave no stats)."""
+    items = list(stats)
+    known = [s for s in items if s is not None]
+    rates = [s.accept_rate for s in known if s.accept_rate is not None]
+    num_drafts = sum(s.num_drafts for s in known)
+    num_draft_tokens = sum(s.num_draft_tokens for s in known)
+    num_accepted = sum(s.num_accepted_tokens for s in known)
+    width = max((len(s.accepted_per_position) for s in known), default=0)
+    per_position = tuple(
+        sum(s.accepted_per_position[i] for s in known if i < len(s.accepted_per_position))
+        / num_drafts
+        for i in range(width)
+    ) if num_drafts else ()
+    return BatchSummary(
+        num_sequences=len(items),
+        num_with_speculation=len(rates),
+        num_without_speculation=len(known) - len(rates),
+        num_missing_stats=len(items) - len(known),
+        macro_accept_rate=fmean(rates) if rates else None,
+        macro_accept_length=fmean(s.accept_length for s in known) if known else None,
+        micro_accept_rate=num_accepted / num_draft_tokens if num_draft_tokens else None,
+        micro_accept_length=(1.0 + num_accepted / num_drafts if num_drafts else 1.0)
+        if known else None,
+        micro_accept_rate_per_position=per_position,
+    )

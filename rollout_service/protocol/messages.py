@@ -1,0 +1,359 @@
+"""HTTP messages of the rollout service (pydantic); this module holds nothing else.
+
+Shared by the server (``api``) and by clients (``client``, the trainer client,
+tools, tests), so both sides validate the same shapes. Requests reject unknown
+fields.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from rollout_service.protocol.acceptance import BatchSummary, SpecDecodeStats
+from rollout_service.protocol.placement import TensorPlacement, Transport
+from rollout_service.protocol.shm import SEGMENT_NAME_PATTERN
+
+_STRICT = ConfigDict(extra="forbid")
+
+MAX_N = 64
+MAX_BATCH = 4096
+
+
+class SamplingFields(BaseModel):
+    """Sampling parameters shared by ``/generate`` requests."""
+
+    model_config = _STRICT
+
+    max_tokens: int = Field(16, ge=1, description="Tokens to generate at most.")
+    temperature: float = Field(1.0, ge=0.0, le=2.0,
+                               description="Sampling temperature; 0 is greedy (OpenAI's range).")
+    top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus probability mass kept.")
+    top_k: int = Field(0, ge=0, description="Tokens kept by rank; 0 keeps all.")
+    seed: int | None = Field(None, ge=0, description=(
+        "Seed for reproducible sampling; sequence i of a request with n > 1 uses seed + i."))
+    stop: list[str] = Field(default_factory=list, max_length=16,
+                            description="Strings that end a sequence.")
+    ignore_eos: bool = Field(False, description="Generate past end-of-sequence (benchmarks).")
+    logprobs: bool = Field(False, description="Return each sampled token's log-probability.")
+
+
+class GenerateRequest(SamplingFields):
+    """One prompt, ``n`` sequences; give exactly one of ``prompt`` and ``prompt_token_ids``."""
+
+    prompt: str | None = Field(None, description="Prompt text (tokenized by the server).")
+    prompt_token_ids: list[int] | None = Field(None, description="Prompt as token ids.")
+    n: int = Field(1, ge=1, le=MAX_N, description=(
+        "Sequences to sample; each runs as its own engine request so each has exact stats."))
+
+    @model_validator(mode="after")
+    def _one_prompt(self) -> GenerateRequest:
+        if (self.prompt is None) == (self.prompt_token_ids is None):
+            raise ValueError("give exactly one of 'prompt' and 'prompt_token_ids'")
+        if self.prompt == "" or self.prompt_token_ids == []:
+            raise ValueError("the prompt is empty")
+        return self
+
+
+class WeightVersionSpan(BaseModel):
+    """Output tokens ``[start, end)`` were produced by weights labelled ``version``."""
+
+    model_config = ConfigDict(frozen=True)
+
+    version: str
+    start: int
+    end: int
+
+
+class SpecDecodeInfo(BaseModel):
+    """One sequence's speculative-decoding counts and ratios (see ``protocol.acceptance``)."""
+
+    num_drafts: int
+    num_draft_tokens: int
+    num_accepted_tokens: int
+    num_verify_steps: int
+    accepted_per_position: list[int]
+    accept_rate: float | None = Field(description="None when nothing was drafted.")
+    accept_length: float = Field(description="1 + accepted / drafts; 1.0 without drafts.")
+
+    def to_stats(self) -> SpecDecodeStats:
+        """The counts, for ``protocol.acceptance.summarize`` on the client side."""
+        return SpecDecodeStats(
+            num_drafts=self.num_drafts, num_draft_tokens=self.num_draft_tokens,
+            num_accepted_tokens=self.num_accepted_tokens, num_verify_steps=self.num_verify_steps,
+            accepted_per_position=tuple(self.accepted_per_position))
+
+
+AcceptanceSummary = BatchSummary
+"""Acceptance over a response's sequences: ``protocol.acceptance.BatchSummary`` itself, so
+the wire carries exactly the figures (and definitions) Prometheus exports."""
+
+
+class SequenceOutput(BaseModel):
+    """One generated sequence."""
+
+    index: int
+    token_ids: list[int]
+    text: str
+    finish_reason: str
+    logprobs: list[float] | None
+    weight_versions: list[WeightVersionSpan]
+    spec_decode: SpecDecodeInfo | None
+
+
+class GenerateResponse(BaseModel):
+    """The ``n`` sequences of one prompt and their acceptance summary."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: list[SequenceOutput]
+    acceptance: AcceptanceSummary
+    replica: str | None = Field(None, description=(
+        "Ray Serve: the replica that generated this response; None when standalone."))
+
+
+class BatchGenerateRequest(BaseModel):
+    """Many prompts in one call; the answer summarizes acceptance over all of them."""
+
+    model_config = _STRICT
+
+    requests: list[GenerateRequest] = Field(min_length=1, max_length=MAX_BATCH)
+
+
+class BatchGenerateResponse(BaseModel):
+    """One response per request, in order, and the batch's acceptance summary."""
+
+    responses: list[GenerateResponse]
+    acceptance: AcceptanceSummary
+
+
+ReplicaStatus = Literal["starting", "ok", "lagging", "unavailable", "gone"]
+
+
+class ReplicaHealth(BaseModel):
+    """One Ray Serve replica as it reports itself to the weights coordinator on every
+    poll, and as ``/health`` lists it."""
+
+    replica: str
+    status: ReplicaStatus = Field(description=(
+        "'starting' (engine loading), 'ok', 'lagging' (serves an older weight version than "
+        "the deployment: refuses generation until the next push), 'unavailable' (engine dead; "
+        "Ray Serve replaces it), 'gone' (stopped polling the coordinator)."))
+    main_version: int | None = None
+    draft_version: int | None = None
+    detail: str | None = None
+    pid: int | None = None
+    metrics_address: str | None = Field(None, description="host:port of its /metrics.")
+
+
+class HealthResponse(BaseModel):
+    """Service and engine state."""
+
+    status: Literal["ok", "degraded", "unavailable"] = Field(description=(
+        "'degraded' (Ray Serve only): some replicas serve, others do not (see replicas)."))
+    model: str
+    engine: str
+    weights: WeightStatus
+    detail: str | None = None
+    replicas: list[ReplicaHealth] | None = Field(None, description="Ray Serve only.")
+
+
+# --- OpenAI-compatible completions (the subset the `openai` client uses) ---------
+
+class CompletionRequest(BaseModel):
+    """``POST /v1/completions``; fields outside this subset are rejected."""
+
+    model_config = _STRICT
+
+    model: str
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int = Field(16, ge=1)
+    temperature: float = Field(1.0, ge=0.0, le=2.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    n: int = Field(1, ge=1, le=MAX_N)
+    stop: str | list[str] | None = None
+    seed: int | None = Field(None, ge=0)
+    logprobs: int | None = Field(None, ge=0, le=0, description="Only 0 (the sampled token).")
+    stream: Literal[False] = Field(False, description="Streaming is not supported.")
+    echo: Literal[False] = False
+    user: str | None = None
+
+
+class CompletionLogprobs(BaseModel):
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: None = None
+    text_offset: list[int]
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    finish_reason: str
+    logprobs: CompletionLogprobs | None = None
+
+
+class CompletionUsage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: CompletionUsage
+    acceptance: AcceptanceSummary = Field(description="Extension: this call's acceptance.")
+
+
+class ErrorBody(BaseModel):
+    message: str
+    type: str
+    code: int
+
+
+class ErrorResponse(BaseModel):
+    """Every 4xx/5xx answer: OpenAI's error shape, so OpenAI clients show the message."""
+
+    error: ErrorBody
+
+
+# --- Weight pushes (/weights/*): JSON control messages only --------------------
+# Tensor bytes never travel in these messages: they go through the transport
+# (a shared-memory segment on one host, or CUDA memory shared by IPC handles,
+# described field by field in `CudaIpcHandle`). Nothing here is ever unpickled.
+
+PushTarget = Literal["main", "draft", "both"]
+PauseMode = Literal["wait", "abort", "keep"]
+
+
+class ParamSpec(BaseModel):
+    """One tensor the push will carry, by its checkpoint (Hugging Face) name."""
+
+    model_config = _STRICT
+
+    name: str = Field(min_length=1, max_length=512)
+    shape: list[int] = Field(max_length=8)
+    dtype: str = Field(description="torch dtype name without the prefix, e.g. 'bfloat16'.")
+
+
+class PushBeginRequest(BaseModel):
+    """Announce a push: everything is validated before any byte is loaded."""
+
+    model_config = _STRICT
+
+    version: int = Field(ge=0, description=(
+        "New weight version; must be greater than the current version of every target."))
+    target: PushTarget = Field("both", description="Which model(s) load the stream.")
+    transport: Transport = Field("shm", description=(
+        "Data path; must be the service's configured weights_transport. 'shm': a POSIX "
+        "shared-memory segment on this host (CPU and same-host GPU trainers). 'cuda_ipc': "
+        "CUDA IPC handles of the trainer's tensors (trainer and engine on the same GPU)."))
+    segment: str | None = Field(None, pattern=SEGMENT_NAME_PATTERN, description=(
+        "shm only (required there): name of the trainer's segment under /dev/shm."))
+    segment_bytes: int | None = Field(None, gt=0, description=(
+        "shm only (required there): size of the segment in bytes."))
+    total_bytes: int = Field(gt=0, description="Sum of the announced tensors' sizes.")
+    params: list[ParamSpec] = Field(min_length=1)
+    pause_mode: PauseMode = Field("wait", description=(
+        "How generation is paused while the engine loads: 'wait' lets running requests "
+        "finish, 'abort' aborts them, 'keep' freezes them until the load is done."))
+
+    @model_validator(mode="after")
+    def _transport_fields(self) -> PushBeginRequest:
+        fields = ("segment", "segment_bytes")
+        if self.transport == "shm":
+            missing = [f for f in fields if getattr(self, f) is None]
+            if missing:
+                raise ValueError(f"{missing[0]}: required by transport 'shm'")
+        else:
+            given = [f for f in fields if getattr(self, f) is not None]
+            if given:
+                raise ValueError(f"{given[0]}: not used by transport {self.transport!r} "
+                                 "(tensors travel as CUDA IPC handles); leave it out")
+        return self
+
+
+class PushBeginResponse(BaseModel):
+    push_id: str
+    timeout_s: float = Field(description="The push is aborted after this long without a call.")
+
+
+class PushUpdateRequest(BaseModel):
+    """One bucket: these tensors are now in place (written in the segment, or exported
+    as CUDA IPC handles)."""
+
+    model_config = _STRICT
+
+    push_id: str
+    tensors: list[TensorPlacement] = Field(min_length=1)
+
+
+class PushUpdateResponse(BaseModel):
+    num_received: int
+    num_expected: int
+
+
+class PushFinishRequest(BaseModel):
+    model_config = _STRICT
+
+    push_id: str
+
+
+class PushAbortRequest(BaseModel):
+    model_config = _STRICT
+
+    push_id: str
+    reason: str = "aborted by the client"
+
+
+class PushTimings(BaseModel):
+    """Where a completed push spent its time (seconds)."""
+
+    pause_s: float = Field(description="Pausing generation (mode 'wait' drains requests).")
+    load_main_s: float = Field(description="Main model: segment -> parameters.")
+    finalize_main_s: float = Field(description="Main model: engine post-processing.")
+    load_draft_s: float = Field(description="Drafter: segment -> parameters.")
+    finalize_draft_s: float = Field(description="Drafter: engine post-processing.")
+    resume_s: float = Field(description="Prefix-cache reset and resume.")
+    total_s: float = Field(description="Pause to resume.")
+
+
+class PushFinishResponse(BaseModel):
+    version: int
+    target: PushTarget
+    num_bytes: int
+    timings: PushTimings = Field(description="Ray Serve: the slowest replica's.")
+    replicas: list[str] | None = Field(None, description="Ray Serve: the replicas that loaded it.")
+
+
+class LastPush(BaseModel):
+    version: int
+    target: PushTarget
+    outcome: Literal["loaded", "aborted", "rejected", "failed"]
+    detail: str
+
+
+class WeightStatus(BaseModel):
+    """``GET /weights/status`` and the ``weights`` part of ``/health``."""
+
+    main_version: int | None
+    draft_version: int | None
+    active_push_id: str | None
+    consistent: bool = Field(description=(
+        "False only after an engine failure in the middle of a load: the service then "
+        "refuses generation until a complete push arrives."))
+    last_push: LastPush | None
+
+    @property
+    def newest_version(self) -> int:
+        """The newest version served by either model; 0 before any push."""
+        return max((v for v in (self.main_version, self.draft_version) if v is not None),
+                   default=0)
+
+
+HealthResponse.model_rebuild()

@@ -1,0 +1,93 @@
+"""Where one pushed tensor lies: one description from the trainer to vLLM's loader.
+
+A :class:`TensorPlacement` is built by the trainer (``WeightPusher``), sent in
+``/weights/update``, checked by the service against the push's announcement
+(``weights.intake``), kept unchanged in the engine's ``WeightUpdate``, serialized
+into vLLM's ``update_info`` and parsed back in the worker process that maps the
+bytes. Every layer reads the same fields; the transport is stated by the
+location's ``transport`` tag, never inferred.
+
+No torch here: the service process validates placements without it.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from rollout_service.protocol.cuda_ipc import CudaIpcHandle
+from rollout_service.protocol.shm import SEGMENT_NAME_PATTERN
+from rollout_service.protocol.tensors import DTYPE_BYTES, TensorMeta, check_dtype, numel
+
+_FROZEN = ConfigDict(extra="forbid", frozen=True)
+
+Transport = Literal["shm", "cuda_ipc"]
+"""Data path of a weight push: a shared-memory segment on one host, or CUDA memory
+shared by IPC handle (trainer and engine on the same GPU)."""
+
+
+class ShmLocation(BaseModel):
+    """The tensor's bytes at ``offset`` in the trainer's shared-memory ``segment``."""
+
+    model_config = _FROZEN
+
+    transport: Literal["shm"] = "shm"
+    segment: str = Field(pattern=SEGMENT_NAME_PATTERN, description=(
+        "Segment name under /dev/shm; the push's segment (checked by the service)."))
+    offset: int = Field(ge=0, description="Byte offset of the tensor in the segment.")
+
+
+class CudaIpcLocation(BaseModel):
+    """The tensor's CUDA memory, shared by the trainer as an IPC handle."""
+
+    model_config = _FROZEN
+
+    transport: Literal["cuda_ipc"] = "cuda_ipc"
+    handle: CudaIpcHandle
+
+
+Location = Annotated[ShmLocation | CudaIpcLocation, Field(discriminator="transport")]
+
+
+class TensorPlacement(BaseModel):
+    """One tensor of a push: its checkpoint name, dtype, shape, and where its bytes are."""
+
+    model_config = _FROZEN
+
+    name: str = Field(min_length=1, max_length=512, description="Checkpoint (HF) name.")
+    dtype: str = Field(description="torch dtype name without the prefix, e.g. 'bfloat16'.")
+    shape: tuple[int, ...] = Field(max_length=8)
+    location: Location
+
+    @field_validator("dtype")
+    @classmethod
+    def _known_dtype(cls, value: str) -> str:
+        return check_dtype(value)
+
+    @model_validator(mode="after")
+    def _handle_matches(self) -> TensorPlacement:
+        if any(dim < 0 for dim in self.shape):
+            raise ValueError(f"shape: {list(self.shape)} of {self.name!r} has a negative dim")
+        if isinstance(self.location, CudaIpcLocation):
+            try:
+                self.location.handle.check_matches(self.shape, self.dtype)
+            except ValueError as exc:
+                raise ValueError(f"location.handle.{exc} (tensor {self.name!r})") from exc
+        return self
+
+    @property
+    def transport(self) -> Transport:
+        return self.location.transport
+
+    @property
+    def meta(self) -> TensorMeta:
+        return TensorMeta(shape=self.shape, dtype=self.dtype)
+
+    @property
+    def nbytes(self) -> int:
+        return numel(self.shape) * DTYPE_BYTES[self.dtype]
+
+    @property
+    def element_bytes(self) -> int:
+        return DTYPE_BYTES[self.dtype]

@@ -1,0 +1,136 @@
+"""POSIX shared-memory segments: the ``shm`` transport's data path.
+
+The trainer process creates a segment (a file under ``/dev/shm``), keeps it for
+its whole run and writes every push into it; vLLM's worker processes map the
+same segment and load tensors straight from it. The bytes are copied twice in
+all: trainer memory -> segment, segment -> model parameters. Only the segment's
+name and tensor offsets travel over HTTP.
+
+Segments are opened with ``mmap`` directly rather than through
+``multiprocessing.shared_memory``, whose resource tracker unlinks segments it
+did not create when the reading process exits.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import re
+from pathlib import Path
+from types import TracebackType
+from typing import TYPE_CHECKING
+
+from rollout_service.protocol.tensors import numel
+
+if TYPE_CHECKING:  # the service process validates names without importing torch
+    import torch
+
+SHM_DIR = Path("/dev/shm")
+ALIGNMENT = 64
+"""Byte alignment of every tensor in a segment: a cache line, and a multiple of
+every dtype's size, so tensors of different dtypes never sit misaligned."""
+_MADV_POPULATE_READ = 22  # Linux 5.14+; Python 3.11's mmap has no constant for it
+SEGMENT_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,200}$"
+"""A plain file name under /dev/shm: no path separators, no leading dot."""
+_NAME = re.compile(SEGMENT_NAME_PATTERN)
+
+
+def align(offset: int) -> int:
+    """``offset`` rounded up to :data:`ALIGNMENT`."""
+    return -(-offset // ALIGNMENT) * ALIGNMENT
+
+
+def segment_path(name: str) -> Path:
+    """The file behind segment ``name``.
+
+    Raises:
+        ValueError: a name that is not a plain file name (no path tricks).
+    """
+    if not _NAME.match(name):
+        raise ValueError(f"segment: {name!r} is not a valid segment name "
+                         f"(letters, digits, '_', '.', '-'; no '/')")
+    return SHM_DIR / name
+
+
+class Segment:
+    """A mapped shared-memory segment; use :meth:`create` or :meth:`attach`."""
+
+    def __init__(self, name: str, mapping: mmap.mmap, *, is_owner: bool) -> None:
+        self.name = name
+        self.nbytes = len(mapping)
+        self._mmap = mapping
+        self._is_owner = is_owner
+
+    @classmethod
+    def create(cls, name: str, nbytes: int) -> Segment:
+        """Create (or replace) a segment of ``nbytes``, readable by this user only."""
+        path = segment_path(name)
+        fd = os.open(path, os.O_CREAT | os.O_TRUNC | os.O_RDWR, 0o600)
+        try:
+            os.ftruncate(fd, nbytes)
+            mapping = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED,
+                                prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        finally:
+            os.close(fd)
+        return cls(name, mapping, is_owner=True)
+
+    @classmethod
+    def attach(cls, name: str) -> Segment:
+        """Map an existing segment for reading.
+
+        The mapping is private copy-on-write: torch gets a writable buffer (it
+        warns on read-only ones) and a stray write can never reach the trainer.
+        Its pages are then mapped for reading in one call
+        (``MADV_POPULATE_READ``) instead of one fault per 4 KiB during the load.
+        Not ``MAP_POPULATE``: on a writable private mapping it pre-faults for
+        writing, which copies every page (measured: 0.3 s for 211 MB).
+
+        Raises:
+            ValueError: no such segment.
+        """
+        path = segment_path(name)
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except FileNotFoundError as exc:
+            raise ValueError(f"segment: {name!r} does not exist under {SHM_DIR}") from exc
+        try:
+            size = os.fstat(fd).st_size
+            mapping = mmap.mmap(fd, size, flags=mmap.MAP_PRIVATE,
+                                prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        finally:
+            os.close(fd)
+        try:
+            mapping.madvise(_MADV_POPULATE_READ)
+        except OSError:  # Linux < 5.14: pages fault in lazily instead
+            pass
+        return cls(name, mapping, is_owner=False)
+
+    def tensor(self, offset: int, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+        """A tensor view of the segment's bytes at ``offset`` (no copy)."""
+        import torch
+
+        flat = torch.frombuffer(self._mmap, dtype=dtype, count=numel(shape), offset=offset)
+        return flat.view(shape)
+
+    def address(self, offset: int = 0) -> int:
+        """The memory address of byte ``offset`` (for single-threaded ``memmove``)."""
+        import torch
+
+        return torch.frombuffer(self._mmap, dtype=torch.uint8, count=1, offset=offset).data_ptr()
+
+    def close(self) -> None:
+        """Unmap; the owner also removes the segment."""
+        try:
+            self._mmap.close()
+        except BufferError:
+            # A tensor view still exports the buffer; the mapping goes with it.
+            pass
+        if self._is_owner:
+            segment_path(self.name).unlink(missing_ok=True)
+
+    def __enter__(self) -> Segment:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.close()

@@ -1,0 +1,327 @@
+"""The weights coordinator: one push from the trainer reaches every engine replica.
+
+Runs as a one-replica Ray Serve deployment (``serve/app.py`` wraps this class; no Ray
+import here). Ray Serve cannot call every replica of a deployment, so the
+replicas come to the coordinator instead: each registers in its constructor and
+then long-polls :meth:`WeightsCoordinator.poll` for commands (load a push, commit
+a version, report checksums), answering each with :meth:`ack`. Every poll also
+carries the replica's state, so the coordinator knows who is alive and what each
+serves (``/health`` shows it).
+
+A push from the trainer goes through the ingress to here. ``begin`` and
+``update`` are validated exactly as the standalone service validates them
+(``weights/intake.py``) and only buffered (JSON, small). ``finish`` hands the
+whole push to every live replica, waits for all acks, then sends every replica a
+``commit`` with the deployment's versions; replicas hold new requests from the
+moment they start loading until that commit, so no replica generates with the
+new version while another still serves the old one.
+
+When some replicas loaded and others failed, the ones that loaded keep the new
+version (it is the deployment's version now), the push fails naming the others,
+and those refuse generation ("lagging") until the next push rolls them forward.
+A replica that (re)starts registers, gets the deployment's versions and the last
+push, and replays it from the trainer's segment before it serves.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Literal
+
+from pydantic import BaseModel
+
+from rollout_service.protocol import messages
+from rollout_service.protocol.placement import TensorPlacement
+from rollout_service.protocol.tensors import TensorMeta
+from rollout_service.weights.intake import ActivePush, PushError, PushIntake, roles
+
+logger = logging.getLogger(__name__)
+
+POLL_TIMEOUT_S = 1.0
+"""A poll returns after this long without commands: replicas poll at least this often."""
+GONE_AFTER_S = 6.0
+"""A replica that has not polled for this long is gone (dead, or stopped by Serve)."""
+STARTING_GONE_AFTER_S = 900.0
+"""A starting replica's event loop is busy loading the engine: it may not poll for minutes."""
+KEEP_GONE_S = 600.0
+"""Gone replicas stay listed in /health this long, for the story."""
+
+
+class StoredPush(BaseModel):
+    """A whole, validated push: its announcement and where each tensor lies."""
+
+    push_id: str
+    begin: messages.PushBeginRequest
+    placements: list[TensorPlacement]
+
+
+class Command(BaseModel):
+    """One instruction for one replica."""
+
+    id: str
+    kind: Literal["load", "commit", "checksums"]
+    push: StoredPush | None = None
+    main_version: int | None = None
+    draft_version: int | None = None
+
+
+class CommandResult(BaseModel):
+    """A replica's answer to a command (``status`` is the HTTP code of its failure)."""
+
+    ok: bool
+    status: int = 200
+    message: str = ""
+    finish: messages.PushFinishResponse | None = None
+    checksums: dict[str, str] | None = None
+
+
+class Snapshot(BaseModel):
+    """What a registering replica must serve before it takes requests."""
+
+    main_version: int | None
+    draft_version: int | None
+    last_push: StoredPush | None
+
+
+@dataclass(kw_only=True, slots=True)
+class _Replica:
+    report: messages.ReplicaHealth
+    last_poll_s: float = field(default_factory=time.monotonic)
+    is_registered: bool = False
+    is_replaying: bool = False
+    queue: asyncio.Queue[Command] = field(default_factory=asyncio.Queue)
+
+    def is_alive(self) -> bool:
+        limit = STARTING_GONE_AFTER_S if self.report.status == "starting" else GONE_AFTER_S
+        return time.monotonic() - self.last_poll_s < limit
+
+
+class WeightsCoordinator:
+    """Holds the deployment's weight versions and fans pushes out to replicas.
+
+    Args:
+        checkpoint: the served checkpoint's tensors (pushes are validated against it).
+        has_draft: whether the engines serve an MTP drafter.
+        push_timeout_s: a push with no trainer call for this long is aborted.
+        ack_timeout_s: a replica that has not acknowledged a command by then fails it.
+    """
+
+    def __init__(self, checkpoint: dict[str, TensorMeta], *, has_draft: bool,
+                 push_timeout_s: float, ack_timeout_s: float) -> None:
+        self._intake = PushIntake(checkpoint, timeout_s=push_timeout_s, has_draft=has_draft)
+        self._push_timeout_s = push_timeout_s
+        self._ack_timeout_s = ack_timeout_s
+        self._replicas: dict[str, _Replica] = {}
+        self._acks: dict[tuple[str, str], asyncio.Future[CommandResult]] = {}
+        self._lock = asyncio.Lock()  # one finish or registration at a time
+        self.main_version: int | None = None
+        self.draft_version: int | None = None
+        self._last_stored: StoredPush | None = None
+
+    # ---- replica side ------------------------------------------------------------
+
+    async def announce(self, report: messages.ReplicaHealth) -> None:
+        """A replica exists (its engine is starting); /health lists it from now on."""
+        self._touch(report)
+
+    async def register(self, report: messages.ReplicaHealth) -> Snapshot:
+        """Join the fan-out set; returns the versions to serve and the push to replay.
+
+        Waits for an active push to end, so the snapshot's segment bytes are the
+        last pushed version; until :meth:`replayed`, new pushes wait at ``begin``.
+        A push still open after that wait (a slow trainer) may be overwriting the
+        segment, so nothing is replayed then: the replica is registered, lags, and
+        that push's ``finish`` brings it up to date with the others.
+        """
+        is_idle = await self._wait(lambda: self._intake.active is None, self._push_timeout_s + 5)
+        async with self._lock:
+            replica = self._touch(report)
+            replica.is_registered = True
+            last_push = self._last_stored if is_idle and self._intake.active is None else None
+            replica.is_replaying = last_push is not None
+            return Snapshot(main_version=self.main_version, draft_version=self.draft_version,
+                            last_push=last_push)
+
+    async def replayed(self, replica_id: str) -> None:
+        """The replica is done reading the trainer's segment."""
+        if replica_id in self._replicas:
+            self._replicas[replica_id].is_replaying = False
+
+    async def poll(self, report: messages.ReplicaHealth) -> list[Command]:
+        """Report state; wait up to :data:`POLL_TIMEOUT_S` for commands."""
+        replica = self._touch(report)
+        try:
+            first = await asyncio.wait_for(replica.queue.get(), POLL_TIMEOUT_S)
+        except TimeoutError:
+            return []
+        commands = [first]
+        while not replica.queue.empty():
+            commands.append(replica.queue.get_nowait())
+        return commands
+
+    async def ack(self, replica_id: str, command_id: str, result: CommandResult) -> None:
+        future = self._acks.pop((command_id, replica_id), None)
+        if future is not None and not future.done():
+            future.set_result(result)
+
+    def _touch(self, report: messages.ReplicaHealth) -> _Replica:
+        replica = self._replicas.get(report.replica)
+        if replica is None:
+            replica = self._replicas[report.replica] = _Replica(report=report)
+        replica.report = report
+        replica.last_poll_s = time.monotonic()
+        return replica
+
+    # ---- ingress side: the push protocol ----------------------------------------
+
+    async def begin(self, req: messages.PushBeginRequest) -> messages.PushBeginResponse:
+        """Validate the announcement; nothing reaches a replica yet.
+
+        Raises:
+            PushError: 409 for a concurrent push, an old version, or a replica still
+                replaying the last push; 400 for a bad announcement.
+        """
+        if self._intake.active is not None:  # before waiting on replays
+            raise PushError(409, f"push {self._intake.active.push_id} is in progress; one "
+                                 "push at a time")
+
+        def replaying() -> list[str]:
+            return [r for r, s in self._live() if s.is_replaying]
+
+        if not await self._wait(lambda: not replaying(), self._ack_timeout_s):
+            raise PushError(409, f"replica {replaying()[0]} is still loading the last push "
+                                 "from the trainer's segment; retry")
+        return self._intake.begin(req, {"main": self.main_version,
+                                        "draft": self.draft_version})
+
+    async def update(self, req: messages.PushUpdateRequest) -> messages.PushUpdateResponse:
+        return self._intake.update(req)
+
+    async def abort(self, req: messages.PushAbortRequest) -> messages.WeightStatus:
+        self._intake.abort(req)
+        return self.status()
+
+    async def finish(self, req: messages.PushFinishRequest) -> messages.PushFinishResponse:
+        """Have every live replica load the push, then commit the new versions.
+
+        Raises:
+            PushError: naming the replicas that did not load it.
+        """
+        push = self._intake.start_loading(req.push_id)
+        async with self._lock:
+            try:
+                return await self._fan_out(push)
+            finally:
+                if self._intake.active is push:
+                    self._intake.active = None
+
+    async def _fan_out(self, push: ActivePush) -> messages.PushFinishResponse:
+        req = push.request
+        targets = [r for r, s in self._live() if s.is_registered
+                   and s.report.status != "unavailable"]
+        if not targets:
+            self._intake.record(req, "failed", "no live replica")
+            raise PushError(503, "no live engine replica to load the push")
+        stored = StoredPush(push_id=push.push_id, begin=req,
+                            placements=[push.placements[name] for name in push.expected])
+        results = await self._send(targets, Command(id=uuid.uuid4().hex, kind="load",
+                                                    push=stored))
+        loaded = [r for r in targets if results[r].ok]
+        failed = {r: results[r] for r in targets if not results[r].ok}
+        if loaded:
+            for role in roles(req.target):
+                setattr(self, f"{role}_version", req.version)
+            self._last_stored = stored
+        commit = Command(id=uuid.uuid4().hex, kind="commit", main_version=self.main_version,
+                         draft_version=self.draft_version)
+        for replica_id, state in self._live():
+            if state.is_registered:
+                state.queue.put_nowait(commit)
+        if failed:
+            names = "; ".join(f"replica {r}: {res.message}" for r, res in failed.items())
+            if loaded:
+                detail = (f"version {req.version} loaded on {', '.join(loaded)} but not on "
+                          f"{', '.join(failed)} ({names}); those refuse generation until the "
+                          "next push (push a newer version to roll them forward)")
+                self._intake.record(req, "failed", detail)
+                raise PushError(500, detail)
+            status = max(res.status for res in failed.values())
+            self._intake.record(req, "rejected" if status < 500 else "failed", names)
+            raise PushError(status, f"no replica loaded version {req.version}: {names}")
+        finishes = [results[r].finish for r in loaded]
+        slowest = max(finishes, key=lambda f: f.timings.total_s if f else 0.0)
+        assert slowest is not None
+        self._intake.record(req, "loaded", f"{req.total_bytes} bytes on {len(loaded)} replicas")
+        return slowest.model_copy(update={"replicas": loaded})
+
+    async def checksums(self) -> dict[str, dict[str, str]]:
+        """Every live replica's parameter digests (``main``, ``draft``), by replica."""
+        targets = [r for r, s in self._live() if s.is_registered
+                   and s.report.status != "unavailable"]
+        results = await self._send(targets, Command(id=uuid.uuid4().hex, kind="checksums"))
+        return {r: results[r].checksums or {"error": results[r].message} for r in targets}
+
+    async def _send(self, targets: list[str], command: Command) -> dict[str, CommandResult]:
+        """Queue ``command`` for each target; wait for every ack or its failure."""
+        loop = asyncio.get_running_loop()
+        futures = {}
+        for replica_id in targets:
+            futures[replica_id] = self._acks[(command.id, replica_id)] = loop.create_future()
+            self._replicas[replica_id].queue.put_nowait(command)
+        deadline = time.monotonic() + self._ack_timeout_s
+        while not all(f.done() for f in futures.values()):
+            for replica_id, future in futures.items():
+                if future.done():
+                    continue
+                if not self._replicas[replica_id].is_alive():
+                    future.set_result(CommandResult(ok=False, status=503, message=(
+                        "the replica went away (stopped polling) before answering")))
+                elif time.monotonic() > deadline:
+                    future.set_result(CommandResult(ok=False, status=504, message=(
+                        f"no answer within push_ack_timeout_s={self._ack_timeout_s:g}")))
+            await asyncio.wait(list(futures.values()), timeout=0.5)
+        for replica_id in targets:
+            self._acks.pop((command.id, replica_id), None)
+        return {r: f.result() for r, f in futures.items()}
+
+    # ---- views -------------------------------------------------------------------
+
+    def _live(self) -> list[tuple[str, _Replica]]:
+        return [(r, s) for r, s in self._replicas.items() if s.is_alive()]
+
+    def status(self) -> messages.WeightStatus:
+        consistent = all(s.report.main_version == self.main_version
+                         and s.report.draft_version == self.draft_version
+                         for _, s in self._live() if s.is_registered)
+        return messages.WeightStatus(
+            main_version=self.main_version, draft_version=self.draft_version,
+            active_push_id=self._intake.active.push_id if self._intake.active else None,
+            consistent=consistent, last_push=self._intake.last_push)
+
+    def replicas(self) -> list[messages.ReplicaHealth]:
+        """Every replica seen lately, in registration order; gone ones marked."""
+        now = time.monotonic()
+        for replica_id in [r for r, s in self._replicas.items()
+                           if now - s.last_poll_s > KEEP_GONE_S]:
+            del self._replicas[replica_id]
+        return [s.report if s.is_alive() else s.report.model_copy(update={"status": "gone"})
+                for s in self._replicas.values()]
+
+    def metrics_targets(self) -> list[dict[str, object]]:
+        """Prometheus HTTP service discovery: one target per live replica."""
+        return [{"targets": [s.report.metrics_address], "labels": {"replica": replica_id}}
+                for replica_id, s in self._live() if s.report.metrics_address]
+
+    # ---- helpers -----------------------------------------------------------------
+
+    async def _wait(self, condition: object, timeout_s: float) -> bool:
+        deadline = time.monotonic() + timeout_s
+        while not condition():  # type: ignore[operator]
+            if time.monotonic() > deadline:
+                return False
+            await asyncio.sleep(0.1)
+        return True

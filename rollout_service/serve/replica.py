@@ -1,0 +1,224 @@
+"""One engine replica of the Ray Serve app: an engine, its weights, its own /metrics.
+
+Runs inside a Ray Serve replica actor (``serve/app.py`` makes this class a deployment;
+Ray Serve starts N of them). The ingress calls :meth:`EngineReplica.generate`
+and friends through a deployment handle. Weight pushes do not come that way:
+the replica registers with the weights coordinator and long-polls it for
+commands (``coordinator.py``), so one push reaches every replica.
+
+Life of a replica:
+
+1. ``__init__`` announces itself, starts the engine, serves its metrics on a
+   free port, registers, and replays the deployment's last push from the
+   trainer's segment if it is behind, all before the constructor returns, so
+   Ray Serve never routes a request to it while it holds older weights. If
+   the segment is gone, it still starts but reports ``lagging`` and refuses
+   generation (the ingress retries elsewhere) until the next push.
+2. A ``load`` command closes the admission gate (new requests wait), loads
+   the coordinator's validated push through the same
+   :class:`~rollout_service.weights.manager.WeightPushManager` as the standalone
+   service (``load``: no second validation), acknowledges, and keeps the gate closed until
+   the coordinator's ``commit``: every replica has loaded by then.
+3. ``check_health`` raises once the engine is dead or a load tore the weights;
+   Ray Serve then replaces the replica, and the new one replays (step 1).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from typing import TYPE_CHECKING
+
+from rollout_service.engines.base import Engine, EngineUnavailableError
+from rollout_service.protocol import messages
+from rollout_service.serve.config import RayServeConfig
+from rollout_service.serve.coordinator import Command, CommandResult, StoredPush
+from rollout_service.telemetry.exposition import serve_metrics
+from rollout_service.weights.intake import PushError
+
+if TYPE_CHECKING:
+    from ray.serve.handle import DeploymentHandle
+
+logger = logging.getLogger(__name__)
+
+
+def advertised_address(host: str, port: int) -> str:
+    """``host:port`` other nodes reach: this node's IP when bound to every interface."""
+    import ray
+
+    advertised = ray.util.get_node_ip_address() if host in ("0.0.0.0", "::", "") else host
+    return f"{advertised}:{port}"
+
+
+class EngineReplica:
+    """Owns one engine; generation calls come from the ingress, pushes from the coordinator.
+
+    Args:
+        config: the app's configuration.
+        coordinator: a deployment handle to the weights coordinator.
+    """
+
+    async def __init__(self, config: RayServeConfig, coordinator: DeploymentHandle) -> None:
+        from ray import serve
+
+        from rollout_service.local import build_local_service, start_engine
+
+        self._id = serve.get_replica_context().replica_id.unique_id
+        self._coordinator = coordinator
+        self._hold_s = config.push_ack_timeout_s
+        self._open = asyncio.Event()
+        self._open.set()
+        self._commands = asyncio.Lock()
+        self._expected: tuple[int | None, int | None] = (None, None)
+        self._stale: str | None = None
+        self._reopen: asyncio.Task[None] | None = None
+        self._is_ready = False
+        self._metrics_address: str | None = None
+        self._engine: Engine | None = None
+        await coordinator.announce.remote(await self._report())
+        self._engine = await start_engine(config)
+        self._service, registry = build_local_service(self._engine, config)
+        self._weights = self._service.weights
+        self._metrics_address = advertised_address(
+            config.metrics_host, serve_metrics(registry, config.metrics_host))
+        snapshot = await coordinator.register.remote(await self._report())
+        self._expected = (snapshot.main_version, snapshot.draft_version)
+        self._poller = asyncio.create_task(self._poll_forever())
+        async with self._commands:
+            try:
+                if snapshot.last_push is not None and self._lag() is not None:
+                    await self._replay(snapshot.last_push)
+            finally:
+                await coordinator.replayed.remote(self._id)
+        self._is_ready = True
+        logger.info("replica %s ready (weights %s)", self._id, self._versions())
+
+    # ---- generation (called by the ingress through the handle) --------------------
+
+    async def generate(self, req: messages.GenerateRequest) -> messages.GenerateResponse:
+        await self._admit()
+        response = await self._service.generate(req)
+        return response.model_copy(update={"replica": self._id})
+
+    async def complete(self, req: messages.CompletionRequest) -> messages.CompletionResponse:
+        await self._admit()
+        return await self._service.complete(req)
+
+    async def check_health(self) -> None:
+        """Ray Serve's health check: a dead engine or torn weights fail the replica."""
+        assert self._engine is not None  # Serve checks health only after __init__
+        await self._engine.health()
+        if not self._weights.is_consistent:
+            raise EngineUnavailableError(f"replica {self._id}: a weight load failed midway")
+
+    async def _admit(self) -> None:
+        if not self._open.is_set():
+            try:
+                await asyncio.wait_for(self._open.wait(), self._hold_s)
+            except TimeoutError:
+                pass
+        reason = self._lag()
+        if reason is not None:
+            raise EngineUnavailableError(f"replica {self._id}: {reason}")
+
+    def _versions(self) -> tuple[int | None, int | None]:
+        return (self._weights.main_version, self._weights.draft_version)
+
+    def _lag(self) -> str | None:
+        """Why this replica must not generate now, or None."""
+        if self._stale is not None:
+            return self._stale
+        if self._versions() != self._expected:
+            return (f"serves weight versions (main, draft) {self._versions()}, the deployment "
+                    f"serves {self._expected}; it refuses generation until the next push")
+        return None
+
+    # ---- the coordinator's commands ---------------------------------------------
+
+    async def _report(self) -> messages.ReplicaHealth:
+        status: messages.ReplicaStatus = "starting"
+        detail = None
+        if self._engine is not None:
+            try:
+                await self.check_health()
+                detail = self._lag()
+                status = ("lagging" if detail else "ok") if self._is_ready else "starting"
+            except EngineUnavailableError as exc:
+                status, detail = "unavailable", str(exc)
+        main, draft = self._versions() if self._engine is not None else (None, None)
+        return messages.ReplicaHealth(replica=self._id, status=status, main_version=main,
+                                      draft_version=draft, detail=detail, pid=os.getpid(),
+                                      metrics_address=self._metrics_address)
+
+    async def _poll_forever(self) -> None:
+        while True:
+            try:
+                commands = await self._coordinator.poll.remote(await self._report())
+            except Exception:  # the coordinator restarting: keep trying
+                logger.exception("replica %s: polling the weights coordinator failed", self._id)
+                await asyncio.sleep(1.0)
+                continue
+            for command in commands:
+                if command.kind == "commit":
+                    self._commit(command)
+                else:
+                    asyncio.create_task(self._run(command))
+
+    async def _run(self, command: Command) -> None:
+        async with self._commands:
+            if command.kind == "load":
+                assert command.push is not None
+                self._open.clear()
+                result = await self._load(command.push)
+                if self._reopen is not None:
+                    self._reopen.cancel()
+                self._reopen = asyncio.create_task(self._reopen_later())
+            else:
+                try:
+                    checksums = await self._service.weight_checksums()
+                    result = CommandResult(ok=True, checksums=checksums)
+                except Exception as exc:  # reported to the coordinator, which names us
+                    result = CommandResult(ok=False, status=500, message=repr(exc))
+        await self._coordinator.ack.remote(self._id, command.id, result)
+
+    async def _load(self, push: StoredPush) -> CommandResult:
+        try:
+            finish = await self._apply(push)
+        except PushError as exc:
+            return CommandResult(ok=False, status=exc.status, message=str(exc))
+        except Exception as exc:
+            logger.exception("replica %s: load failed", self._id)
+            return CommandResult(ok=False, status=500, message=repr(exc))
+        self._stale = None
+        return CommandResult(ok=True, finish=finish)
+
+    async def _apply(self, push: StoredPush) -> messages.PushFinishResponse:
+        return await self._weights.load(push.begin, push.placements, push_id=push.push_id)
+
+    async def _replay(self, push: StoredPush) -> None:
+        try:
+            await self._apply(push)
+        except Exception as exc:
+            self._stale = (f"could not replay weight version {push.begin.version} from the "
+                           f"trainer's segment ({exc}); it refuses generation until the next "
+                           "push")
+            logger.warning("replica %s: %s", self._id, self._stale)
+
+    def _commit(self, command: Command) -> None:
+        self._expected = (command.main_version, command.draft_version)
+        if self._reopen is not None:
+            self._reopen.cancel()
+            self._reopen = None
+        self._open.set()
+
+    async def _reopen_later(self) -> None:
+        """Never hold requests forever: without a commit (coordinator lost), reopen."""
+        await asyncio.sleep(self._hold_s)
+        logger.warning("replica %s: no commit from the coordinator within %g s; admitting "
+                       "requests again", self._id, self._hold_s)
+        self._open.set()
+
+    async def __del__(self) -> None:
+        if self._engine is not None:
+            await self._engine.shutdown()

@@ -1,0 +1,157 @@
+"""One engine's served weights: the push protocol in front, the loads behind.
+
+Runs in the service process. Standalone, the ``/weights/*`` router drives
+:class:`WeightPushManager` through ``begin`` / ``update`` / ``finish`` /
+``abort`` (validated by :class:`~rollout_service.weights.intake.PushIntake`).
+Under Ray Serve the weights coordinator validates a push once for the whole
+deployment and each replica calls :meth:`WeightPushManager.load` with the result.
+
+A load reads like the protocol: pause generation, load the main model, load the
+drafter from the same placements, reset the prefix cache, resume. An engine
+failure in the middle of a load marks the weights inconsistent: generation is
+refused (503) until a complete push succeeds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+from rollout_service.engines.base import Engine, LoadTimings, WeightUpdate
+from rollout_service.protocol import messages
+from rollout_service.protocol.placement import TensorPlacement, Transport
+from rollout_service.protocol.tensors import TensorMeta
+from rollout_service.telemetry.weights import WeightMetrics
+from rollout_service.weights.intake import PushError, PushIntake, build_update, roles
+
+logger = logging.getLogger(__name__)
+
+_NO_LOAD = LoadTimings(load_s=0.0, finalize_s=0.0)
+
+
+class WeightPushManager:
+    """Owns the push protocol and the served weight versions of one engine.
+
+    Args:
+        engine: the engine to load into.
+        checkpoint: the served checkpoint's tensors (names as the loader accepts).
+        metrics: version gauges and push counters.
+        timeout_s: a push with no call for this long is aborted.
+        has_draft: whether the engine serves an MTP drafter.
+        transport: the transport the engine was started with (``weights_transport``).
+    """
+
+    def __init__(self, engine: Engine, checkpoint: dict[str, TensorMeta],
+                 metrics: WeightMetrics, *, timeout_s: float, has_draft: bool,
+                 transport: Transport = "shm") -> None:
+        self._engine = engine
+        self._metrics = metrics
+        self._intake = PushIntake(checkpoint, timeout_s=timeout_s, has_draft=has_draft,
+                                  transport=transport, metrics=metrics)
+        self._lock = asyncio.Lock()
+        self.main_version: int | None = None
+        self.draft_version: int | None = None
+        self.is_consistent = True
+
+    def status(self) -> messages.WeightStatus:
+        active = self._intake.active
+        return messages.WeightStatus(
+            main_version=self.main_version, draft_version=self.draft_version,
+            active_push_id=active.push_id if active else None,
+            consistent=self.is_consistent, last_push=self._intake.last_push)
+
+    async def get_status(self) -> messages.WeightStatus:
+        """:meth:`status` for the HTTP handler (the Ray Serve ingress's is a remote call)."""
+        return self.status()
+
+    # ---- the push protocol (standalone service) ------------------------------------
+
+    async def begin(self, req: messages.PushBeginRequest) -> messages.PushBeginResponse:
+        async with self._lock:
+            return self._intake.begin(req, {"main": self.main_version,
+                                            "draft": self.draft_version})
+
+    async def update(self, req: messages.PushUpdateRequest) -> messages.PushUpdateResponse:
+        async with self._lock:
+            return self._intake.update(req)
+
+    async def abort(self, req: messages.PushAbortRequest) -> messages.WeightStatus:
+        async with self._lock:
+            self._intake.abort(req)
+            return self.status()
+
+    async def finish(self, req: messages.PushFinishRequest) -> messages.PushFinishResponse:
+        """Load the complete push; its outcome is recorded for ``/weights/status``.
+
+        Raises:
+            PushError: 400 for an incomplete push (nothing loaded), 500 for an engine
+                failure while loading (weights inconsistent until the next push).
+        """
+        async with self._lock:
+            push = self._intake.start_loading(req.push_id)
+            try:
+                finished = await self._apply(push.request, build_update(push))
+            except PushError as exc:
+                self._intake.end(push, "failed", str(exc))
+                raise
+            self._intake.end(push, "loaded", f"{finished.num_bytes} bytes in "
+                                             f"{finished.timings.total_s:.3f} s")
+            return finished
+
+    # ---- already validated pushes (Ray Serve replicas) -----------------------------
+
+    async def load(self, begin: messages.PushBeginRequest, placements: list[TensorPlacement],
+                   *, push_id: str) -> messages.PushFinishResponse:
+        """Load a push the weights coordinator has validated for the whole deployment.
+
+        Raises:
+            PushError(500): the engine failed while loading.
+        """
+        async with self._lock:
+            update = WeightUpdate(push_id=push_id, target=begin.target,
+                                  transport=begin.transport, tensors=tuple(placements))
+            return await self._apply(begin, update)
+
+    # ---- the load itself -----------------------------------------------------------
+
+    async def _apply(self, req: messages.PushBeginRequest, update: WeightUpdate
+                     ) -> messages.PushFinishResponse:
+        """Load ``update``, then serve ``req.version`` for every model it targets."""
+        try:
+            timings = await self._load(req.pause_mode, update, version=str(req.version))
+        except Exception as exc:
+            self.is_consistent = False
+            logger.exception("weight load failed; generation refused until a full push")
+            raise PushError(500, f"the engine failed while loading; generation is refused "
+                                 f"until a complete push succeeds: {exc}") from exc
+        self.is_consistent = True
+        for role in roles(req.target):
+            setattr(self, f"{role}_version", req.version)
+            self._metrics.set_version(role, req.version)
+        self._metrics.observe_push(req.total_bytes, timings.total_s)
+        return messages.PushFinishResponse(version=req.version, target=req.target,
+                                           num_bytes=req.total_bytes, timings=timings)
+
+    async def _load(self, pause_mode: messages.PauseMode, update: WeightUpdate, *,
+                    version: str) -> messages.PushTimings:
+        main = draft = _NO_LOAD
+        t0 = time.perf_counter()
+        await self._engine.pause(pause_mode)
+        t1 = time.perf_counter()
+        try:
+            if update.target in ("main", "both"):
+                main = await self._engine.load_weights(update, draft=False, version=version)
+            if update.target in ("draft", "both"):
+                # Version spans label what produced the tokens: the main model's weights
+                # (verification keeps the output distribution the target's alone).
+                draft = await self._engine.load_weights(update, draft=True, version=None)
+            t2 = time.perf_counter()
+            await self._engine.reset_prefix_cache()
+        finally:
+            await self._engine.resume()
+        t3 = time.perf_counter()
+        return messages.PushTimings(pause_s=t1 - t0, load_main_s=main.load_s,
+                                    finalize_main_s=main.finalize_s, load_draft_s=draft.load_s,
+                                    finalize_draft_s=draft.finalize_s, resume_s=t3 - t2,
+                                    total_s=t3 - t0)

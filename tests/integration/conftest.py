@@ -1,0 +1,179 @@
+"""Session fixtures: one real service process (vLLM engine), one real Prometheus.
+
+Starting vLLM costs ~20-40 s on two cores, so the whole session shares one
+service. It runs with an API key and two speculative tokens (so per-position
+acceptance has two positions), exactly as ``rollout-service serve`` runs.
+
+``ROLLOUT_TEST_TARGET`` picks where the same tests run: ``cpu`` (default: vLLM's
+CPU build, shm pushes), ``cuda-shm`` or ``cuda-ipc`` (vLLM's CUDA build on GPU 0,
+pushes through shared memory or CUDA IPC handles from this process's GPU tensors).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TypeVar
+
+import httpx
+import pytest
+
+from rollout_service.tools.launch import ServiceProcess, free_port
+
+API_KEY = "test-generation-key"
+WEIGHTS_TOKEN = "test-weights-token"
+PUSH_TIMEOUT_S = 3.0
+NUM_SPECULATIVE_TOKENS = 2
+T = TypeVar("T")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Target:
+    """Where the session's service runs and how the tests push to it."""
+
+    engine_kwargs: dict[str, Any]
+    """Added to the embedded defaults."""
+    transport: str
+    """The service's ``weights_transport`` and the tests' pusher's."""
+    tensor_device: str
+    """Where the tests keep the tensors they push."""
+
+
+TARGETS = {
+    "cpu": Target(engine_kwargs={}, transport="shm", tensor_device="cpu"),
+    # float32 on the GPU too: greedy outputs compared across pushes must not flip on
+    # bf16 near-ties; eager mode starts in seconds (graphs are the benchmarks' business).
+    "cuda-shm": Target(engine_kwargs={"gpu_memory_utilization": 0.2, "enforce_eager": True},
+                       transport="shm", tensor_device="cpu"),
+    "cuda-ipc": Target(engine_kwargs={"gpu_memory_utilization": 0.2, "enforce_eager": True},
+                       transport="cuda_ipc", tensor_device="cuda"),
+}
+TARGET = TARGETS[os.environ.get("ROLLOUT_TEST_TARGET", "cpu")]
+shm_only = pytest.mark.skipif(TARGET.transport != "shm",
+                              reason="a test of the shm transport's segment")
+
+
+@pytest.fixture(scope="session")
+def service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServiceProcess]:
+    """The rollout service on the embedded tiny model, up and healthy."""
+    workdir = tmp_path_factory.mktemp("service")
+    config = workdir / "service.json"
+    config.write_text(json.dumps({
+        "model": "embedded:tiny",
+        "engine_kwargs": TARGET.engine_kwargs,
+        "mtp": {"num_speculative_tokens": NUM_SPECULATIVE_TOKENS},
+        "api_key": API_KEY,
+        "weights_token": WEIGHTS_TOKEN,
+        "push_timeout_s": PUSH_TIMEOUT_S,
+        "weights_transport": TARGET.transport,
+    }))
+    with ServiceProcess(workdir / "service.log", config=config) as proc:
+        proc.wait_healthy(timeout_s=600)
+        yield proc
+
+
+def weights_status(service: ServiceProcess):  # noqa: ANN201 - messages.WeightStatus, lazily
+    """``GET /weights/status`` of the session's service."""
+    from rollout_service.protocol import messages
+
+    response = httpx.get(f"{service.url}/weights/status", timeout=60,
+                         headers={"authorization": f"Bearer {WEIGHTS_TOKEN}"})
+    return messages.WeightStatus.model_validate(response.json())
+
+
+def weights_checksums(service: ServiceProcess) -> dict[str, str]:
+    """SHA-256 of the served main model's and drafter's parameters."""
+    response = httpx.get(f"{service.url}/weights/checksums", timeout=60,
+                         headers={"authorization": f"Bearer {WEIGHTS_TOKEN}"})
+    return response.json()
+
+
+def served_version(service: ServiceProcess) -> int:
+    """The newest served version of main or drafter (0 before any push)."""
+    return weights_status(service).newest_version
+
+
+def wait_for(probe: Callable[[], T], condition: Callable[[T], bool], *, timeout_s: float,
+             interval_s: float = 0.2) -> T:
+    """Probe until ``condition`` holds; return the value that satisfied it.
+
+    Raises:
+        TimeoutError: with the last value probed, after ``timeout_s``.
+    """
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = probe()
+        if condition(value):
+            return value
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"condition not met within {timeout_s:g} s; last: {value!r}")
+        time.sleep(interval_s)
+
+def _tail(path: Path, num_lines: int = 60) -> str:
+    return "\n".join(path.read_text(errors="replace").splitlines()[-num_lines:])
+
+
+@pytest.fixture
+async def client(service: ServiceProcess):  # noqa: ANN201 - RolloutClient, imported lazily
+    # Lazy: the GPU machine runs the trainer tests without the service's dependencies.
+    from rollout_service.client import RolloutClient
+
+    async with RolloutClient(service.url, api_key=API_KEY) as c:
+        yield c
+
+
+@pytest.fixture(scope="session")
+def prometheus(service: ServiceProcess, tmp_path_factory: pytest.TempPathFactory
+               ) -> Iterator[str]:
+    """A real Prometheus server scraping the service every second; yields its URL.
+
+    `make test` installs the Debian package; without it this fails, not skips:
+    the telemetry claims are only proven against a real Prometheus.
+    """
+    target = service.url.removeprefix("http://")
+    scrape = ("  - job_name: rollout\n    static_configs:\n"
+              f"      - targets: ['{target}']\n")
+    with run_prometheus(tmp_path_factory.mktemp("prometheus"), scrape) as url:
+        yield url
+
+
+@contextmanager
+def run_prometheus(workdir: Path, scrape_configs: str) -> Iterator[str]:
+    """Run Prometheus (1 s scrapes) with these ``scrape_configs`` entries; yields its URL."""
+    binary = shutil.which("prometheus")
+    if binary is None:
+        pytest.fail("the prometheus binary is missing: run the tests with `make test`, "
+                    "which installs it (Debian package 'prometheus')")
+    (workdir / "prometheus.yml").write_text(
+        "global:\n  scrape_interval: 1s\n  evaluation_interval: 1s\n"
+        f"scrape_configs:\n{scrape_configs}")
+    port = free_port()
+    log = (workdir / "prometheus.log").open("wb")
+    proc = subprocess.Popen(
+        [binary, f"--config.file={workdir / 'prometheus.yml'}",
+         f"--storage.tsdb.path={workdir / 'data'}", f"--web.listen-address=127.0.0.1:{port}"],
+        stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                if httpx.get(f"{url}/-/ready", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            if proc.poll() is not None or time.monotonic() > deadline:
+                pytest.fail(f"prometheus did not start:\n{_tail(workdir / 'prometheus.log')}")
+            time.sleep(0.3)
+        yield url
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+        log.close()

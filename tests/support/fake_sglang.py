@@ -1,0 +1,410 @@
+"""A FAKE SGLang HTTP server: SGLang's wire format over a toy model, no inference.
+
+SGLang cannot serve here (it needs CUDA kernels), so the SGLang engine's tests run
+against this FastAPI app inside the test process, through httpx's ASGI transport.
+Request bodies are parsed by pydantic models named like SGLang's request classes, with
+their field names per version (``PROFILES``); ``test_sglang``'s conformance tests
+compare them with SGLang's own ``io_struct`` sources, and check ``/generate`` traffic
+with 0.5.23's generated JSON contract (``sglang/api/v1/api_types.py``), when
+``SGLANG_SOURCES`` names unpacked SGLang wheels. Responses mirror the dicts SGLang's
+tokenizer manager builds (``meta_info`` keys, finish reasons, logprob triples).
+
+The toy model: token ``t`` reads as ``chr(ord("a") + t % 26)``; text tokenizes one
+token per character; each generated token is the previous one plus 1 (mod the
+vocabulary); ``eos_token_id`` ends a sequence unless ``ignore_eos``. Speculative counts
+follow SGLang's formulas for a drafter that gets ``accept_per_step`` tokens accepted per
+verify step. Every call is recorded in ``calls``; tensor payloads are recorded, never
+unpickled.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from fastapi import FastAPI, Query, Request
+from fastapi.responses import JSONResponse, PlainTextResponse
+from pydantic import BaseModel, ConfigDict, create_model
+
+Selector = Literal["target", "draft", "all"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class Profile:
+    """What differs between the SGLang versions the fake speaks."""
+
+    version: str
+    spec_keys: tuple[tuple[str, str], ...]
+    """(accepted, proposed) meta_info key pairs emitted, in emission order."""
+    histogram_key: str
+    has_weight_version_spans: bool
+    has_weight_update_session: bool
+    models: dict[str, dict[str, Any]]
+    """Request class name -> own field name -> (type, default), as in SGLang's io_struct."""
+
+
+_BASE_REQ = {"rid": (str | None, None), "http_worker_ipc": (str | None, None)}
+_GENERATE = {
+    "text": (str | list[str] | None, None),
+    "input_ids": (list[int] | list[list[int]] | None, None),
+    "sampling_params": (dict[str, Any] | None, None), "return_logprob": (bool | None, None),
+    "logprob_start_len": (int | None, None), "top_logprobs_num": (int | None, None),
+    "return_text_in_logprobs": (bool, False), "stream": (bool, False),
+}
+_TENSOR_0510 = {
+    "serialized_named_tensors": (list[str], ...), "load_format": (str | None, None),
+    "flush_cache": (bool, True), "abort_all_requests": (bool, False),
+    "weight_version": (str | None, None), "disable_draft_model": (bool | None, None),
+}
+_COMMON_MODELS = {
+    "PauseGenerationReqInput": {"mode": (Literal["abort", "retract", "in_place"], "abort")},
+}
+_EMPTY_CACHE = {"torch_empty_cache": (bool, False)}
+_OLD_KEYS = (("spec_accept_token_num", "spec_draft_token_num"),)
+_MID_KEYS = (("spec_accepted_drafts", "spec_proposed_drafts"),)
+_NEW_KEYS = (("spec_num_correct_drafts", "spec_num_proposed_drafts"),)
+
+
+def _old_models(*, has_empty_cache: bool, continue_fields: dict[str, Any]) -> dict[str, Any]:
+    extra = _EMPTY_CACHE if has_empty_cache else {}
+    return {**_COMMON_MODELS, "GenerateReqInput": _GENERATE,
+            "ContinueGenerationReqInput": continue_fields,
+            "UpdateWeightsFromTensorReqInput": {**_TENSOR_0510, **extra},
+            "CheckWeightsReqInput": {"action": (str, ...)}}
+
+
+PROFILES: dict[str, Profile] = {
+    "0.5.10": Profile(version="0.5.10", spec_keys=_OLD_KEYS, histogram_key="spec_accept_histogram",
+                      has_weight_version_spans=False, has_weight_update_session=False,
+                      models=_old_models(has_empty_cache=False, continue_fields={})),
+    "0.5.11": Profile(version="0.5.11", spec_keys=_MID_KEYS, histogram_key="spec_accept_histogram",
+                      has_weight_version_spans=False, has_weight_update_session=False,
+                      models=_old_models(has_empty_cache=True, continue_fields={})),
+    # 0.5.12 renamed the keys and kept the 0.5.11 names as aliases for one release.
+    "0.5.12": Profile(version="0.5.12", spec_keys=_NEW_KEYS + _MID_KEYS,
+                      histogram_key="spec_correct_drafts_histogram",
+                      has_weight_version_spans=False, has_weight_update_session=False,
+                      models=_old_models(has_empty_cache=True,
+                                         continue_fields={"torch_empty_cache": (bool, True)})),
+    "0.5.23": Profile(
+        version="0.5.23", spec_keys=_NEW_KEYS, histogram_key="spec_correct_drafts_histogram",
+        has_weight_version_spans=True, has_weight_update_session=True,
+        models={
+            **_COMMON_MODELS,
+            # No longer a BaseReq: it declares rid and http_worker_ipc itself.
+            "GenerateReqInput": {**_BASE_REQ, "rid": (str | list[str] | None, None),
+                                 **_GENERATE, "return_prompt_token_ids": (bool, False)},
+            "ContinueGenerationReqInput": {"torch_empty_cache": (bool, True)},
+            "UpdateWeightsFromTensorReqInput": {
+                **{k: v for k, v in _TENSOR_0510.items() if k != "disable_draft_model"},
+                "selector": (Selector, "all"), **_EMPTY_CACHE},
+            "BeginWeightUpdateReqInput": {"selector": (Selector, "all")},
+            "EndWeightUpdateReqInput": {},
+            "CheckWeightsReqInput": {
+                "action": (str, "checksum"), "allow_quant_error": (bool, False),
+                "skip_tensor_list": (list[str] | None, None), "selector": (Selector, "all")},
+        }),
+}
+
+
+def request_models(profile: Profile) -> dict[str, type[BaseModel]]:
+    """Pydantic request models under SGLang's class names (BaseReq fields included)."""
+    config = ConfigDict(extra="ignore")  # SGLang ignores unknown fields
+    return {name: create_model(name, __config__=config, **{**_BASE_REQ, **fields})
+            for name, fields in profile.models.items()}
+
+
+@dataclass
+class _Running:
+    abort: asyncio.Event = field(default_factory=asyncio.Event)
+
+
+class FakeSGLang:
+    """One fake server; ``app`` is its FastAPI application.
+
+    Args:
+        profile: the SGLang version to speak (a key of ``PROFILES``).
+        model_path: reported as the served checkpoint.
+        speculative: ``speculative_*`` server args (None: speculation off).
+        tp_size: reported TP size.
+        is_openapi_enabled: False mimics ``DISABLE_OPENAPI_DOC``.
+    """
+
+    def __init__(self, profile: str, *, model_path: str, context_length: int = 256,
+                 speculative: dict[str, Any] | None = None, tp_size: int = 1,
+                 is_openapi_enabled: bool = True) -> None:
+        self.profile = PROFILES[profile]
+        self.model_path = model_path
+        self.context_length = context_length
+        self.speculative = speculative
+        self.tp_size = tp_size
+        self.vocab_size = 64
+        self.eos_token_id = 63
+        self.accept_per_step = 1
+        self.generate_delay_s = 0.0
+        self.is_healthy = True
+        self.is_reporting_spec = True
+        """False: a speculative server whose responses carry no spec_* keys."""
+        self.responses: list[dict[str, Any]] = []
+        """Every /generate response body, in order."""
+        self.weight_version = "default"
+        self.calls: list[tuple[str, Any]] = []
+        self._is_paused = False
+        self._resumed = asyncio.Event()
+        self._resumed.set()
+        self._running: list[_Running] = []
+        self._session: str | None = None
+        self._loads = {"target": 0, "draft": 0}
+        self.app = self._build_app(is_openapi_enabled)
+
+    def routes_called(self) -> list[str]:
+        """Paths of the recorded calls, in order."""
+        return [path for path, _ in self.calls]
+
+    def _build_app(self, is_openapi_enabled: bool) -> FastAPI:
+        app = FastAPI(openapi_url="/openapi.json" if is_openapi_enabled else None)
+        models = request_models(self.profile)
+
+        @app.middleware("http")
+        async def record(request: Request, call_next: Any) -> Any:
+            body = await request.body()
+            self.calls.append((request.url.path, (await request.json()) if body else None))
+            return await call_next(request)
+
+        def post(path: str, model_name: str, handler: Any) -> None:
+            model = models[model_name]
+
+            async def endpoint(obj: BaseModel) -> Any:
+                return await handler(obj.model_dump())
+
+            endpoint.__annotations__["obj"] = model  # FastAPI reads the body model from here
+            app.post(path)(endpoint)
+
+        for route in ("/model_info", "/get_model_info"):
+            app.get(route)(self._model_info)
+        for route in ("/server_info", "/get_server_info"):
+            app.get(route)(self._server_info)
+        app.get("/v1/models")(self._models)
+        app.get("/health")(self._health)
+        for method in ("get", "post"):  # GET and POST, as in SGLang
+            app.add_api_route("/flush_cache", self._flush_cache, methods=[method],
+                              operation_id=f"flush_cache_{method}")
+            app.add_api_route("/weights_checker", self._weights_checker, methods=[method],
+                              operation_id=f"weights_checker_{method}")
+        app.post("/v1/tokenize")(self._tokenize)
+        post("/generate", "GenerateReqInput", self._generate)
+        post("/pause_generation", "PauseGenerationReqInput", self._pause)
+        post("/continue_generation", "ContinueGenerationReqInput", self._continue)
+        post("/update_weights_from_tensor", "UpdateWeightsFromTensorReqInput", self._load)
+        if self.profile.has_weight_update_session:
+            post("/begin_weight_update", "BeginWeightUpdateReqInput", self._begin)
+            post("/end_weight_update", "EndWeightUpdateReqInput", self._end)
+        return app
+
+    # --- info ---
+
+    async def _model_info(self) -> dict[str, Any]:
+        return {"model_path": self.model_path, "tokenizer_path": self.model_path,
+                "is_generation": True, "preferred_sampling_params": None,
+                "weight_version": self.weight_version, "has_image_understanding": False,
+                "has_audio_understanding": False, "model_type": "mimo",
+                "architectures": ["MiMoForCausalLM"]}
+
+    async def _server_info(self) -> dict[str, Any]:
+        spec = self.speculative or {}
+        return {"model_path": self.model_path, "served_model_name": self.model_path,
+                "context_length": None, "tp_size": self.tp_size, "dp_size": 1,
+                "speculative_algorithm": spec.get("speculative_algorithm"),
+                "speculative_num_steps": spec.get("speculative_num_steps"),
+                "speculative_eagle_topk": spec.get("speculative_eagle_topk"),
+                "speculative_num_draft_tokens": spec.get("speculative_num_draft_tokens"),
+                "weight_version": "default", "max_total_num_tokens": 4096,
+                "max_req_input_len": self.context_length - 6, "internal_states": [],
+                "version": self.profile.version}
+
+    async def _models(self) -> dict[str, Any]:
+        card = {"id": self.model_path, "object": "model", "created": 0, "owned_by": "sglang",
+                "root": self.model_path, "parent": None, "max_model_len": self.context_length}
+        return {"object": "list", "data": [card]}
+
+    async def _health(self) -> Any:
+        return PlainTextResponse("", status_code=200 if self.is_healthy else 503)
+
+    async def _tokenize(self, request: Request) -> dict[str, Any]:
+        tokens = self.encode((await request.json())["prompt"])
+        return {"tokens": tokens, "count": len(tokens), "max_model_len": self.context_length}
+
+    # --- generation ---
+
+    def encode(self, text: str) -> list[int]:
+        """The toy tokenizer: one token per character."""
+        return [ord(c) % 26 for c in text]
+
+    def decode(self, token_ids: list[int]) -> str:
+        return "".join(chr(ord("a") + t % 26) for t in token_ids if t != self.eos_token_id)
+
+    async def _generate(self, obj: dict[str, Any]) -> Any:
+        if obj["input_ids"] is None and obj["text"] is None:
+            return JSONResponse({"error": {"message": "Either text or input_ids should be "
+                                                      "provided."}}, status_code=400)
+        await self._resumed.wait()  # SGLang holds new requests while paused
+        prompt_ids = obj["input_ids"] if obj["input_ids"] is not None else self.encode(obj["text"])
+        if len(prompt_ids) >= self.context_length:
+            return JSONResponse({"error": {"message": f"The input ({len(prompt_ids)} tokens) is "
+                                                      "longer than the model's context length"}},
+                                status_code=400)
+        running = _Running()
+        self._running.append(running)
+        try:
+            if self.generate_delay_s:
+                try:
+                    await asyncio.wait_for(running.abort.wait(), self.generate_delay_s)
+                except TimeoutError:
+                    pass
+            while self._is_paused and not running.abort.is_set():
+                await self._resumed.wait()  # retracted or frozen: finishes after continue
+        finally:
+            self._running.remove(running)
+        params = obj["sampling_params"] or {}
+        if running.abort.is_set():
+            output_ids: list[int] = []
+            text = ""
+            finish = {"type": "abort", "message": "Abort in waiting queue", "status_code": None,
+                      "err_type": None}
+        else:
+            output_ids, text, finish = self._decode(prompt_ids, params)
+        meta = self._meta_info(obj, prompt_ids, output_ids, finish)
+        out = {"text": text, "output_ids": output_ids, "meta_info": meta}
+        if obj.get("return_prompt_token_ids"):
+            out["prompt_token_ids"] = prompt_ids
+        self.responses.append(out)
+        return out
+
+    def _decode(self, prompt_ids: list[int], params: dict[str, Any]
+                ) -> tuple[list[int], str, dict[str, Any]]:
+        output_ids: list[int] = []
+        token = prompt_ids[-1]
+        stops = params.get("stop") or []
+        stops = [stops] if isinstance(stops, str) else stops
+        for _ in range(params.get("max_new_tokens", 128)):
+            token = (token + 1) % self.vocab_size
+            output_ids.append(token)
+            if token == self.eos_token_id and not params.get("ignore_eos", False):
+                return output_ids, self.decode(output_ids), {"type": "stop", "matched": token}
+            text = self.decode(output_ids)
+            for stop in stops:
+                if stop in text:  # the stop string is trimmed from the text
+                    return output_ids, text[:text.index(stop)], {"type": "stop", "matched": stop}
+        return output_ids, self.decode(output_ids), {"type": "length", "length": len(output_ids)}
+
+    def _meta_info(self, obj: dict[str, Any], prompt_ids: list[int], output_ids: list[int],
+                   finish: dict[str, Any]) -> dict[str, Any]:
+        meta: dict[str, Any] = {
+            "id": obj["rid"], "finish_reason": finish, "prompt_tokens": len(prompt_ids),
+            "weight_version": self.weight_version, "total_retractions": 0,
+            "reasoning_tokens": 0, "completion_tokens": len(output_ids), "cached_tokens": 0}
+        if obj["return_logprob"]:
+            meta["output_token_logprobs"] = [[-0.25 * (i + 1), t, None]
+                                             for i, t in enumerate(output_ids)]
+            meta["input_token_logprobs"] = []
+            meta["output_token_logprobs_length"] = len(output_ids)
+        if self.speculative and self.is_reporting_spec:
+            meta.update(self._spec_meta_info(len(output_ids)))
+        if self.profile.has_weight_version_spans:
+            meta["weight_versions"] = [{"version": self.weight_version, "start": 0,
+                                        "end": len(output_ids)}]
+        meta["e2e_latency"] = 0.01
+        return meta
+
+    def _spec_meta_info(self, num_completion: int) -> dict[str, Any]:
+        """SGLang's per-request keys: the first token comes from prefill, then each verify
+        step emits its accepted drafts plus one bonus token."""
+        num_steps = self.speculative["speculative_num_steps"]
+        verify_ct = accepted = 0
+        histogram: list[int] = []
+        remaining = num_completion - 1
+        while remaining > 0:
+            step_accepted = min(self.accept_per_step, num_steps, remaining - 1)
+            histogram += [0] * (step_accepted + 1 - len(histogram))
+            histogram[step_accepted] += 1
+            verify_ct += 1
+            accepted += step_accepted
+            remaining -= step_accepted + 1
+        if verify_ct == 0:
+            return {}  # SGLang reports nothing for a request without a verify step
+        proposed = verify_ct * (self.speculative["speculative_num_draft_tokens"] - 1)
+        meta: dict[str, Any] = {"spec_accept_rate": accepted / proposed,
+                                "spec_accept_length": num_completion / verify_ct}
+        for accepted_key, proposed_key in self.profile.spec_keys:
+            meta |= {accepted_key: accepted, proposed_key: proposed}
+        meta["spec_verify_ct"] = verify_ct
+        meta[self.profile.histogram_key] = histogram
+        return meta
+
+    # --- control ---
+
+    async def _pause(self, obj: dict[str, Any]) -> dict[str, Any]:
+        self._is_paused = True
+        self._resumed.clear()
+        if obj["mode"] == "abort":
+            for running in self._running:
+                running.abort.set()
+        return {"message": "Generation paused successfully.", "status": "ok"}
+
+    async def _continue(self, obj: dict[str, Any]) -> dict[str, Any]:
+        self._is_paused = False
+        self._resumed.set()
+        return {"message": "Generation continued successfully.", "status": "ok"}
+
+    async def _flush_cache(self, timeout: float = Query(0.0)) -> Any:
+        if self._running and not self._is_paused:
+            return PlainTextResponse("Flush cache failed.\n", status_code=400)
+        return PlainTextResponse("Cache flushed.\n")
+
+    async def _begin(self, obj: dict[str, Any]) -> Any:
+        if self._session is not None:
+            return _refuse("a weight update session is already open")
+        self._session = obj["selector"]
+        return {"success": True, "message": "Weight update session opened."}
+
+    async def _end(self, obj: dict[str, Any]) -> Any:
+        if self._session is None:
+            return _refuse("no weight update session is open")
+        self._session = None
+        return {"success": True, "message": "Weight update session closed."}
+
+    async def _load(self, obj: dict[str, Any]) -> Any:
+        """Check the session, count loads per model, bump the version."""
+        if self.profile.has_weight_update_session:
+            if self._session is None:
+                return _refuse("call /begin_weight_update first")
+            if obj["selector"] != self._session:
+                return _refuse(f"selector {obj['selector']!r} outside the open "
+                               f"{self._session!r} session")
+        if len(obj["serialized_named_tensors"]) != self.tp_size:
+            return _refuse(f"expected one payload per TP rank ({self.tp_size})")
+        roles = {"target": ("target",), "draft": ("draft",), "all": ("target", "draft")}
+        if "selector" in obj:
+            selected = roles[obj["selector"]]
+        else:  # 0.5.10-0.5.12: the draft path loads the drafter and then the target
+            selected = ("target",) if obj.get("disable_draft_model") else ("target", "draft")
+        for role in selected:
+            self._loads[role] += 1
+        if obj["weight_version"] is not None:
+            self.weight_version = obj["weight_version"]
+        return {"success": True, "message": "Succeeded to update model weights."}
+
+    async def _weights_checker(self, request: Request) -> Any:
+        body = await request.json() if await request.body() else {}
+        if "selector" not in self.profile.models["CheckWeightsReqInput"]:
+            return _refuse(f"Unsupported action: {body.get('action')}")
+        role = body.get("selector", "all")
+        digest = hashlib.sha256(f"{role}:{self._loads.get(role, 0)}".encode()).hexdigest()
+        return {"success": True, "message": "", "per_engine_checksum": digest}
+
+
+def _refuse(message: str) -> JSONResponse:
+    return JSONResponse({"success": False, "message": message}, status_code=400)
+

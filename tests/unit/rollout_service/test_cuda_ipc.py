@@ -1,0 +1,264 @@
+"""The ``cuda_ipc`` transport's checks that need no GPU: messages, the handle
+codec's validation, intake validation and the vLLM update info.
+
+The codec itself (export in one process, open in another) runs only on CUDA:
+``test_cuda_ipc_gpu.py``. The service-level refusal (a cuda_ipc push to a
+service configured with shm) is in ``test_weights.py``, next to its helpers.
+"""
+
+from __future__ import annotations
+
+import base64
+import inspect
+import json
+
+import pytest
+import torch
+from pydantic import ValidationError
+from torch.multiprocessing.reductions import rebuild_cuda_tensor
+
+from rollout_service.config import ServiceConfig
+from rollout_service.protocol import messages
+from rollout_service.protocol.cuda_ipc import CudaIpcHandle, export_handle
+from rollout_service.protocol.placement import CudaIpcLocation, ShmLocation, TensorPlacement
+from rollout_service.protocol.tensors import TensorMeta, contiguous_stride
+from rollout_service.weights.intake import (
+    ActivePush,
+    PushError,
+    build_update,
+    validate_announcement,
+    validate_placement,
+)
+from trainer_client.push import shareable
+
+CHECKPOINT = {"w": TensorMeta(shape=(4, 3), dtype="bfloat16"),
+              "b": TensorMeta(shape=(3,), dtype="float32")}
+
+
+def b64(raw: bytes) -> str:
+    return base64.b64encode(raw).decode()
+
+
+def handle_fields(**changes: object) -> dict:
+    """A well-formed description (fields as a trainer on cuda:0 would send them)."""
+    fields = {"gpu_uuid": "GPU-8c2a7e0e-0000-0000-0000-000000000000", "shape": [4, 3],
+              "stride": [3, 1], "storage_offset": 0, "dtype": "bfloat16",
+              "storage_handle": b64(bytes(range(64))), "storage_size_bytes": 24,
+              "storage_offset_bytes": 512, "ref_counter_handle": b64(b"/torch_123_456_0"),
+              "ref_counter_offset": 7, "event_handle": b64(bytes(64)),
+              "event_sync_required": True}
+    fields.update(changes)
+    return fields
+
+
+def begin(transport: str = "cuda_ipc", **changes: object) -> messages.PushBeginRequest:
+    body = {"version": 3, "transport": transport, "total_bytes": 36,
+            "params": [{"name": n, "shape": list(m.shape), "dtype": m.dtype}
+                       for n, m in CHECKPOINT.items()]}
+    body.update(changes)
+    return messages.PushBeginRequest.model_validate(body)
+
+
+def field_errors(exc: ValidationError) -> str:
+    return " | ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())
+
+
+# --- wire ---------------------------------------------------------------------
+
+def test_begin_segment_fields_follow_the_transport() -> None:
+    assert begin().segment is None
+    with pytest.raises(ValidationError, match="segment: required by transport 'shm'"):
+        begin("shm")
+    with pytest.raises(ValidationError, match="segment_bytes: required by transport 'shm'"):
+        begin("shm", segment="mtp-seg")
+    with pytest.raises(ValidationError, match="segment: not used by transport 'cuda_ipc'"):
+        begin(segment="mtp-seg", segment_bytes=64)
+    with pytest.raises(ValidationError, match="transport"):
+        begin("nccl")
+
+
+def placed(name: str, handle: dict, **changes: object) -> dict:
+    """A cuda_ipc placement as a trainer sends it."""
+    meta = CHECKPOINT[name]
+    body = {"name": name, "dtype": meta.dtype, "shape": list(meta.shape),
+            "location": {"transport": "cuda_ipc", "handle": handle}}
+    body.update(changes)
+    return body
+
+
+def test_placement_states_its_transport_and_matches_its_handle() -> None:
+    placement = TensorPlacement.model_validate(placed("w", handle_fields()))
+    assert placement.transport == "cuda_ipc" and placement.nbytes == 24
+    with pytest.raises(ValidationError, match="location"):
+        TensorPlacement.model_validate(placed("w", handle_fields()) | {"location": {
+            "transport": "nccl"}})
+    with pytest.raises(ValidationError, match=r"location.handle.shape: the handle describes "
+                                              r"\[4, 3\], the announcement \[3, 4\]"):
+        TensorPlacement.model_validate(placed("w", handle_fields(), shape=[3, 4]))
+    with pytest.raises(ValidationError, match="location.handle.dtype"):
+        TensorPlacement.model_validate(placed("w", handle_fields(), dtype="float16"))
+
+
+@pytest.mark.parametrize("changes,field,needle", [
+    ({"storage_handle": "not base64!"}, "storage_handle", "not valid base64"),
+    ({"event_handle": "QUJ"}, "event_handle", "not valid base64"),
+    ({"ref_counter_handle": ""}, "ref_counter_handle", "empty handle"),
+    ({"dtype": "float33"}, "", "dtype: 'float33' is not a tensor dtype"),
+    ({"dtype": "torch.bfloat16"}, "", "is not a tensor dtype"),
+    ({"stride": [1, 4]}, "", "stride: [1, 4] is not the contiguous stride [3, 1]"),
+    ({"shape": [4, -3], "stride": [-3, 1]}, "", "shape: [4, -3] has a negative dim"),
+    ({"storage_size_bytes": 22}, "", "storage_size_bytes: 22 cannot hold the tensor"),
+    ({"storage_offset": 1}, "", "storage_size_bytes: 24 cannot hold the tensor, which ends"),
+    ({"storage_offset_bytes": -1}, "storage_offset_bytes", "greater than or equal to 0"),
+    ({"tensor_cls": "torch.nn.Parameter"}, "tensor_cls", "Extra inputs are not permitted"),
+    ({"gpu_uuid": ""}, "gpu_uuid", "at least 1 character"),
+])
+def test_handle_validation_names_the_field(changes: dict, field: str, needle: str) -> None:
+    with pytest.raises(ValidationError) as info:
+        CudaIpcHandle.model_validate(handle_fields(**changes))
+    message = field_errors(info.value)
+    assert needle in message and message.startswith(f"{field}:"), message
+    # ...and inside a bucket the error is located under the slot's handle
+    with pytest.raises(ValidationError) as info:
+        messages.PushUpdateRequest.model_validate({"push_id": "p", "tensors": [
+            placed("w", handle_fields(**changes))]})
+    assert needle in field_errors(info.value)
+    assert "tensors.0.location.cuda_ipc.handle" in field_errors(info.value)
+
+
+def test_handle_json_round_trip_and_rebuild_args() -> None:
+    handle = CudaIpcHandle.model_validate(handle_fields())
+    assert CudaIpcHandle.model_validate_json(handle.model_dump_json()) == handle
+    args = handle.to_rebuild_args(device_index=5)
+    params = list(inspect.signature(rebuild_cuda_tensor).parameters)
+    assert len(args) == len(params) == 15
+    named = dict(zip(params, args, strict=True))
+    # The classes are the ones reduce_tensor sends for a plain tensor, fixed here.
+    assert named["tensor_cls"] is torch.Tensor
+    assert named["storage_cls"] is type(torch.empty(1)._typed_storage())
+    assert named["dtype"] is torch.bfloat16 and named["storage_device"] == 5
+    assert named["tensor_size"] == torch.Size([4, 3]) and named["tensor_stride"] == (3, 1)
+    assert named["storage_handle"] == bytes(range(64))
+    assert named["ref_counter_handle"] == b"/torch_123_456_0"
+    assert named["event_handle"] == bytes(64) and named["event_sync_required"] is True
+    assert (named["storage_size_bytes"], named["storage_offset_bytes"],
+            named["ref_counter_offset"], named["requires_grad"]) == (24, 512, 7, False)
+
+
+@pytest.mark.parametrize("shape", [[4, 3], [3, 1, 4], [1], [], [2, 0, 5], [7, 1]])
+def test_contiguous_stride_is_torchs(shape: list[int]) -> None:
+    assert contiguous_stride(shape) == list(torch.empty(shape).stride())
+
+
+def test_handle_matches_announcement() -> None:
+    handle = CudaIpcHandle.model_validate(handle_fields())
+    handle.check_matches((4, 3), "bfloat16")
+    with pytest.raises(ValueError, match=r"shape: the handle describes \[4, 3\], the "
+                                         r"announcement \[3, 4\]"):
+        handle.check_matches((3, 4), "bfloat16")
+    with pytest.raises(ValueError, match="dtype: the handle describes bfloat16, the "
+                                         "announcement float16"):
+        handle.check_matches((4, 3), "float16")
+
+
+def test_cpu_tensors_are_refused_by_name() -> None:
+    with pytest.raises(ValueError, match="'lm_head.weight' is on cpu"):
+        export_handle(torch.zeros(2, 2), "lm_head.weight")
+    with pytest.raises(ValueError, match="'lm_head.weight' is on cpu.*use transport 'shm'"):
+        shareable(torch.zeros(2, 2), "lm_head.weight")
+
+
+# --- session ------------------------------------------------------------------
+
+def active(req: messages.PushBeginRequest) -> ActivePush:
+    expected = validate_announcement(req, CHECKPOINT, transport=req.transport)
+    return ActivePush(push_id="p1", request=req, expected=expected)
+
+
+def test_announcement_transport_must_be_the_services() -> None:
+    with pytest.raises(PushError, match="transport: 'cuda_ipc' is not this service's weights "
+                                        "transport 'shm'") as info:
+        validate_announcement(begin(), CHECKPOINT)
+    assert info.value.status == 400
+    with pytest.raises(PushError, match="transport: 'shm'"):
+        validate_announcement(begin("shm", segment="mtp-x", segment_bytes=64), CHECKPOINT,
+                              transport="cuda_ipc")
+    assert set(validate_announcement(begin(), CHECKPOINT, transport="cuda_ipc")) == {"w", "b"}
+
+
+def test_placements_must_match_the_push_transport_and_announcement() -> None:
+    push = active(begin())
+    on_shm = TensorPlacement(name="w", dtype="bfloat16", shape=(4, 3),
+                             location=ShmLocation(segment="mtp-x", offset=0))
+    with pytest.raises(PushError, match="'w' lies in 'shm', and the push's transport is "
+                                        "'cuda_ipc'"):
+        validate_placement(push, on_shm)
+    reshaped = TensorPlacement.model_validate(
+        placed("w", handle_fields(shape=[3, 4], stride=[4, 1]), shape=[3, 4]))
+    with pytest.raises(PushError, match=r"tensors: 'w' is placed as bfloat16 \[3, 4\], begin "
+                                        r"announced bfloat16 \[4, 3\]"):
+        validate_placement(push, reshaped)
+    retyped = TensorPlacement.model_validate(
+        placed("w", handle_fields(dtype="float16"), dtype="float16"))
+    with pytest.raises(PushError, match=r"tensors: 'w' is placed as float16 \[4, 3\], begin "
+                                        r"announced bfloat16"):
+        validate_placement(push, retyped)
+
+
+def test_cuda_ipc_placement_on_an_shm_push_is_refused() -> None:
+    from rollout_service.protocol.shm import Segment
+
+    with Segment.create("mtp-rollout-test-cuda-ipc", 128) as segment:
+        push = active(begin("shm", segment=segment.name, segment_bytes=128))
+        placement = TensorPlacement.model_validate(placed("w", handle_fields()))
+        with pytest.raises(PushError, match="'w' lies in 'cuda_ipc', and the push's transport "
+                                            "is 'shm'"):
+            validate_placement(push, placement)
+
+
+def test_complete_push_becomes_the_engines_update_info() -> None:
+    from rollout_service.engines.vllm.transfer import PushUpdateInfo, update_info
+
+    push = active(begin(target="both"))
+    handles = {"w": CudaIpcHandle.model_validate(handle_fields()),
+               "b": CudaIpcHandle.model_validate(handle_fields(
+                   shape=[3], stride=[1], dtype="float32", storage_size_bytes=12))}
+    for name in ("b", "w"):  # sent in another order than announced
+        placement = TensorPlacement(name=name, dtype=handles[name].dtype,
+                                    shape=tuple(handles[name].shape),
+                                    location=CudaIpcLocation(handle=handles[name]))
+        validate_placement(push, placement)
+        push.placements[name] = placement
+    update = build_update(push)
+    assert update.transport == "cuda_ipc"
+    assert [p.name for p in update.tensors] == list(CHECKPOINT)  # announcement order
+    infos = [update_info(update, is_last_load=update.is_last_load(draft=draft))
+             for draft in (False, True)]
+    assert [i["is_last_load"] for i in infos] == [False, True]  # drafter loads last
+    for info in infos:
+        parsed = PushUpdateInfo(**json.loads(json.dumps(info)))  # JSON-safe
+        assert parsed.placements == list(update.tensors) and parsed.push_id == "p1"
+        with pytest.raises(ValueError, match="this engine loads 'shm' pushes"):
+            parsed.check_transport("shm")
+    bad = json.loads(json.dumps(infos[0]))
+    bad["tensors"][0]["location"]["handle"]["storage_handle"] = "%%"
+    with pytest.raises(ValidationError, match="storage_handle"):
+        PushUpdateInfo(**bad)
+    with pytest.raises(ValueError, match="tensors: 'w' lies in 'cuda_ipc', the update is 'shm'"):
+        PushUpdateInfo(**{**infos[0], "transport": "shm"})
+
+
+def test_config_and_engine_args_select_the_backend() -> None:
+    from rollout_service.engines.vllm.engine import build_engine_args
+    from rollout_service.engines.vllm.plugin import BACKENDS
+
+    assert ServiceConfig().weights_transport == "shm"
+    with pytest.raises(ValidationError, match="weights_transport: 'cuda_ipc' is built for "
+                                              "engine 'vllm' only"):
+        ServiceConfig(engine="sglang", weights_transport="cuda_ipc")
+    with pytest.raises(ValidationError, match="weights_transport"):
+        ServiceConfig(weights_transport="nccl")
+    args = build_engine_args("/nonexistent", {}, ServiceConfig().mtp, None,
+                             weights_transport="cuda_ipc")
+    assert args.weight_transfer_config.backend == "cuda_ipc"
+    assert set(BACKENDS) == {"shm", "cuda_ipc"}
