@@ -37,6 +37,7 @@ import asyncio
 import dataclasses
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -77,8 +78,8 @@ class Workload:
 
 def engine_args(cfg: ServiceConfig) -> Any:
     """The ``AsyncEngineArgs`` the service builds for this config."""
-    from rollout_service.local import engine_spec
     from rollout_service.engines.vllm.engine import build_engine_args
+    from rollout_service.local import engine_spec
 
     spec = engine_spec(cfg)
     return build_engine_args(spec.model_path, spec.engine_kwargs, spec.mtp,
@@ -89,7 +90,7 @@ def non_default_engine_args(args: Any) -> dict[str, Any]:
     """The fields of ``args`` that differ from ``AsyncEngineArgs()`` (what the flags carry)."""
     from vllm.engine.arg_utils import AsyncEngineArgs
 
-    default = AsyncEngineArgs()
+    default = AsyncEngineArgs(model=args.model)  # the default model would need the hub
     return {f.name: getattr(args, f.name) for f in dataclasses.fields(args)
             if getattr(args, f.name) != getattr(default, f.name)}
 
@@ -187,8 +188,9 @@ async def start_http(mode: str, cfg: ServiceConfig, workload: Workload, scratch:
 
         path = "/generate"
     else:
-        kwargs = non_default_engine_args(engine_args(cfg))
-        model = kwargs["model"]
+        args = engine_args(cfg)
+        model = args.model
+        kwargs = {"model": model, **non_default_engine_args(args)}
         kwargs.setdefault("tokenizer", model)  # offline machines: no hub look-up
         cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server",
                *cli_flags(kwargs), *address]
@@ -269,7 +271,10 @@ def print_report(console: Console, results: dict[int, Rates], workload: Workload
 def build_config(opts: argparse.Namespace) -> ServiceConfig:
     overrides: dict[str, Any] = {"mtp": {"num_speculative_tokens": opts.num_speculative_tokens}}
     if opts.device == "cuda":
-        overrides["engine_kwargs"] = {"dtype": "bfloat16",
+        # vLLM's own GPU defaults (torch.compile, CUDA graphs, KV cache from the memory
+        # fraction), not the embedded model's CPU ones (eager, a fixed 512 MiB cache).
+        overrides["engine_kwargs"] = {"dtype": "bfloat16", "enforce_eager": opts.eager,
+                                      "kv_cache_memory_bytes": None,
                                       "gpu_memory_utilization": opts.gpu_memory_utilization}
     return load_config(model=opts.model, **overrides)
 
@@ -305,9 +310,9 @@ async def run(opts: argparse.Namespace, console: Console) -> dict[int, Rates]:
             closers.append(close)
         return {c: await measure(rounds, c, opts.rounds, console) for c in levels}
     finally:
-        if profiler is not None:
-            profiler.terminate()
-            profiler.wait(timeout=60)
+        if profiler is not None:  # py-spy writes its file on SIGINT
+            profiler.send_signal(signal.SIGINT)
+            profiler.wait(timeout=120)
         for close in closers:
             await close()
 
@@ -337,6 +342,8 @@ def main() -> None:
                         help="default: cuda when torch sees a GPU")
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.25,
                         help="per engine, on the GPU (all modes run at once)")
+    parser.add_argument("--eager", action="store_true",
+                        help="on the GPU: no torch.compile or CUDA graphs (faster start)")
     parser.add_argument("--logs", default=None, help="directory for server logs")
     parser.add_argument("--profile-service", default=None,
                         help="directory for a py-spy profile of the service process")
@@ -344,10 +351,10 @@ def main() -> None:
     unknown = sorted(set(opts.modes.split(",")) - set(MODES))
     if unknown or opts.rounds < 1:
         parser.error(f"bad --modes {unknown}" if unknown else "--rounds must be >= 1")
-    if opts.device is None:
-        import torch
+    if opts.device is None:  # NVML only: CUDA initialized here would break vLLM's fork
+        from vllm.platforms import current_platform
 
-        opts.device = "cuda" if torch.cuda.is_available() else "cpu"
+        opts.device = "cuda" if current_platform.is_cuda() else "cpu"
     console = Console()
     results = asyncio.run(run(opts, console))
     print_report(console, results, Workload(prompts=(), max_tokens=opts.max_tokens,

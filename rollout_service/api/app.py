@@ -4,7 +4,8 @@ Runs in the rollout service process under uvicorn (standalone) or as a Ray Serve
 ingress. What the handlers call (:class:`~rollout_service.api.ports.AppState`)
 opens in ``lifespan``, inside the server's event loop, and is injected with
 ``Depends``; nothing lives in module globals. Errors answer in OpenAI's shape
-(``api.errors``).
+(``api.errors``). Dependencies are ``async def``: FastAPI runs a plain ``def`` one
+in a worker thread, a thread hop per request that the event loop pays under load.
 """
 
 from __future__ import annotations
@@ -65,10 +66,10 @@ def create_app(config: ServiceConfig, open_state: StateOpener | None = None) -> 
     install_error_handlers(app)
     app.include_router(weights_router(config.resolved_weights_token()))
 
-    def rollouts(request: Request) -> Rollouts:
+    async def rollouts(request: Request) -> Rollouts:
         return request.app.state.serving.rollouts
 
-    def authorized(request: Request) -> None:
+    async def authorized(request: Request) -> None:
         if api_key is not None:
             check_bearer(request, api_key)
 

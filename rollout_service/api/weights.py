@@ -18,16 +18,16 @@ from rollout_service.protocol import messages
 def weights_router(weights_token: str | None) -> APIRouter:
     """The router; ``weights_token`` None disables pushes."""
 
-    def may_push(request: Request) -> None:
+    async def may_push(request: Request) -> None:
         if weights_token is None:
             raise Forbidden("weight pushes are disabled: no weights token is configured "
                             "(weights_token, weights_token_file or $ROLLOUT_WEIGHTS_TOKEN)")
         check_bearer(request, weights_token)
 
-    def pushes(request: Request) -> WeightPushes:
+    async def pushes(request: Request) -> WeightPushes:
         return request.app.state.serving.weights
 
-    def rollouts(request: Request) -> Rollouts:
+    async def rollouts(request: Request) -> Rollouts:
         return request.app.state.serving.rollouts
 
     router = APIRouter(prefix="/weights", dependencies=[Depends(may_push)])
