@@ -15,7 +15,7 @@ from contextlib import AbstractAsyncContextManager, asynccontextmanager
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
-from prometheus_client import generate_latest
+from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from rollout_service.api.errors import check_bearer, install_error_handlers
@@ -29,6 +29,16 @@ StateOpener = Callable[[], AbstractAsyncContextManager[AppState]]
 """Opens what the app serves for the server's lifetime."""
 
 
+class RegistryPage:
+    """``/metrics`` of one process: the engine's series beside this service's."""
+
+    def __init__(self, service_registry: CollectorRegistry) -> None:
+        self._registry = combined_registry(service_registry)
+
+    async def render(self) -> bytes:
+        return generate_latest(self._registry)
+
+
 @asynccontextmanager
 async def local_state(config: ServiceConfig) -> AsyncIterator[AppState]:
     """One engine in this process (``rollout-service serve``)."""
@@ -37,7 +47,8 @@ async def local_state(config: ServiceConfig) -> AsyncIterator[AppState]:
     engine = await start_engine(config)
     try:
         service, registry = build_local_service(engine, config)
-        yield AppState(rollouts=service, weights=service.weights, registry=registry)
+        yield AppState(rollouts=service, weights=service.weights,
+                       metrics=RegistryPage(registry))
     finally:
         await engine.shutdown()
 
@@ -59,7 +70,6 @@ def create_app(config: ServiceConfig, open_state: StateOpener | None = None) -> 
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         async with opener() as state:
             app.state.serving = state
-            app.state.metrics_registry = combined_registry(state.registry)
             yield
 
     app = FastAPI(title="MTP rollout service", lifespan=lifespan)
@@ -98,7 +108,7 @@ def create_app(config: ServiceConfig, open_state: StateOpener | None = None) -> 
 
     @app.get("/metrics")
     async def metrics(request: Request) -> Response:
-        return Response(generate_latest(request.app.state.metrics_registry),
+        return Response(await request.app.state.serving.metrics.render(),
                         media_type=CONTENT_TYPE_LATEST)
 
     return app

@@ -4,16 +4,15 @@ Standalone, :class:`Rollouts` is a :class:`~rollout_service.service.RolloutServi
 and :class:`WeightPushes` its
 :class:`~rollout_service.weights.manager.WeightPushManager`, in this process.
 Behind Ray Serve (``serve.app``) they are the ingress's ``ReplicatedService``
-(routes to engine replicas) and ``CoordinatorPushes`` (calls the weights
-coordinator). The handlers know only these protocols.
+(routes to engine replicas), ``CoordinatorPushes`` (calls the weights
+coordinator) and the replicas' metrics merged into one page. The handlers know
+only these protocols.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Protocol
-
-from prometheus_client import CollectorRegistry
 
 from rollout_service.protocol import messages
 
@@ -52,11 +51,16 @@ class WeightPushes(Protocol):
     async def get_status(self) -> messages.WeightStatus: ...
 
 
+class MetricsPage(Protocol):
+    """``GET /metrics``: the Prometheus exposition text this app answers with."""
+
+    async def render(self) -> bytes: ...
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class AppState:
     """What the app serves, opened in ``lifespan``."""
 
     rollouts: Rollouts
     weights: WeightPushes
-    registry: CollectorRegistry
-    """This service's metrics; ``/metrics`` shows them beside the process-wide registry."""
+    metrics: MetricsPage

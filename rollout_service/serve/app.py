@@ -17,7 +17,9 @@ deployments; the classes below run in Serve replica actors:
 Metrics: each engine replica serves its own ``/metrics`` (vLLM's ``vllm:*``
 and this service's ``rollout_*`` series, unchanged names) on a free port, and
 Prometheus discovers them through ``GET /metrics/targets`` on the ingress
-(``http_sd_configs``), so the dashboards' ``sum(...)`` aggregate replicas.
+(``http_sd_configs``), so the dashboards' ``sum(...)`` aggregate replicas. The
+ingress's own ``/metrics`` answers with all of them merged (``serve/metrics.py``)
+for a Prometheus pointed at the Serve endpoint.
 """
 
 from __future__ import annotations
@@ -33,7 +35,6 @@ from typing import Any
 
 import ray
 from fastapi import FastAPI
-from prometheus_client import CollectorRegistry
 from ray import serve
 from ray.exceptions import RayActorError, RayTaskError
 from ray.serve.handle import DeploymentHandle
@@ -45,6 +46,7 @@ from rollout_service.protocol import messages
 from rollout_service.protocol.acceptance import summarize
 from rollout_service.serve.config import RayServeConfig, parse_serve_config
 from rollout_service.serve.coordinator import WeightsCoordinator
+from rollout_service.serve.metrics import fetch_pages, merge_pages
 from rollout_service.serve.replica import EngineReplica
 from rollout_service.service import gather_or_cancel
 
@@ -154,6 +156,17 @@ class CoordinatorPushes:
         return await _call(self._coordinator.status.remote())
 
 
+class ReplicaMetrics:
+    """The ingress's ``/metrics``: every live replica's page, labelled by replica."""
+
+    def __init__(self, coordinator: DeploymentHandle) -> None:
+        self._coordinator = coordinator
+
+    async def render(self) -> bytes:
+        targets = await _call(self._coordinator.metrics_targets.remote())
+        return merge_pages(await fetch_pages(targets))
+
+
 class RolloutIngress:
     """The HTTP entry point; builds the FastAPI app once the handles are known."""
 
@@ -166,7 +179,8 @@ class RolloutIngress:
     @asynccontextmanager
     async def _state(self) -> AsyncIterator[AppState]:
         yield AppState(rollouts=ReplicatedService(self._config, self._engine, self._coordinator),
-                       weights=CoordinatorPushes(self._coordinator), registry=CollectorRegistry())
+                       weights=CoordinatorPushes(self._coordinator),
+                       metrics=ReplicaMetrics(self._coordinator))
 
     def __serve_build_asgi_app__(self) -> FastAPI:
         app = create_app(self._config, open_state=self._state)

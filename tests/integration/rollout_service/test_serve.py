@@ -21,12 +21,14 @@ from statistics import fmean
 import httpx
 import psutil
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 from safetensors.torch import load_file
 
 from rollout_service.client import RolloutClient, ServiceError
 from rollout_service.embedded import ensure_model
 from rollout_service.embedded.corpus import arithmetic_prompts
 from rollout_service.protocol import messages
+from rollout_service.telemetry import queries
 from rollout_service.tools.launch import ServiceProcess
 from rollout_service.tools.scrape import sample_sum
 from tests.integration.conftest import (
@@ -163,10 +165,16 @@ async def test_prometheus_aggregates_both_replicas(ray_service: ServiceProcess,
                                   / sum(s.num_draft_tokens for s in spec), abs=1e-9)
     assert macro_length == pytest.approx(fmean(s.accept_length for s in spec), abs=1e-9)
     # The dashboards' own form over a window, aggregated across both replicas:
-    (windowed,) = await _prom(ray_prometheus, (
-        "sum(increase(rollout_spec_decode_accepted_tokens_total[10m])) / "
-        "sum(increase(rollout_spec_decode_draft_tokens_total[10m]))"))
+    (windowed,) = await _prom(ray_prometheus,
+                              queries.micro_accept_rate(queries.Scope(window="10m")))
     assert 0.0 < float(windowed["value"][1]) <= 1.0
+    # The ingress's own /metrics: the same counts, every replica's series labelled
+    merged = httpx.get(f"{ray_service.url}/metrics", timeout=30).text
+    assert {n: sample_sum(merged, n) for n in MACRO_PARTS} == await asyncio.to_thread(
+        _direct, ray_service.url)
+    assert {r["replica"] for r in health(ray_service.url)["replicas"]} <= {
+        s.labels["replica"] for f in text_string_to_metric_families(merged)
+        if f.name == "rollout_requests" for s in f.samples}
 
 
 async def test_bad_requests_are_4xx_with_a_message(ray_service: ServiceProcess) -> None:
