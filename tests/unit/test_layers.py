@@ -23,6 +23,7 @@ FLOORS = {
     "rollout_service.embedded": 1,
     "rollout_service.telemetry": 1,
     "rollout_service.engines": 1,
+    "rollout_service.speculation": 1,
     "trainer_client": 2,
     "rollout_service.config": 2,
     "rollout_service.weights": 2,

@@ -1,0 +1,122 @@
+"""Measured cost of one engine step with K draft tokens at batch size B: ``c(K, B)``.
+
+Runs in the rollout service process, inside the speculation controller; the measurements
+come from elsewhere (a benchmark on the GPU at startup, or the engine's own step timings
+later) as :class:`StepCostSample` values. Nothing here does I/O.
+
+A cost is the wall time of one engine step (drafting and verification together) in
+seconds. Only ratios at the same B matter to the decision (``throughput = B * E(K) /
+c(K, B)``), so a relative table (``c(0, B) = 1``) works as well; seconds keep samples from
+different sources comparable.
+
+Interpolation: for each K, piecewise linear in ``log B`` between the measured batch
+sizes. It never overshoots, so a monotone measured curve stays monotone, and a step's
+cost is roughly affine in B while batch sizes are measured on a geometric grid (1, 2, 4,
+...). Outside the measured range of a K nothing is guessed: :meth:`StepCostTable.step_s`
+raises, and the controller reports "no cost data" for that bucket.
+
+Refresh: a new sample of an already measured ``(K, B)`` blends in with weight
+``blend_weight`` (an exponential moving average, so the table follows slow drift such as
+longer contexts late in a step without jumping on one noisy timing); a sample of a new
+``(K, B)`` is taken as is.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class StepCostSample:
+    """One measurement: an engine step with ``k`` draft tokens at ``batch_size`` took
+    ``step_s`` seconds."""
+
+    k: int
+    """Draft tokens per sequence in the step (0: speculation off)."""
+    batch_size: int
+    """Sequences in the step."""
+    step_s: float
+    """Wall time of the step (drafting and verification), seconds."""
+
+    def __post_init__(self) -> None:
+        if self.k < 0 or self.batch_size < 1 or not self.step_s > 0:
+            raise ValueError(f"need k >= 0, batch_size >= 1 and step_s > 0, got {self}")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class CostConfig:
+    """How the cost table takes in new samples."""
+
+    blend_weight: float = 0.25
+    """Weight of a new sample of an already measured ``(K, B)``: 1 replaces the old
+    value, 0.25 follows a lasting change within a few samples."""
+
+    def __post_init__(self) -> None:
+        if not 0 < self.blend_weight <= 1:
+            raise ValueError(f"blend_weight must be in (0, 1], got {self.blend_weight}")
+
+
+class StepCostTable:
+    """``c(K, B)`` from samples, interpolated in ``log B`` (see the module docstring).
+
+    Args:
+        config: how samples blend in.
+        samples: initial samples, recorded in order.
+    """
+
+    def __init__(self, config: CostConfig, samples: Iterable[StepCostSample] = ()) -> None:
+        self._config = config
+        self._batch_sizes: dict[int, list[int]] = {}
+        self._step_s: dict[int, list[float]] = {}
+        for sample in samples:
+            self.record(sample)
+
+    def record(self, sample: StepCostSample) -> None:
+        """Blend one measurement into the table."""
+        batch_sizes = self._batch_sizes.setdefault(sample.k, [])
+        costs = self._step_s.setdefault(sample.k, [])
+        at = bisect.bisect_left(batch_sizes, sample.batch_size)
+        if at < len(batch_sizes) and batch_sizes[at] == sample.batch_size:
+            weight = self._config.blend_weight
+            costs[at] = (1 - weight) * costs[at] + weight * sample.step_s
+        else:
+            batch_sizes.insert(at, sample.batch_size)
+            costs.insert(at, sample.step_s)
+
+    def measured_ks(self) -> tuple[int, ...]:
+        """The K values with at least one sample, ascending."""
+        return tuple(sorted(self._batch_sizes))
+
+    def covers(self, k: int, batch_size: int) -> bool:
+        """Whether ``c(k, batch_size)`` lies within the measurements."""
+        batch_sizes = self._batch_sizes.get(k)
+        return bool(batch_sizes) and batch_sizes[0] <= batch_size <= batch_sizes[-1]
+
+    def step_s(self, k: int, batch_size: int) -> float:
+        """Seconds per engine step with ``k`` draft tokens at ``batch_size``.
+
+        Raises:
+            ValueError: ``k`` was never measured, or ``batch_size`` lies outside the
+                batch sizes measured for it.
+        """
+        if k not in self._batch_sizes:
+            raise ValueError(f"no step cost measured for K={k}; measured: {self.measured_ks()}")
+        batch_sizes, costs = self._batch_sizes[k], self._step_s[k]
+        if not self.covers(k, batch_size):
+            raise ValueError(f"batch size {batch_size} lies outside the batch sizes measured "
+                             f"for K={k}: {batch_sizes[0]}..{batch_sizes[-1]}")
+        at = bisect.bisect_left(batch_sizes, batch_size)
+        if batch_sizes[at] == batch_size:
+            return costs[at]
+        low, high = batch_sizes[at - 1], batch_sizes[at]
+        t = math.log(batch_size / low) / math.log(high / low)
+        return costs[at - 1] + t * (costs[at] - costs[at - 1])
+
+    def points(self) -> dict[int, tuple[StepCostSample, ...]]:
+        """The table as measured (blended) points, per K."""
+        return {k: tuple(StepCostSample(k=k, batch_size=b, step_s=c)
+                         for b, c in zip(self._batch_sizes[k], self._step_s[k], strict=True))
+                for k in self.measured_ks()}

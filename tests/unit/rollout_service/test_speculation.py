@@ -1,0 +1,312 @@
+"""The speculation controller's decisions: the throughput model, hysteresis, collapse and
+recovery (pure Python, no engine)."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from rollout_service.protocol.acceptance import SpecDecodeStats
+from rollout_service.speculation.acceptance import WeightVersions
+from rollout_service.speculation.controller import ControllerConfig, SpeculationController
+from rollout_service.speculation.cost import CostConfig, StepCostSample, StepCostTable
+from rollout_service.speculation.decision import (
+    CollapseConfig,
+    Hysteresis,
+    HysteresisConfig,
+    ProbeConfig,
+    Reason,
+    best_k,
+    expected_tokens,
+    throughputs,
+)
+
+K_MAX = 3
+BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+GOOD = (0.7, 0.7, 0.7)
+BROKEN = (0.0, 0.0, 0.0)
+DEFAULTS = ControllerConfig(k_max=K_MAX, batch_size_buckets=BUCKETS)
+WINDOW = DEFAULTS.collapse.window_observations
+CONFIRMATIONS = DEFAULTS.hysteresis.num_confirmations
+MARGIN = DEFAULTS.hysteresis.margin
+
+
+def chain_stats(num_drafts: int, rates: Sequence[float]) -> SpecDecodeStats:
+    """A sequence drafting ``len(rates)`` tokens per step, position ``i`` accepted at
+    (at most) ``rates[i]`` among the drafts that accepted every earlier position."""
+    per_position, reached = [], num_drafts
+    for rate in rates:
+        reached = int(reached * rate)
+        per_position.append(reached)
+    return SpecDecodeStats(num_drafts=num_drafts, num_draft_tokens=len(rates) * num_drafts,
+                           num_accepted_tokens=sum(per_position), num_verify_steps=num_drafts,
+                           accepted_per_position=tuple(per_position))
+
+
+def roofline_s(k: int, batch_size: int) -> float:
+    """A decode step's seconds: reading the weights (20 ms) until verifying ``B * (K + 1)``
+    tokens takes longer (0.2 ms each), plus one drafter pass (1 ms) per draft token."""
+    return max(0.02, 2e-4 * batch_size * (k + 1)) + 0.001 * k
+
+
+def roofline_table(max_batch_size: int = 512) -> StepCostTable:
+    grid = [2 ** i for i in range(max_batch_size.bit_length()) if 2 ** i <= max_batch_size]
+    return StepCostTable(CostConfig(), [
+        StepCostSample(k=k, batch_size=b, step_s=roofline_s(k, b))
+        for k in range(K_MAX + 1) for b in grid])
+
+
+def controller(costs: StepCostTable | None = None, **fields: object) -> SpeculationController:
+    config = ControllerConfig(k_max=K_MAX, batch_size_buckets=BUCKETS, **fields)
+    return SpeculationController(config, roofline_table() if costs is None else costs)
+
+
+def feed(ctl: SpeculationController, rates: Sequence[float], *, draft_version: int = 0,
+         main_version: int | None = None, batch_size: int = 1, num_drafts: int = 200,
+         now: float = 0.0) -> None:
+    """One finished sequence that ran with the K the controller has in force."""
+    k = ctl.k_for(batch_size)
+    versions = WeightVersions(main_version=draft_version if main_version is None
+                              else main_version, draft_version=draft_version)
+    ctl.observe(chain_stats(num_drafts, rates[:k]), versions, batch_size, now)
+
+
+def observations_until(ctl: SpeculationController, is_done, rates: Sequence[float],
+                       limit: int = 100, **feed_args: object) -> int:
+    """Sequences fed until ``is_done(ctl)``."""
+    for count in range(1, limit + 1):
+        feed(ctl, rates, **feed_args)
+        if is_done(ctl):
+            return count
+    raise AssertionError(f"not done after {limit} observations: {ctl.state()}")
+
+
+def bucket(ctl: SpeculationController, batch_size: int):
+    return next(b for b in ctl.state().buckets if b.batch_size == batch_size)
+
+
+# ---- the throughput model --------------------------------------------------------------
+
+
+@given(st.lists(st.floats(0, 1), min_size=1, max_size=8))
+def test_expected_tokens_start_at_one_and_grow_with_k(rates: list[float]) -> None:
+    values = [expected_tokens(rates, k) for k in range(len(rates) + 1)]
+    assert values[0] == 1.0
+    assert all(later >= earlier for earlier, later in itertools.pairwise(values))
+    assert all(value <= k + 1 for k, value in enumerate(values))
+
+
+@given(st.integers(0, 8))
+def test_perfect_acceptance_emits_k_plus_one_tokens(k: int) -> None:
+    assert expected_tokens([1.0] * k, k) == k + 1
+
+
+def test_k_beyond_the_estimated_positions_is_refused() -> None:
+    with pytest.raises(ValueError, match="K=3"):
+        expected_tokens([0.5, 0.5], 3)
+
+
+@given(st.lists(st.floats(0.01, 1), min_size=1, max_size=6),
+       st.lists(st.floats(0.001, 1), min_size=1, max_size=5))
+def test_free_speculation_runs_k_max(rates: list[float], step_s: list[float]) -> None:
+    k_max = len(rates)
+    grid = [2 ** i for i in range(len(step_s))]
+    costs = StepCostTable(CostConfig(), [StepCostSample(k=k, batch_size=b, step_s=s)
+                                         for k in range(k_max + 1)
+                                         for b, s in zip(grid, step_s)])
+    for batch_size in grid:
+        assert best_k(throughputs(rates, costs, batch_size=batch_size, k_max=k_max)) == k_max
+
+
+@given(st.lists(st.floats(0.1, 0.99), min_size=K_MAX, max_size=K_MAX))
+def test_speculation_wins_alone_and_loses_in_a_crowd(rates: list[float]) -> None:
+    costs = roofline_table()
+    assert best_k(throughputs(rates, costs, batch_size=1, k_max=K_MAX)) > 0
+    assert best_k(throughputs(rates, costs, batch_size=512, k_max=K_MAX)) == 0
+
+
+# ---- hysteresis ------------------------------------------------------------------------
+
+throughput_maps = st.builds(lambda off, on: {0: off, **on}, st.floats(0.1, 100),
+                            st.dictionaries(st.integers(1, K_MAX), st.floats(0.1, 100)))
+
+
+@given(st.lists(throughput_maps, min_size=1, max_size=40), st.floats(0, 0.5),
+       st.integers(1, 5))
+def test_the_k_in_force_is_never_slower_than_spec_off_beyond_the_margin(
+        maps: list[dict[int, float]], margin: float, num_confirmations: int) -> None:
+    hysteresis = Hysteresis(HysteresisConfig(margin=margin,
+                                             num_confirmations=num_confirmations))
+    for throughput in maps:
+        hysteresis.decide(throughput)
+        assert throughput[hysteresis.k] * (1 + margin) >= throughput[0]
+
+
+def test_alternating_marginal_differences_do_not_flap() -> None:
+    hysteresis = Hysteresis(HysteresisConfig(margin=0.05, num_confirmations=3))
+    hysteresis.force(2)
+    three_ahead = {0: 50.0, 1: 80.0, 2: 100.0, 3: 104.0}   # wins by 4% < 5%
+    two_ahead = {0: 50.0, 1: 80.0, 2: 104.0, 3: 100.0}
+    far_ahead = {0: 50.0, 1: 80.0, 2: 100.0, 3: 130.0}     # wins by 30%, not sustained
+    for throughput in itertools.islice(itertools.cycle([three_ahead, two_ahead, far_ahead,
+                                                        two_ahead]), 200):
+        hysteresis.decide(throughput)
+        assert hysteresis.k == 2
+    reasons = [hysteresis.decide(far_ahead) for _ in range(3)]
+    assert reasons == [Reason.HOLD, Reason.HOLD, Reason.BEST] and hysteresis.k == 3
+
+
+@given(throughput_maps, st.lists(st.floats(-1, 1), min_size=K_MAX + 1, max_size=K_MAX + 1),
+       st.floats(0.01, 0.3), st.integers(1, 4))
+def test_marginal_alternation_switches_at_most_once(
+        first: dict[int, float], jitter: list[float], margin: float,
+        num_confirmations: int) -> None:
+    """Two tables within ``(1 + d)`` of each other per K, ``(1 + d)**2 < 1 + margin``:
+    after the first switch the other table never beats the K in force by the margin."""
+    d = 0.9 * ((1 + margin) ** 0.5 - 1)
+    second = {k: value * (1 + d) ** jitter[k] for k, value in first.items()}
+    hysteresis = Hysteresis(HysteresisConfig(margin=margin,
+                                             num_confirmations=num_confirmations))
+    in_force = []
+    for throughput in itertools.islice(itertools.cycle([first, second]), 60):
+        hysteresis.decide(throughput)
+        in_force.append(hysteresis.k)
+    assert sum(a != b for a, b in itertools.pairwise([0, *in_force])) <= 1
+
+
+# ---- the controller --------------------------------------------------------------------
+
+
+def test_configs_are_checked() -> None:
+    with pytest.raises(ValueError, match="increasing"):
+        ControllerConfig(k_max=2, batch_size_buckets=(4, 2))
+    with pytest.raises(ValueError, match="probe.k"):
+        ControllerConfig(k_max=2, batch_size_buckets=(1,), probe=ProbeConfig(k=3))
+    with pytest.raises(ValueError, match="threshold_rate"):
+        CollapseConfig(threshold_rate=1.5)
+
+
+def test_the_controller_starts_by_probing_small_batches() -> None:
+    ctl = controller()
+    assert ctl.schedule() == {1: 1, 2: 1, 4: 1, 8: 0, 16: 0, 32: 0, 64: 0, 128: 0, 256: 0}
+    assert bucket(ctl, 1).reason is Reason.PROBING and ctl.state().is_probing
+    assert bucket(ctl, 8).reason is Reason.BEST
+
+
+def test_a_good_drafter_speculates_alone_and_not_in_a_crowd() -> None:
+    ctl = controller()
+    for _ in range(20):
+        feed(ctl, GOOD)
+    state = ctl.state()
+    assert not state.is_probing and state.acceptance.rates == pytest.approx(GOOD, abs=0.02)
+    assert ctl.k_for(1) == K_MAX and bucket(ctl, 1).reason is Reason.BEST
+    assert ctl.k_for(256) == 0 and ctl.k_for(1000) == 0
+    assert len(bucket(ctl, 1).tokens_per_s) == K_MAX + 1
+
+
+def test_buckets_without_cost_data_run_without_speculation() -> None:
+    ctl = controller(roofline_table(max_batch_size=64))
+    for _ in range(20):
+        feed(ctl, GOOD)
+    assert bucket(ctl, 128).reason is Reason.NO_COST_DATA and ctl.k_for(128) == 0
+    assert bucket(ctl, 128).tokens_per_s == (None,) * (K_MAX + 1)
+    assert ctl.k_for(64) > 0
+
+
+def test_a_stale_drafter_is_switched_off_and_a_push_brings_speculation_back() -> None:
+    ctl = controller()
+    for _ in range(20):
+        feed(ctl, GOOD)
+    assert ctl.k_for(1) == K_MAX
+    # The drafter is left behind: acceptance falls from 0.7 to 0.
+    num_stale = observations_until(ctl, lambda c: not any(c.schedule().values()), BROKEN)
+    assert num_stale <= WINDOW
+    state = ctl.state()
+    assert state.is_collapsed and {b.reason for b in state.buckets} == {Reason.COLLAPSED}
+    # Pushes of the main model alone do not end the collapse.
+    for main_version in range(1, 5):
+        feed(ctl, GOOD, main_version=main_version)
+    assert ctl.state().is_collapsed and not any(ctl.schedule().values())
+    # A new drafter: probed from its first observation, then chosen by the model.
+    assert observations_until(ctl, lambda c: c.k_for(1) > 0, GOOD, draft_version=1) == 1
+    assert bucket(ctl, 1).reason is Reason.PROBING
+    num_recovery = observations_until(
+        ctl, lambda c: bucket(c, 1).reason is Reason.BEST and c.k_for(1) > 0, GOOD,
+        draft_version=1)
+    assert num_recovery <= 1 + CONFIRMATIONS
+    assert ctl.k_for(256) == 0
+
+
+@pytest.mark.parametrize("is_repaired", [True, False])
+def test_a_collapsed_drafter_is_probed_again_after_a_while(is_repaired: bool) -> None:
+    ctl = controller(collapse=CollapseConfig(reprobe_after_s=300.0))
+    for _ in range(20):
+        feed(ctl, GOOD)
+    observations_until(ctl, lambda c: c.state().is_collapsed, BROKEN, now=1000.0)
+    feed(ctl, GOOD, now=1299.0)
+    assert ctl.state().is_collapsed
+    feed(ctl, GOOD, now=1300.0)
+    assert ctl.state().is_probing and ctl.k_for(1) == 1
+    if is_repaired:  # the collapse was transient: back to the model's K
+        assert observations_until(ctl, lambda c: c.k_for(1) == K_MAX, GOOD,
+                                  now=1301.0) <= 2 + CONFIRMATIONS
+    else:  # still broken: off again once the probe has measured it
+        assert observations_until(ctl, lambda c: not any(c.schedule().values()), BROKEN,
+                                  now=1301.0) <= WINDOW
+
+
+def test_observations_of_an_older_drafter_are_ignored() -> None:
+    ctl = controller()
+    feed(ctl, GOOD, draft_version=2)
+    before = ctl.state()
+    for _ in range(2 * WINDOW):
+        feed(ctl, BROKEN, draft_version=1)
+    assert ctl.state() == before
+
+
+@settings(max_examples=60, deadline=None)
+@given(num_good=st.integers(0, 30), good_rate=st.floats(0.3, 0.95),
+       num_drafts=st.lists(st.integers(1, 400), min_size=WINDOW, max_size=WINDOW),
+       bad_rate=st.floats(0, 0.099))
+def test_collapse_within_the_window_whatever_came_before(
+        num_good: int, good_rate: float, num_drafts: list[int], bad_rate: float) -> None:
+    ctl = controller()
+    versions = WeightVersions(main_version=0, draft_version=0)
+    for _ in range(num_good):
+        ctl.observe(chain_stats(200, (good_rate,) * K_MAX), versions, 1, 0.0)
+    for drafts in num_drafts:  # whatever K is in force, these sequences drafted
+        ctl.observe(chain_stats(drafts, (bad_rate,) * K_MAX), versions, 1, 0.0)
+    assert ctl.state().is_collapsed and not any(ctl.schedule().values())
+
+
+grid_costs = st.lists(st.floats(0.005, 1), min_size=(K_MAX + 1) * 5, max_size=(K_MAX + 1) * 5)
+stream = st.lists(st.tuples(st.integers(1, 300), st.lists(st.floats(0, 1), min_size=K_MAX,
+                                                          max_size=K_MAX),
+                            st.sampled_from((1, 4, 16, 64, 256)), st.integers(0, 2)),
+                  max_size=30)
+
+
+@settings(max_examples=60, deadline=None)
+@given(grid_costs, stream)
+def test_the_controller_is_never_slower_than_spec_off_beyond_the_margin(
+        step_s: list[float], observations: list[tuple[int, list[float], int, int]]) -> None:
+    """For any cost table and acceptance stream, a bucket decided by the model runs a K
+    within the margin of K = 0 (probing and collapse are the documented exceptions)."""
+    grid = (1, 4, 16, 64, 256)
+    costs = StepCostTable(CostConfig(), [
+        StepCostSample(k=k, batch_size=b, step_s=s)
+        for (k, b), s in zip(itertools.product(range(K_MAX + 1), grid), step_s)])
+    ctl = SpeculationController(ControllerConfig(k_max=K_MAX, batch_size_buckets=grid), costs)
+    for drafts, rates, batch_size, draft_version in sorted(observations, key=lambda o: o[3]):
+        feed(ctl, rates, draft_version=draft_version, batch_size=batch_size,
+             num_drafts=drafts)
+        for state in ctl.state().buckets:
+            tokens_per_s = state.tokens_per_s
+            if state.reason in (Reason.BEST, Reason.HOLD):
+                assert tokens_per_s[state.k] * (1 + MARGIN) >= tokens_per_s[0]
+            if state.reason is Reason.BEST:
+                assert tokens_per_s[state.k] == max(t for t in tokens_per_s if t is not None)

@@ -1,0 +1,195 @@
+"""The speculation controller's inputs: the acceptance estimator and the step-cost table."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from rollout_service.protocol.acceptance import SpecDecodeStats
+from rollout_service.speculation.acceptance import (
+    AcceptanceConfig,
+    AcceptanceEstimator,
+    Observed,
+    WeightVersions,
+)
+from rollout_service.speculation.cost import CostConfig, StepCostSample, StepCostTable
+
+CONFIG = AcceptanceConfig()
+
+
+def chain_stats(num_drafts: int, rates: Sequence[float]) -> SpecDecodeStats:
+    """A sequence drafting ``len(rates)`` tokens per step, position ``i`` accepted at
+    ``rates[i]`` among the drafts that accepted every earlier position."""
+    per_position, reached = [], num_drafts
+    for rate in rates:
+        reached = round(reached * rate)
+        per_position.append(reached)
+    return SpecDecodeStats(num_drafts=num_drafts, num_draft_tokens=len(rates) * num_drafts,
+                           num_accepted_tokens=sum(per_position), num_verify_steps=num_drafts,
+                           accepted_per_position=tuple(per_position))
+
+
+def versions(draft: int, main: int | None = None) -> WeightVersions:
+    return WeightVersions(main_version=draft if main is None else main, draft_version=draft)
+
+
+def fed(rates: Sequence[float], *, num_sequences: int = 30, num_drafts: int = 200,
+        num_positions: int = 3) -> AcceptanceEstimator:
+    estimator = AcceptanceEstimator(CONFIG, num_positions=num_positions)
+    for _ in range(num_sequences):
+        estimator.observe(chain_stats(num_drafts, rates), versions(0))
+    return estimator
+
+
+# ---- acceptance ------------------------------------------------------------------------
+
+
+def test_conditional_rates_are_recovered() -> None:
+    rates = fed((0.8, 0.5, 0.25)).rates()
+    assert rates == pytest.approx((0.8, 0.5, 0.25), abs=0.01)
+
+
+def test_nothing_observed_means_no_acceptance() -> None:
+    assert AcceptanceEstimator(CONFIG, num_positions=3).rates() == (0.0, 0.0, 0.0)
+
+
+def test_unobserved_positions_extrapolate_downward() -> None:
+    """Only K = 1 ran: deeper positions decay geometrically from the last observed one."""
+    p0, p1, p2 = fed((0.7,)).rates()
+    assert p0 == pytest.approx(0.7, abs=0.01)
+    assert p1 == pytest.approx(p0 * CONFIG.extrapolation_factor)
+    assert p2 == pytest.approx(p1 * CONFIG.extrapolation_factor)
+
+
+def test_a_short_list_is_padded_with_rejections() -> None:
+    """K = 3 drafted, nothing accepted past position 0: positions 1 and 2 were reached
+    by the drafts accepting position 0 and rejected."""
+    estimator = AcceptanceEstimator(CONFIG, num_positions=3)
+    stats = SpecDecodeStats(num_drafts=100, num_draft_tokens=300, num_accepted_tokens=60,
+                            num_verify_steps=100, accepted_per_position=(60,))
+    estimator.observe(stats, versions(0))
+    assert estimator.estimate().evidence_drafts == (100.0, 60.0, 0.0)
+    assert estimator.rates()[1] < 0.05  # 0 accepted of 60 reached, shrunk toward 0.8 * p0
+
+
+def test_from_histogram_stats_are_counted() -> None:
+    estimator = AcceptanceEstimator(CONFIG, num_positions=2)
+    estimator.observe(SpecDecodeStats.from_histogram([25, 25, 50], num_draft_tokens=200),
+                      versions(0))
+    assert estimator.estimate().evidence_drafts == (100.0, 75.0)
+
+
+def test_sequences_without_per_position_counts_are_not_counted() -> None:
+    estimator = AcceptanceEstimator(CONFIG, num_positions=2)
+    stats = SpecDecodeStats(num_drafts=10, num_draft_tokens=20, num_accepted_tokens=5,
+                            num_verify_steps=10)
+    assert estimator.observe(stats, versions(0)) is Observed.NEW_DRAFTER
+    assert estimator.observe(None, versions(0)) is Observed.COUNTED
+    assert estimator.num_epoch_drafts == 0
+
+
+def test_counts_that_are_not_a_prefix_are_refused() -> None:
+    estimator = AcceptanceEstimator(CONFIG, num_positions=2)
+    growing = SpecDecodeStats(num_drafts=10, num_draft_tokens=20, num_accepted_tokens=9,
+                              num_verify_steps=10, accepted_per_position=(3, 6))
+    with pytest.raises(ValueError, match="prefix|grow"):
+        estimator.observe(growing, versions(0))
+
+
+def test_a_new_drafter_starts_from_the_old_estimate_and_converges() -> None:
+    """After a push the estimate starts near the old rate and reaches the new one within
+    prior_drafts * (1/f - 1) drafts (f: remaining share of the gap; 1/8 here: 448)."""
+    estimator = fed((0.7,), num_positions=1)
+    assert estimator.observe(chain_stats(8, (0.3,)), versions(1)) is Observed.NEW_DRAFTER
+    assert estimator.rates()[0] == pytest.approx(0.7, abs=0.1)
+    num_drafts = 8
+    while num_drafts < CONFIG.prior_drafts * (8 - 1):
+        estimator.observe(chain_stats(50, (0.3,)), versions(1))
+        num_drafts += 50
+    assert abs(estimator.rates()[0] - 0.3) <= 0.4 / 8 + 0.01
+
+
+@given(st.floats(0.05, 0.95), st.floats(0.05, 0.95))
+def test_the_prior_fades_within_the_documented_drafts(old: float, new: float) -> None:
+    estimator = fed((old,), num_positions=1, num_sequences=20)
+    for _ in range(12):  # 600 drafts > 64 * (8 - 1)
+        estimator.observe(chain_stats(50, (new,)), versions(1))
+    assert abs(estimator.rates()[0] - new) <= abs(old - new) / 8 + 0.02
+
+
+def test_a_main_model_push_keeps_the_epoch() -> None:
+    estimator = fed((0.7,))
+    before = estimator.estimate()
+    assert estimator.observe(None, versions(0, main=5)) is Observed.COUNTED
+    assert estimator.estimate() == before
+
+
+def test_observations_of_an_older_drafter_are_ignored() -> None:
+    estimator = fed((0.7,))
+    estimator.observe(None, versions(1))
+    before = estimator.estimate()
+    assert estimator.observe(chain_stats(200, (0.0,)), versions(0)) is Observed.STALE
+    assert estimator.estimate() == before
+
+
+@given(st.lists(st.tuples(st.integers(1, 300), st.lists(st.floats(0, 1), max_size=4),
+                          st.integers(0, 3)), max_size=30))
+def test_rates_stay_probabilities(stream: list[tuple[int, list[float], int]]) -> None:
+    estimator = AcceptanceEstimator(CONFIG, num_positions=3)
+    for num_drafts, rates, draft_version in sorted(stream, key=lambda item: item[2]):
+        estimator.observe(chain_stats(num_drafts, rates), versions(draft_version))
+        assert all(0 <= p <= 1 for p in estimator.rates())
+
+
+# ---- step cost -------------------------------------------------------------------------
+
+
+def table(*samples: tuple[int, int, float]) -> StepCostTable:
+    return StepCostTable(CostConfig(), [StepCostSample(k=k, batch_size=b, step_s=s)
+                                        for k, b, s in samples])
+
+
+def test_costs_interpolate_linearly_in_log_batch_size() -> None:
+    costs = table((0, 1, 1.0), (0, 4, 3.0), (0, 16, 5.0))
+    assert costs.step_s(0, 4) == 3.0
+    assert costs.step_s(0, 2) == pytest.approx(2.0)
+    assert costs.step_s(0, 8) == pytest.approx(4.0)
+
+
+def test_no_cost_is_guessed_outside_the_measurements() -> None:
+    costs = table((0, 2, 1.0), (0, 8, 2.0))
+    with pytest.raises(ValueError, match="K=1"):
+        costs.step_s(1, 4)
+    with pytest.raises(ValueError, match="outside"):
+        costs.step_s(0, 16)
+    assert not costs.covers(0, 1) and costs.covers(0, 5)
+
+
+def test_new_samples_blend_in() -> None:
+    costs = table((1, 8, 1.0))
+    costs.record(StepCostSample(k=1, batch_size=8, step_s=2.0))
+    assert costs.step_s(1, 8) == pytest.approx(1.25)
+    costs.record(StepCostSample(k=1, batch_size=4, step_s=0.5))
+    assert [p.batch_size for p in costs.points()[1]] == [4, 8]
+
+
+def test_bad_samples_are_refused() -> None:
+    with pytest.raises(ValueError, match="step_s"):
+        StepCostSample(k=0, batch_size=1, step_s=0.0)
+
+
+@given(st.lists(st.tuples(st.integers(1, 1024), st.floats(0.001, 10)), min_size=2,
+                max_size=8, unique_by=lambda p: p[0]),
+       st.integers(1, 1024), st.integers(1, 1024))
+def test_interpolation_keeps_a_monotone_curve_monotone(
+        points: list[tuple[int, float]], b1: int, b2: int) -> None:
+    batch_sizes = sorted(b for b, _ in points)
+    step_s = sorted(s for _, s in points)
+    costs = table(*((0, b, s) for b, s in zip(batch_sizes, step_s)))
+    low, high = sorted((b1, b2))
+    if costs.covers(0, low) and costs.covers(0, high):
+        assert costs.step_s(0, low) <= costs.step_s(0, high) * (1 + 1e-12)
+        assert step_s[0] * (1 - 1e-12) <= costs.step_s(0, low) <= step_s[-1] * (1 + 1e-12)
