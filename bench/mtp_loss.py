@@ -11,8 +11,10 @@ synchronized), peak memory from ``torch.cuda.max_memory_allocated``:
   layer detached) + ``attach_mtp_loss``.
 
 Target: ``ours`` adds no more than 5 % step time over ``megatron``. The second table
-(CPU only, no GPU needed) compares padded tokens / real tokens of this project's rule
-(``lcm(2*cp, cp*tp)``) with verl's (``tp*cp*2``) on a log-normal length distribution.
+(CPU only, no GPU needed, a few seconds) compares padded tokens / real tokens of packed
+(THD) rows on a log-normal length distribution, 8 sequences per row: this project's rule
+(each sequence to ``2*cp``, the row's total to ``lcm(2*cp, cp*tp)``), its rule before
+(each sequence to ``lcm(2*cp, cp*tp)``) and verl's (each sequence to ``tp*cp*2``).
 
     python -m bench.mtp_loss                 # both tables (the first needs CUDA)
     python -m bench.mtp_loss --padding-only
@@ -96,7 +98,7 @@ def loss_fn(mode: str, model: torch.nn.Module) -> Callable[[dict], torch.Tensor]
     cfg = MTPLossConfig(num_layers=1, scaling_factor=model.config.mtp_loss_scaling_factor)
 
     def ours(d: dict) -> torch.Tensor:
-        out = mtp_forward(model, **d)
+        out = mtp_forward(model, **d, detach_trunk=cfg.detach_trunk)
         losses = mtp_depth_losses(out.mtp_hidden, d["labels"], d["loss_mask"],
                                   out.output_weight, None, cfg)
         return masked(attach_mtp_loss(out.main_output, total_mtp_loss(losses)), d["loss_mask"])
@@ -158,19 +160,26 @@ def gpu_table(batch: int, seq: int, steps: int, warmup: int) -> None:
     dist.destroy_process_group()
 
 
-def padding_table(num_samples: int = 20_000, seed: int = 0) -> None:
-    """Log-normal response+prompt lengths (median ~1.2k, long tail), clipped to [32, 16k]."""
+def padding_table(num_samples: int = 20_000, sequences_per_row: int = 8,
+                  seed: int = 0) -> None:
+    """Log-normal prompt+response lengths (median ~1.2k, long tail), clipped to [32, 16k],
+    packed ``sequences_per_row`` to a row in sampling order."""
     gen = torch.Generator().manual_seed(seed)
     raw = torch.exp(torch.randn(num_samples, generator=gen) * 0.9 + math.log(1200))
     lengths = [int(min(max(x, 32), 16384)) for x in raw.tolist()]
-    print(f"padding overhead (padded tokens / real tokens) over {num_samples} log-normal "
-          f"lengths (median {int(statistics.median(lengths))}):")
-    print(f"{'tp':>4}{'cp':>4}{'ours':>12}{'verl':>12}{'verl/ours':>11}")
-    for tp, cp in [(1, 1), (2, 1), (8, 1), (2, 2), (4, 2), (8, 2), (4, 4), (8, 4), (3, 2)]:
-        ours = padding_overhead(lengths, tp, cp, rule="ours")
-        verl = padding_overhead(lengths, tp, cp, rule="verl")
-        ratio = verl / ours if ours else float("nan")
-        print(f"{tp:>4}{cp:>4}{ours:>12.5f}{verl:>12.5f}{ratio:>11.2f}")
+    print(f"padding overhead (padded tokens / real tokens) of packed rows over {num_samples} "
+          f"log-normal lengths (median {int(statistics.median(lengths))}), "
+          f"{sequences_per_row} sequences per row:")
+    print(f"{'tp':>4}{'cp':>4}{'ours':>12}{'before':>12}{'verl':>12}{'before/ours':>13}"
+          f"{'verl/ours':>11}")
+    for tp, cp in [(1, 1), (2, 1), (8, 1), (2, 2), (4, 2), (8, 2), (4, 4), (8, 4), (3, 2),
+                   (8, 8)]:
+        ours, before, verl = (padding_overhead(lengths, tp, cp, rule=rule,
+                                               sequences_per_row=sequences_per_row)
+                              for rule in ("ours", "lcm_per_sequence", "verl"))
+        print(f"{tp:>4}{cp:>4}{ours:>12.5f}{before:>12.5f}{verl:>12.5f}"
+              f"{before / ours if ours else float('nan'):>13.2f}"
+              f"{verl / ours if ours else float('nan'):>11.2f}")
 
 
 def main() -> None:

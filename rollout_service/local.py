@@ -56,6 +56,6 @@ def build_local_service(engine: Engine, config: ServiceConfig
     weights = WeightPushManager(
         engine, checkpoint_tensors(info.model_path),
         WeightMetrics(registry=registry, model=info.model, engine=info.engine),
-        timeout_s=config.push_timeout_s, has_draft=info.num_speculative_tokens > 0,
+        timeout_s=config.push_timeout_s, has_draft=info.has_pushable_drafter,
         transport=config.weights_transport)
     return RolloutService(engine, metrics, weights), registry

@@ -3,7 +3,8 @@
 Runs in the rollout service process, between the FastAPI handlers (``api``)
 and an :class:`~rollout_service.engines.base.Engine`. Every sequence is one
 engine request (``n`` fans out), and each finished sequence is observed into
-the Prometheus metrics exactly once, here.
+the Prometheus metrics exactly once, here. A sequence whose engine returned
+contradictory stats is counted there and answered without stats; it never fails.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from typing import TypeVar
 
 from rollout_service.engines.base import (
     Engine,
+    EngineInfo,
     EngineUnavailableError,
     GenerationResult,
     InvalidRequestError,
@@ -53,6 +55,13 @@ def sampling_options(req: messages.SamplingFields, index: int) -> SamplingOption
         stop=tuple(req.stop), ignore_eos=req.ignore_eos, logprobs=req.logprobs)
 
 
+def reported_stats(result: GenerationResult) -> SpecDecodeStats | None:
+    """The stats a response carries for ``result``: none when the engine gave none or
+    contradictory ones (the exporter counts those apart)."""
+    stats = result.spec_decode
+    return stats if isinstance(stats, SpecDecodeStats) else None
+
+
 def to_spec_info(stats: SpecDecodeStats | None) -> messages.SpecDecodeInfo | None:
     if stats is None:
         return None
@@ -64,7 +73,7 @@ def to_spec_info(stats: SpecDecodeStats | None) -> messages.SpecDecodeInfo | Non
 
 
 def to_summary(results: Sequence[GenerationResult]) -> messages.AcceptanceSummary:
-    return summarize(r.spec_decode for r in results)
+    return summarize(reported_stats(r) for r in results)
 
 
 def to_sequence(index: int, result: GenerationResult) -> messages.SequenceOutput:
@@ -73,7 +82,15 @@ def to_sequence(index: int, result: GenerationResult) -> messages.SequenceOutput
         finish_reason=result.finish_reason,
         logprobs=None if result.logprobs is None else list(result.logprobs),
         weight_versions=list(result.weight_versions),
-        spec_decode=to_spec_info(result.spec_decode))
+        spec_decode=to_spec_info(reported_stats(result)))
+
+
+def speculation_info(info: EngineInfo) -> messages.SpeculationInfo:
+    """What ``/health`` says about the engine's speculative decoding."""
+    return messages.SpeculationInfo(
+        is_enabled=info.num_speculative_tokens > 0, method=info.speculative_method,
+        num_speculative_tokens=info.num_speculative_tokens,
+        has_pushable_drafter=info.has_pushable_drafter)
 
 
 class RolloutService:
@@ -97,7 +114,8 @@ class RolloutService:
             detail = "a weight load failed midway; generation is refused until a full push"
         body = messages.HealthResponse(status="ok" if detail is None else "unavailable",
                                        model=info.model, engine=info.engine,
-                                       weights=self.weights.status(), detail=detail)
+                                       weights=self.weights.status(),
+                                       speculation=speculation_info(info), detail=detail)
         return body, 200 if detail is None else 503
 
     async def weight_checksums(self) -> dict[str, str]:

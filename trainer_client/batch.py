@@ -17,8 +17,10 @@ sequence has mask 0: its target would be padding or, in a packed row, the next
 sequence. ``old_logprobs`` (when given) follow the same alignment: the value at
 ``t`` is the old log-probability of ``labels[t]``.
 
-Lengths are padded with :func:`trainer_client.padding.padded_length` so that the
-batch can be zigzag-split over CP ranks and scattered over TP ranks.
+Lengths are padded so that the batch can be zigzag-split over CP ranks and scattered
+over TP ranks: a padded row to :func:`trainer_client.padding.padded_length`; in a packed
+row each sequence to ``2 * cp`` and the row's total to the padded row's multiple
+(:func:`trainer_client.padding.packed_padded_lengths`).
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from dataclasses import dataclass
 
 import torch
 
-from trainer_client.padding import padded_length
+from trainer_client.padding import packed_padded_lengths, padded_length
 
 __all__ = ["PackedBatch", "PaddedBatch", "Rollout", "pack_padded", "pack_thd"]
 
@@ -124,7 +126,7 @@ class PackedBatch:
     """``[B + 1]`` int32 cumulative *real* lengths, starting at 0 (attention bounds)."""
     cu_seqlens_padded: torch.Tensor
     """``[B + 1]`` int32 cumulative *padded* lengths, starting at 0 (where each
-    sequence starts in the row)."""
+    sequence starts in the row); the last span also holds the row's own padding."""
     response_start: torch.Tensor
     """``[B]`` int64, prompt length: offset of the first response token from the
     sequence's start ``cu_seqlens_padded[i]``."""
@@ -177,7 +179,8 @@ def pack_padded(rollouts: Sequence[Rollout], tp: int, cp: int, pad_id: int, *,
         tp: Tensor-parallel size (sequence parallelism).
         cp: Context-parallel size (zigzag).
         pad_id: Token id written into padding and into labels without a target.
-        extra_multiple: A further multiple the length must meet (16 for FP8).
+        extra_multiple: A further multiple of the row length (``padding`` module
+            docstring: a global multiple, not a per-rank rule).
 
     Returns:
         The batch; see the module docstring for the label / loss-mask convention.
@@ -212,17 +215,20 @@ def pack_padded(rollouts: Sequence[Rollout], tp: int, cp: int, pad_id: int, *,
 
 def pack_thd(rollouts: Sequence[Rollout], tp: int, cp: int, pad_id: int, *,
              extra_multiple: int = 1) -> PackedBatch:
-    """All rollouts in one row, each padded to ``padded_length(its length, tp, cp)``.
+    """All rollouts in one row, padded by ``padding.packed_padded_lengths``.
 
-    Padding each sequence (not the row) is what lets :func:`zigzag_split_packed`
-    split every sequence over the CP ranks.
+    Each sequence is padded to a multiple of ``2 * cp`` (what lets
+    ``padding.zigzag_split_packed`` split every sequence over the CP ranks); the row's
+    total to ``padding.pad_multiple(tp, cp)`` (what sequence parallelism needs of each CP
+    rank's share), by extending the last sequence's padding.
 
     Args:
         rollouts: The samples, in packing order.
         tp: Tensor-parallel size (sequence parallelism).
         cp: Context-parallel size (zigzag).
         pad_id: Token id written into padding and into labels without a target.
-        extra_multiple: A further multiple each length must meet (16 for FP8).
+        extra_multiple: A further multiple of the row's total (``padding`` module
+            docstring: a global multiple, not a per-rank rule).
 
     Returns:
         The packed batch; no label crosses a sequence boundary.
@@ -232,7 +238,7 @@ def pack_thd(rollouts: Sequence[Rollout], tp: int, cp: int, pad_id: int, *,
     """
     has_logprobs = _check_batch(rollouts, pad_id)
     lengths = [r.num_tokens for r in rollouts]
-    padded = [padded_length(length, tp, cp, extra_multiple) for length in lengths]
+    padded = packed_padded_lengths(lengths, tp, cp, extra_multiple)
     cu_seqlens = torch.zeros(len(rollouts) + 1, dtype=torch.int32)
     cu_seqlens[1:] = torch.tensor(lengths).cumsum(0)
     cu_seqlens_padded = torch.zeros(len(rollouts) + 1, dtype=torch.int32)

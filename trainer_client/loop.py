@@ -15,7 +15,8 @@ Policy loss (pluggable, :data:`PolicyLoss`): plain policy gradient,
 Megatron's per-token cross-entropy is ``-logprob`` of the label, so the default is
 ``mean(advantage * ce)``. The MTP loss (``mtp_loss.mtp_depth_losses``) rides on the
 same backward through ``attach_mtp_loss``: the drafter learns the current policy's
-samples.
+samples. ``MTPLossConfig``'s default ``detach_trunk`` keeps that loss in the MTP layers:
+the policy's weights move by the policy loss alone.
 """
 
 from __future__ import annotations
@@ -231,7 +232,7 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: 
     seq = batch.input_ids.size(1)
     causal = torch.ones(seq, seq, dtype=torch.bool).triu(1).view(1, 1, seq, seq)
     out = mtp_forward(model, batch.input_ids, batch.position_ids, causal, batch.labels,
-                      batch.loss_mask)
+                      batch.loss_mask, detach_trunk=mtp_cfg.detach_trunk)
     depth_losses = mtp_depth_losses(out.mtp_hidden, batch.labels, batch.loss_mask,
                                     out.output_weight, None, mtp_cfg)
     per_token_ce = attach_mtp_loss(out.main_output, total_mtp_loss(depth_losses))

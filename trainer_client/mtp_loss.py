@@ -28,10 +28,13 @@ the tensors this rank holds (its CP shard), as Megatron does. Note that megatron
 ``N_0 / N_k`` rule above is what ``process_mtp_loss`` does from 0.17 on.
 
 Gradient isolation. The logits are computed with the output layer's weight *and bias*
-detached: the gradient reaches ``hidden_k`` (the MTP layers, and through them the trunk)
-but never the shared lm_head. verl evaluates the output layer the same way but drops its
-bias; here the bias is kept. ``MTPLossConfig.detach_embedding`` covers slime's second
-cut, the token embedding fed to the MTP layers (see :func:`mtp_embedding_input`).
+detached: the gradient reaches ``hidden_k`` (the MTP layers) but never the shared lm_head.
+verl evaluates the output layer the same way but drops its bias; here the bias is kept.
+Whether the gradient goes on from the MTP layers into the trunk (the token embedding and
+the decoder's hidden states the MTP block consumes) is ``MTPLossConfig.detach_trunk``,
+applied where those inputs are made: ``megatron.mtp_forward.mtp_forward(...,
+detach_trunk=cfg.detach_trunk)``. With both cuts (the default) a backward of the MTP loss
+alone leaves every parameter outside the MTP block at exactly zero gradient.
 
 Tensor parallelism. With TP > 1 the output layer is split over the vocabulary: each
 rank holds ``output_weight[V / tp, h]`` and computes its slice of the logits; the
@@ -72,7 +75,6 @@ __all__ = [
     "get_mtp_loss_backward_scale",
     "megatron_has_process_mtp_loss",
     "mtp_depth_losses",
-    "mtp_embedding_input",
     "reduce_for_logging",
     "set_mtp_loss_backward_scale",
     "total_mtp_loss",
@@ -91,9 +93,20 @@ class MTPLossConfig:
     per_token: bool = False
     """Megatron's ``calculate_per_token_loss``: scale depth ``k`` by ``N_0 / N_k`` (the
     trainer divides by the global token count later) instead of ``1 / N_k``."""
-    detach_embedding: bool = False
-    """Cut the gradient from the MTP layers into the token embedding they consume (slime
-    does); applied by the caller through :func:`mtp_embedding_input`."""
+    detach_trunk: bool = True
+    """Keep the MTP loss out of the trunk: the token embedding and the decoder's hidden
+    states are detached before the MTP block (``mtp_forward(..., detach_trunk=...)`` does
+    it), so the MTP loss trains the MTP layers only; the output layer is detached in any
+    case (:func:`isolated_output_layer`).
+
+    True by default because in RL the trunk is the policy: its update should be the
+    policy loss's and nothing else. A drafter loss flowing into it moves the policy towards
+    predicting its own samples a few tokens ahead, an objective the RL algorithm neither
+    asked for nor accounts for (no importance ratio or KL term covers it), weighted by
+    ``scaling_factor``, a knob meant for the drafter. slime always cuts both inputs (its CI
+    checks that only MTP parameters get gradient); verl makes it a switch
+    (``detach_encoder``). False is pre-training's choice (DeepSeek-V3, Megatron's own MTP
+    loss): the MTP loss as an auxiliary signal that densifies the trunk's training."""
 
     def __post_init__(self) -> None:
         if isinstance(self.num_layers, bool) or not isinstance(self.num_layers, int) \
@@ -103,7 +116,7 @@ class MTPLossConfig:
         if isinstance(factor, bool) or not isinstance(factor, (int, float)) \
                 or not factor >= 0 or factor == float("inf"):
             raise ValueError(f"scaling_factor must be a finite number >= 0, got {factor!r}")
-        for name in ("per_token", "detach_embedding"):
+        for name in ("per_token", "detach_trunk"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
 
@@ -122,11 +135,6 @@ class MTPDepthLoss:
     across ranks); no graph."""
     scaled_loss: torch.Tensor
     """This depth's contribution to the trained loss (module docstring); carries the graph."""
-
-
-def mtp_embedding_input(embedding: torch.Tensor, cfg: MTPLossConfig) -> torch.Tensor:
-    """The token embedding as the MTP layers should consume it: detached if configured."""
-    return embedding.detach() if cfg.detach_embedding else embedding
 
 
 def isolated_output_layer(weight: torch.Tensor, bias: torch.Tensor | None

@@ -20,9 +20,20 @@ work are exactly the multiples of ``lcm(2 * cp, cp * tp) = cp * lcm(2, tp)``:
 What the neighbours do. verl pads to ``tp * cp * 2`` when cp > 1 (else tp). It is
 correct but pads twice as much as needed when tp is even (tp=8, cp=4: 64 instead
 of 32). verl's earlier rule, ``lcm(tp, 2 * cp)``, is wrong: tp=4, cp=2 gives 4,
-which leaves 2 tokens per CP rank to scatter over 4 TP ranks. Whether some kernel
-needs more than these two conditions is not established; ``extra_multiple``
-(e.g. 16 for FP8 GEMMs) folds any such requirement in through an lcm.
+which leaves 2 tokens per CP rank to scatter over 4 TP ranks.
+
+Packed rows (THD, :func:`packed_padded_lengths`). The two conditions fall on different
+things there: the zigzag split cuts *each sequence* into ``2 * cp`` chunks, while
+sequence parallelism scatters the *row* a CP rank holds. So each sequence is padded to
+a multiple of ``2 * cp`` only, and the row's total to :func:`pad_multiple` by extending
+the last sequence's padding: at most ``pad_multiple - 1`` tokens per row instead of up
+to that many per sequence (tp=8, cp=4: each sequence to 8, not 32).
+
+``extra_multiple`` is a further multiple of the *global* length (the padded row, before
+any split), folded in through an lcm. It is not a per-rank rule: a requirement on each
+rank's share, ``r`` tokens per CP rank or per CP x TP rank, is ``extra_multiple = cp * r``
+or ``cp * tp * r``. No kernel's requirement (e.g. FP8 GEMMs in Transformer Engine, which
+constrain the token count of each rank's matrix products) is encoded here.
 """
 
 from __future__ import annotations
@@ -35,7 +46,9 @@ import torch
 
 __all__ = [
     "pad_multiple",
+    "packed_padded_lengths",
     "padded_length",
+    "sequence_multiple",
     "zigzag_merge",
     "zigzag_split",
     "zigzag_split_packed",
@@ -63,7 +76,7 @@ def pad_multiple(tp: int, cp: int, *, extra_multiple: int = 1) -> int:
     Args:
         tp: Tensor-parallel size (sequence parallelism scatters tokens over it).
         cp: Context-parallel size (zigzag split into ``2 * cp`` chunks when > 1).
-        extra_multiple: A further multiple every length must meet (16 for FP8).
+        extra_multiple: A further multiple of the global length (module docstring).
 
     Returns:
         ``lcm(2 * cp, cp * tp, extra_multiple)`` when cp > 1, ``lcm(tp, extra_multiple)``
@@ -86,7 +99,7 @@ def padded_length(length: int, tp: int, cp: int, extra_multiple: int = 1) -> int
         length: Real number of tokens (0 stays 0).
         tp: Tensor-parallel size.
         cp: Context-parallel size.
-        extra_multiple: A further multiple every length must meet (16 for FP8).
+        extra_multiple: A further multiple of the global length (module docstring).
 
     Returns:
         The least valid length that is ``>= length``.
@@ -98,6 +111,49 @@ def padded_length(length: int, tp: int, cp: int, extra_multiple: int = 1) -> int
     length = check_int("length", length, minimum=0)
     multiple = pad_multiple(tp, cp, extra_multiple=extra_multiple)
     return -(-length // multiple) * multiple
+
+
+def sequence_multiple(cp: int) -> int:
+    """What each sequence of a packed row is padded to: ``2 * cp`` (1 without CP).
+
+    Raises:
+        ValueError: ``cp`` is not an integer >= 1.
+    """
+    cp = check_int("cp", cp, minimum=1)
+    return 2 * cp if cp > 1 else 1
+
+
+def packed_padded_lengths(lengths: Sequence[int], tp: int, cp: int,
+                          extra_multiple: int = 1) -> list[int]:
+    """Padded length of each sequence of one packed (THD) row.
+
+    Each sequence is rounded up to :func:`sequence_multiple` (what the zigzag split
+    needs); then the last one grows until the row's total is a multiple of
+    :func:`pad_multiple` (what the SP scatter of each CP rank's share needs, and
+    ``extra_multiple``). Every entry stays a multiple of ``2 * cp``, the total is the
+    least valid total, and no sequence but the last is padded past its own multiple.
+
+    Args:
+        lengths: Real length of each sequence, in packing order; at least one.
+        tp: Tensor-parallel size.
+        cp: Context-parallel size.
+        extra_multiple: A further multiple of the row's total (module docstring).
+
+    Returns:
+        One padded length per sequence.
+
+    Raises:
+        ValueError: ``lengths`` is empty, a length is negative or not an integer, or a
+            size is invalid; the message names it.
+    """
+    checked = [check_int(f"lengths[{i}]", length, minimum=0)
+               for i, length in enumerate(lengths)]
+    if not checked:
+        raise ValueError("lengths is empty")
+    each = sequence_multiple(cp)
+    padded = [-(-length // each) * each for length in checked]
+    padded[-1] += padded_length(sum(padded), tp, cp, extra_multiple) - sum(padded)
+    return padded
 
 
 def zigzag_split(x: torch.Tensor, cp: int, dim: int = 1) -> list[torch.Tensor]:
@@ -161,8 +217,8 @@ def zigzag_split_packed(x: torch.Tensor, cu_seqlens_padded: torch.Tensor | Seque
 
     A packed row holds several sequences back to back; splitting the whole row
     would hand one rank whole sequences and another none. Each sequence's padded
-    length is a multiple of ``2 * cp`` (see :func:`padded_length`), so each splits
-    cleanly.
+    length is a multiple of ``2 * cp`` (see :func:`packed_padded_lengths`), so each
+    splits cleanly.
 
     Args:
         x: Packed tensor; ``dim`` is the token dim (dim 1 for ``[1, T]``).
@@ -179,7 +235,7 @@ def zigzag_split_packed(x: torch.Tensor, cu_seqlens_padded: torch.Tensor | Seque
     Raises:
         ValueError: ``cp`` or ``rank`` is out of range, or ``cu_seqlens_padded`` does not
             start at 0, decreases, does not end at ``x.size(dim)``, or has a sequence whose
-            padded length is not a multiple of ``2 * cp``.
+            padded length is not a multiple of ``2 * cp`` (when cp > 1).
     """
     cp = check_int("cp", cp, minimum=1)
     rank = check_int("rank", rank, minimum=0)
@@ -191,11 +247,12 @@ def zigzag_split_packed(x: torch.Tensor, cu_seqlens_padded: torch.Tensor | Seque
     if not bounds or bounds[0] != 0 or bounds[-1] != x.size(dim):
         raise ValueError(f"cu_seqlens_padded must start at 0 and end at x.size({dim}) = "
                          f"{x.size(dim)}, got {bounds}")
+    each = sequence_multiple(cp)
     pieces = []
     for i, (start, end) in enumerate(zip(bounds[:-1], bounds[1:])):
-        if end < start or (end - start) % (2 * cp) != 0:
+        if end < start or (end - start) % each != 0:
             raise ValueError(f"cu_seqlens_padded: sequence {i} spans [{start}, {end}), "
-                             f"not a non-negative multiple of 2 * cp = {2 * cp}")
+                             f"not a non-negative multiple of {each} (2 * cp, 1 without CP)")
         if end > start:
             pieces.append(zigzag_split(x.narrow(dim, start, end - start), cp, dim)[rank])
     if not pieces:

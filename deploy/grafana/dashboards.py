@@ -72,22 +72,28 @@ def _timeseries(panel_id: int, title: str, description: str, unit: str,
 def _acceptance_panels() -> list[Builder[Panel]]:
     return [
         _timeseries(1, "Accept rate: macro vs micro",
-                    "Macro: mean of per-request accepted/drafted tokens (every request with "
-                    "drafts weighs the same; what a trainer logs). Micro: all accepted / all "
-                    "drafted tokens (long answers dominate).", "percentunit", [
+                    "Macro: mean of per-request accepted/drafted tokens over the requests "
+                    "with drafts (each weighs the same; what a trainer logs); requests without "
+                    "drafts have no rate and are left out. verl: the same mean with requests "
+                    "without drafts counted as 0 (over every request with stats), as verl "
+                    "logs it. Micro: all accepted / all drafted tokens (long answers "
+                    "dominate).", "percentunit", [
                         _query("A", queries.macro_accept_rate(SCOPE), "macro"),
                         _query("B", queries.micro_accept_rate(SCOPE), "micro"),
+                        _query("C", queries.verl_accept_rate(SCOPE), "macro, verl's convention"),
                     ]).min(0).max(1),
         _timeseries(2, "Accept length: macro vs micro",
-                    "Tokens emitted per verify step, bonus token included; 1.0 for a request "
-                    "without drafts. Macro: mean over requests with stats. Micro: 1 + all "
-                    "accepted tokens / all drafts.", "none", [
+                    "Tokens emitted per verify step, bonus token included. Macro: mean over "
+                    "every request with stats, a request without drafts counting 1.0 (a wider "
+                    "population than the macro accept rate's; verl counts such a request as "
+                    "0). Micro: 1 + all accepted tokens / all drafts.", "none", [
                         _query("A", queries.macro_accept_length(SCOPE), "macro"),
                         _query("B", queries.micro_accept_length(SCOPE), "micro"),
                     ]).min(1),
         _timeseries(3, "Acceptance per draft position",
                     "Share of drafts whose token at this 0-based position was accepted "
-                    "(acceptance is a prefix, so it falls with the position).", "percentunit", [
+                    "(acceptance is a prefix, so it falls with the position), over the drafts "
+                    "of requests that reported per-position counts.", "percentunit", [
                         _query("A", queries.accept_rate_per_position(SCOPE),
                                "position {{position}}"),
                     ]).min(0).max(1),
@@ -106,13 +112,16 @@ def _acceptance_panels() -> list[Builder[Panel]]:
                .scheme("Oranges").scale(heatmap_models.HeatmapColorScale.EXPONENTIAL)
                .exponent(0.5).steps(64).fill("dark-orange"))
         .cell_values(heatmap.CellValues().unit("short")).show_tooltip().show_legend(),
-        _timeseries(5, "Requests without drafts / without stats",
+        _timeseries(5, "Requests without drafts / without stats / with invalid stats",
                     "Without drafts: finished with stats but no drafted token (e.g. "
                     "max_tokens=1); left out of the accept rate, accept length 1. Without "
-                    "stats: the engine returned none (misconfiguration; see the alert).",
-                    "percentunit", [
+                    "stats: the engine returned none (misconfiguration; see the alert). "
+                    "Invalid stats: the engine's counts contradicted themselves (e.g. more "
+                    "accepted than drafted tokens); served without stats, left out of every "
+                    "figure.", "percentunit", [
                         _query("A", queries.share_without_drafts(SCOPE), "without drafts"),
                         _query("B", queries.share_without_stats(SCOPE), "without stats"),
+                        _query("C", queries.share_with_invalid_stats(SCOPE), "invalid stats"),
                     ]).min(0).max(1),
     ]
 

@@ -26,6 +26,7 @@ SCOPE = queries.Scope(window="5m", by=("model",))
 RECORDED = {
     f"rollout:spec_decode_{name}:rate{SCOPE.window}": figure(SCOPE) for name, figure in (
         ("macro_accept_rate", queries.macro_accept_rate),
+        ("verl_accept_rate", queries.verl_accept_rate),
         ("micro_accept_rate", queries.micro_accept_rate),
         ("macro_accept_length", queries.macro_accept_length),
         ("micro_accept_length", queries.micro_accept_length),

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from rollout_service.engines.speculative import MTPSettings
-from rollout_service.protocol.acceptance import SpecDecodeStats
+from rollout_service.protocol.acceptance import InvalidSpecDecodeStats, SpecDecodeStats
 from rollout_service.protocol.messages import PauseMode, PushTarget, WeightVersionSpan
 from rollout_service.protocol.placement import TensorPlacement, Transport
 
@@ -65,8 +65,9 @@ class GenerationResult:
     """Log-probability of each sampled token, when asked for."""
     weight_versions: tuple[WeightVersionSpan, ...]
     """Which weight version produced which output tokens."""
-    spec_decode: SpecDecodeStats | None
-    """This sequence's acceptance counts; None when the engine gave none."""
+    spec_decode: SpecDecodeStats | InvalidSpecDecodeStats | None
+    """This sequence's acceptance counts; invalid when the engine's contradict themselves
+    (counted, never raised); None when the engine gave none."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -85,6 +86,14 @@ class EngineInfo:
     """Token ids must be below this."""
     num_speculative_tokens: int
     """Draft tokens per step; 0 when speculative decoding is off."""
+    speculative_method: str | None
+    """The speculative method the engine built (vLLM's ``mtp``, ``ngram``, ``suffix``,
+    ``eagle``...; SGLang's algorithm); None when speculative decoding is off."""
+    has_pushable_drafter: bool
+    """Whether a weight push can load the drafter (targets ``draft`` and ``both``): an
+    MTP drafter read from the served checkpoint, so the pushed checkpoint tensors are
+    its tensors. Another drafter (n-gram, suffix, a separate EAGLE model) has nothing a
+    push of the checkpoint could load."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -186,7 +195,8 @@ class Engine(Protocol):
         """Load a full update into the main model (``draft=False``) or the MTP drafter.
 
         ``version`` (None: unchanged) labels the weights in later responses' version
-        spans. Called only while generation is paused."""
+        spans. Called only while generation is paused, and with ``draft=True`` only
+        when ``info.has_pushable_drafter``."""
         ...
 
     async def reset_prefix_cache(self) -> None:

@@ -76,7 +76,9 @@ class MTPSettings(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     enabled: bool = Field(True, description="Use the checkpoint's MTP layers as the drafter.")
-    method: str = Field("mtp", description="vLLM speculative method: 'mtp' or a '*_mtp' name.")
+    method: str = Field("mtp", description=(
+        "vLLM speculative method: 'mtp' or a '*_mtp' name (the checkpoint's MTP layers, which "
+        "weight pushes load); any other method vLLM knows runs, without drafter pushes."))
     num_speculative_tokens: int = Field(
         1, gt=0, description="Draft tokens per step (vLLM) and SGLang's speculative_num_steps."
     )
@@ -175,13 +177,19 @@ def build_vllm_speculative_config(
         )
     if "num_speculative_tokens" in config:
         _check_count(config["num_speculative_tokens"], field("num_speculative_tokens"))
-    is_mtp = isinstance(method, str) and (method == "mtp" or method.endswith("_mtp"))
-    if is_mtp and checkpoint_config is not None and _num_mtp_layers(checkpoint_config) == 0:
+    has_no_mtp_layers = checkpoint_config is not None and _num_mtp_layers(checkpoint_config) == 0
+    if is_mtp_method(method) and has_no_mtp_layers:
         raise ValueError(
             f"{field('method')}: {method!r} needs MTP layers, but the checkpoint config has none "
             f"(one of {list(MTP_LAYER_KEYS)} > 0); use a checkpoint with MTP layers or disable MTP"
         )
     return config
+
+
+def is_mtp_method(method: object) -> bool:
+    """Whether a vLLM speculative method drafts with the checkpoint's own MTP layers: 'mtp'
+    or a model-specific '*_mtp' name (vLLM normalizes those to 'mtp')."""
+    return isinstance(method, str) and (method == "mtp" or method.endswith("_mtp"))
 
 
 def build_sglang_server_args(mtp: MTPSettings, engine_kwargs: Mapping[str, Any]) -> dict[str, Any]:

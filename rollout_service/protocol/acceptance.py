@@ -22,7 +22,17 @@ Definitions, per finished sequence (one engine request, ``n == 1``):
   mean below 1 for short answers).
 - ``accepted_per_position[i]``: drafts in which the draft token at position ``i``
   (0-based) was accepted; acceptance is a prefix, so it counts drafts that
-  accepted more than ``i`` tokens.
+  accepted more than ``i`` tokens. An engine may leave it empty (SGLang does for an
+  inconsistent histogram): the per-position shares then divide by the drafts of the
+  sequences that have it, never by all drafts.
+
+Populations of the macro averages: the accept length averages over every sequence
+with stats (one without drafts counts 1.0), the accept rate over the sequences with
+drafts only; verl counts a sequence without drafts as 0 in both.
+
+Counts that contradict themselves (more accepted than drafted tokens, a negative
+count) are refused by :class:`SpecDecodeStats`; an engine's conversion turns them into
+:class:`InvalidSpecDecodeStats`, which the exporter counts apart and no figure uses.
 
 Micro-averages weigh every token equally (long answers dominate); macro-averages
 weigh every request equally (what a trainer means by "the batch's accept rate").
@@ -51,6 +61,7 @@ class SpecDecodeStats:
     """Drafts whose token at position ``i`` was accepted; length ``k`` when known."""
 
     def __post_init__(self) -> None:
+        # The engines' conversions catch this and report InvalidSpecDecodeStats.
         counts = (self.num_drafts, self.num_draft_tokens, self.num_accepted_tokens,
                   self.num_verify_steps, *self.accepted_per_position)
         if any(c < 0 for c in counts):
@@ -73,6 +84,11 @@ class SpecDecodeStats:
                    accepted_per_position=per_position)
 
     @property
+    def has_per_position(self) -> bool:
+        """Whether the engine reported per-position acceptance for this sequence."""
+        return bool(self.accepted_per_position)
+
+    @property
     def has_speculation(self) -> bool:
         """Whether any token was drafted (a rate is defined)."""
         return self.num_draft_tokens > 0
@@ -93,6 +109,17 @@ class SpecDecodeStats:
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
+class InvalidSpecDecodeStats:
+    """Counts an engine reported for one sequence that contradict themselves (e.g. more
+    accepted than drafted tokens): no figure uses them, the exporter counts the sequence
+    in ``rollout_spec_decode_invalid_stats_requests_total``, and the response carries no
+    stats for it."""
+
+    detail: str
+    """What contradicts what, with the engine's numbers (logged once)."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
 class BatchSummary:
     """Acceptance over a batch of sequences, macro- and micro-averaged."""
 
@@ -103,7 +130,10 @@ class BatchSummary:
     num_without_speculation: int
     """Sequences with stats but no drafted token (accept length 1.0)."""
     num_missing_stats: int
-    """Sequences whose engine returned no stats (excluded from everything else)."""
+    """Sequences without stats (excluded from everything else): the engine returned none,
+    or contradictory ones (which Prometheus counts apart as invalid). The summary is
+    computed from what the response carries, so a client gets the same numbers from the
+    sequences."""
     macro_accept_rate: float | None
     """Mean of per-sequence accept rates; None when no sequence drafted."""
     macro_accept_length: float | None
@@ -113,7 +143,8 @@ class BatchSummary:
     micro_accept_length: float | None
     """1 + all accepted tokens / all drafts; None when no sequence has stats."""
     micro_accept_rate_per_position: tuple[float, ...] = field(default=())
-    """Per draft position: drafts accepting that position / all drafts."""
+    """Per draft position: drafts accepting that position / drafts of the sequences that
+    reported per-position acceptance."""
 
 
 def summarize(stats: Iterable[SpecDecodeStats | None]) -> BatchSummary:
@@ -124,12 +155,15 @@ def summarize(stats: Iterable[SpecDecodeStats | None]) -> BatchSummary:
     num_drafts = sum(s.num_drafts for s in known)
     num_draft_tokens = sum(s.num_draft_tokens for s in known)
     num_accepted = sum(s.num_accepted_tokens for s in known)
-    width = max((len(s.accepted_per_position) for s in known), default=0)
+    with_positions = [s for s in known if s.has_per_position]
+    num_position_drafts = sum(s.num_drafts for s in with_positions)
+    width = max((len(s.accepted_per_position) for s in with_positions), default=0)
+    # A shorter list means no acceptance beyond it (a prefix): its drafts still count.
     per_position = tuple(
-        sum(s.accepted_per_position[i] for s in known if i < len(s.accepted_per_position))
-        / num_drafts
+        sum(s.accepted_per_position[i] for s in with_positions
+            if i < len(s.accepted_per_position)) / num_position_drafts
         for i in range(width)
-    ) if num_drafts else ()
+    ) if num_position_drafts else ()
     return BatchSummary(
         num_sequences=len(items),
         num_with_speculation=len(rates),

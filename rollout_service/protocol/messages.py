@@ -131,6 +131,21 @@ class BatchGenerateResponse(BaseModel):
 ReplicaStatus = Literal["starting", "ok", "lagging", "unavailable", "gone"]
 
 
+class SpeculationInfo(BaseModel):
+    """The engine's speculative decoding, as ``/health`` reports it."""
+
+    is_enabled: bool = Field(description=(
+        "False: no drafter; sequences carry no acceptance stats and only target 'main' "
+        "pushes are accepted."))
+    method: str | None = Field(description=(
+        "vLLM's speculative method ('mtp', 'ngram', 'suffix', 'eagle', ...) or SGLang's "
+        "algorithm; None when off."))
+    num_speculative_tokens: int = Field(description="Draft tokens per step; 0 when off.")
+    has_pushable_drafter: bool = Field(description=(
+        "Whether pushes with target 'draft' or 'both' are accepted: only an MTP drafter read "
+        "from the served checkpoint can load a push (docs/weight-pushes.md)."))
+
+
 class ReplicaHealth(BaseModel):
     """One Ray Serve replica as it reports itself to the weights coordinator on every
     poll, and as ``/health`` lists it."""
@@ -145,6 +160,8 @@ class ReplicaHealth(BaseModel):
     detail: str | None = None
     pid: int | None = None
     metrics_address: str | None = Field(None, description="host:port of its /metrics.")
+    speculation: SpeculationInfo | None = Field(None, description=(
+        "Its engine's speculative decoding; None while the engine starts."))
 
 
 class HealthResponse(BaseModel):
@@ -155,6 +172,9 @@ class HealthResponse(BaseModel):
     model: str
     engine: str
     weights: WeightStatus
+    speculation: SpeculationInfo | None = Field(None, description=(
+        "The engine's speculative decoding (Ray Serve: the first serving replica's; "
+        "every replica's is in replicas)."))
     detail: str | None = None
     replicas: list[ReplicaHealth] | None = Field(None, description="Ray Serve only.")
 

@@ -128,9 +128,11 @@ class ReplicatedService:
                     for r in current if r.status != "ok"]
         if len(serving) < self._num_wanted:
             problems.append(f"{len(serving)} of {self._num_wanted} replicas serve")
+        speculation = next((r.speculation for r in serving if r.speculation), None)
         body = messages.HealthResponse(
             status=status, model=self._config.model_name, engine=self._config.engine,
-            weights=weights, detail="; ".join(problems) or None, replicas=replicas)
+            weights=weights, speculation=speculation, detail="; ".join(problems) or None,
+            replicas=replicas)
         return body, 200 if serving else 503
 
 

@@ -195,8 +195,26 @@ class WeightsCoordinator:
         if not await self._wait(lambda: not replaying(), self._ack_timeout_s):
             raise PushError(409, f"replica {replaying()[0]} is still loading the last push "
                                  "from the trainer's segment; retry")
+        self._check_drafters(req)
         return self._intake.begin(req, {"main": self.main_version,
                                         "draft": self.draft_version})
+
+    def _check_drafters(self, req: messages.PushBeginRequest) -> None:
+        """Refuse a drafter push at ``begin`` when a replica's engine has no drafter a push
+        can load (each engine decides, e.g. n-gram drafting has none); nothing is recorded
+        as begun and no replica is touched."""
+        if req.target == "main":
+            return
+        lacking = [r for r, s in self._live() if s.is_registered and s.report.speculation
+                   is not None and not s.report.speculation.has_pushable_drafter]
+        if lacking:
+            speculation = self._replicas[lacking[0]].report.speculation
+            method = speculation.method if speculation is not None else None
+            detail = (f"target: {req.target!r} needs a drafter a push can load; replica "
+                      f"{lacking[0]}'s engine has none (speculative method {method!r}); "
+                      "push target 'main'")
+            self._intake.record(req, "rejected", detail)
+            raise PushError(400, detail)
 
     async def update(self, req: messages.PushUpdateRequest) -> messages.PushUpdateResponse:
         return self._intake.update(req)

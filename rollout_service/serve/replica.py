@@ -34,6 +34,7 @@ from rollout_service.engines.base import Engine, EngineUnavailableError
 from rollout_service.protocol import messages
 from rollout_service.serve.config import RayServeConfig
 from rollout_service.serve.coordinator import Command, CommandResult, StoredPush
+from rollout_service.service import speculation_info
 from rollout_service.telemetry.exposition import serve_metrics
 from rollout_service.weights.intake import PushError
 
@@ -147,9 +148,11 @@ class EngineReplica:
             except EngineUnavailableError as exc:
                 status, detail = "unavailable", str(exc)
         main, draft = self._versions() if self._engine is not None else (None, None)
+        speculation = None if self._engine is None else speculation_info(self._engine.info)
         return messages.ReplicaHealth(replica=self._id, status=status, main_version=main,
                                       draft_version=draft, detail=detail, pid=os.getpid(),
-                                      metrics_address=self._metrics_address)
+                                      metrics_address=self._metrics_address,
+                                      speculation=speculation)
 
     async def _poll_forever(self) -> None:
         while True:

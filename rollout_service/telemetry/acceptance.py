@@ -9,8 +9,12 @@ definitions, so they are the same numbers.
 
 Counters and histograms only, labels ``model`` and ``engine`` (Prometheus adds
 ``instance``). The PromQL of every derived figure (macro and micro accept rate
-and length, per-position acceptance, shares without drafts or stats) is in
-``telemetry/queries.py``; ``docs/telemetry.md`` tabulates it.
+and length, per-position acceptance, shares without drafts, without stats or with
+invalid stats, verl's accept rate) is in ``telemetry/queries.py``;
+``docs/telemetry.md`` tabulates it.
+
+Nothing here fails a request: a sequence without stats, or with counts that
+contradict themselves, is counted in its own counter and logged once.
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ import logging
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
-from rollout_service.protocol.acceptance import SpecDecodeStats
+from rollout_service.protocol.acceptance import InvalidSpecDecodeStats, SpecDecodeStats
 
 logger = logging.getLogger(__name__)
 
@@ -43,14 +47,17 @@ class SpecDecodeMetrics:
         model: value of the ``model`` label.
         engine: value of the ``engine`` label (``vllm``, ``sglang``).
         num_speculative_tokens: ``k``; sizes the accept-length buckets and the
-            per-position series.
+            per-position series. 0: speculative decoding is off, and a sequence
+            without stats is expected (not counted as missing).
     """
 
     def __init__(self, *, registry: CollectorRegistry, model: str, engine: str,
                  num_speculative_tokens: int) -> None:
         names = ("model", "engine")
         labels = {"model": model, "engine": engine}
+        self._is_speculative = num_speculative_tokens > 0
         self._warned_missing = False
+        self._warned_invalid = False
 
         # Label children are bound once here, so an observation is only increments;
         # binding also creates every series at zero, so rate() and ratios exist
@@ -69,7 +76,15 @@ class SpecDecodeMetrics:
         self._missing_stats_requests = counter(
             "rollout_spec_decode_missing_stats_requests",
             "Finished sequences whose engine returned no spec-decode stats.")
+        self._invalid_stats_requests = counter(
+            "rollout_spec_decode_invalid_stats_requests",
+            "Finished sequences whose engine returned spec-decode counts that contradict "
+            "themselves (e.g. accepted > drafted); left out of every figure.")
         self._drafts = counter("rollout_spec_decode_drafts", "Verify steps with a draft.")
+        self._drafts_with_positions = counter(
+            "rollout_spec_decode_drafts_with_positions",
+            "Verify steps with a draft, of sequences that reported per-position acceptance "
+            "(the per-position denominator).")
         self._draft_tokens = counter("rollout_spec_decode_draft_tokens", "Drafted tokens.")
         self._accepted_tokens = counter("rollout_spec_decode_accepted_tokens",
                                         "Drafted tokens accepted by the target.")
@@ -89,28 +104,29 @@ class SpecDecodeMetrics:
             "Per-request accept length (bonus token included); _sum/_count is the macro-average.",
             accept_length_buckets(num_speculative_tokens))
 
-    def observe(self, stats: SpecDecodeStats | None) -> None:
-        """Record one finished sequence; missing stats are counted, never raised.
+    def observe(self, stats: SpecDecodeStats | InvalidSpecDecodeStats | None) -> None:
+        """Record one finished sequence; missing or invalid stats are counted and logged
+        once, never raised.
 
         Raises:
             ValueError: ``stats`` has more draft positions than ``num_speculative_tokens``
                 (the engine and the exporter disagree on ``k``); nothing is recorded.
         """
-        if stats is not None and \
+        if isinstance(stats, SpecDecodeStats) and \
                 len(stats.accepted_per_position) > len(self._accepted_per_position):
             raise ValueError(f"stats with {len(stats.accepted_per_position)} draft positions, "
                              f"but the exporter was built for "
                              f"{len(self._accepted_per_position)}: {stats}")
         self._requests.inc()
         if stats is None:
-            self._missing_stats_requests.inc()
-            if not self._warned_missing:
-                self._warned_missing = True
-                logger.warning("engine returned no spec-decode stats for a request; such "
-                               "requests are counted in rollout_spec_decode_missing_stats_"
-                               "requests_total and left out of acceptance (warned once)")
+            self._observe_missing()
+            return
+        if isinstance(stats, InvalidSpecDecodeStats):
+            self._observe_invalid(stats)
             return
         self._drafts.inc(stats.num_drafts)
+        if stats.has_per_position:
+            self._drafts_with_positions.inc(stats.num_drafts)
         self._draft_tokens.inc(stats.num_draft_tokens)
         self._accepted_tokens.inc(stats.num_accepted_tokens)
         self._verify_steps.inc(stats.num_verify_steps)
@@ -122,3 +138,22 @@ class SpecDecodeMetrics:
             self._no_spec_requests.inc()
         else:
             self._request_accept_rate.observe(rate)
+
+    def _observe_missing(self) -> None:
+        if not self._is_speculative:
+            return  # nothing drafts, so nothing is missing
+        self._missing_stats_requests.inc()
+        if not self._warned_missing:
+            self._warned_missing = True
+            logger.warning("engine returned no spec-decode stats for a request; such "
+                           "requests are counted in rollout_spec_decode_missing_stats_"
+                           "requests_total and left out of acceptance (warned once)")
+
+    def _observe_invalid(self, stats: InvalidSpecDecodeStats) -> None:
+        self._invalid_stats_requests.inc()
+        if not self._warned_invalid:
+            self._warned_invalid = True
+            logger.warning("engine returned spec-decode counts that contradict themselves "
+                           "(%s); such requests are counted in rollout_spec_decode_invalid_"
+                           "stats_requests_total, left out of acceptance and served without "
+                           "stats (warned once)", stats.detail)

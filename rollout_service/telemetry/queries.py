@@ -35,7 +35,10 @@ from pathlib import Path
 REQUESTS = "rollout_requests_total"
 NO_SPEC_REQUESTS = "rollout_spec_decode_no_spec_requests_total"
 MISSING_STATS_REQUESTS = "rollout_spec_decode_missing_stats_requests_total"
+INVALID_STATS_REQUESTS = "rollout_spec_decode_invalid_stats_requests_total"
 DRAFTS = "rollout_spec_decode_drafts_total"
+DRAFTS_WITH_POSITIONS = "rollout_spec_decode_drafts_with_positions_total"
+"""Drafts of the requests that reported per-position acceptance."""
 DRAFT_TOKENS = "rollout_spec_decode_draft_tokens_total"
 ACCEPTED_TOKENS = "rollout_spec_decode_accepted_tokens_total"
 ACCEPTED_PER_POSITION = "rollout_spec_decode_accepted_per_position_total"
@@ -101,8 +104,22 @@ def _ratio(numerator: str, denominator: str, scope: Scope) -> str:
 # ---- acceptance -----------------------------------------------------------------------
 
 def macro_accept_rate(scope: Scope) -> str:
-    """Mean of the per-request accept rates over requests with drafts (what a trainer logs)."""
+    """Mean of the per-request accept rates over requests with drafts (what a trainer logs).
+
+    Requests without drafts have no rate and are left out; :func:`verl_accept_rate`
+    counts them as 0 instead.
+    """
     return _ratio(f"{REQUEST_ACCEPT_RATE}_sum", f"{REQUEST_ACCEPT_RATE}_count", scope)
+
+
+def verl_accept_rate(scope: Scope) -> str:
+    """Macro accept rate as verl computes it: requests without drafts count as 0.
+
+    The denominator is every request with stats: the accept-length histogram observes
+    each one, so its ``_count`` equals the accept-rate ``_count`` plus
+    ``rollout_spec_decode_no_spec_requests_total``.
+    """
+    return _ratio(f"{REQUEST_ACCEPT_RATE}_sum", f"{REQUEST_ACCEPT_LENGTH}_count", scope)
 
 
 def micro_accept_rate(scope: Scope) -> str:
@@ -111,7 +128,11 @@ def micro_accept_rate(scope: Scope) -> str:
 
 
 def macro_accept_length(scope: Scope) -> str:
-    """Mean of the per-request accept lengths (bonus token included) over requests with stats."""
+    """Mean of the per-request accept lengths (bonus token included) over requests with stats.
+
+    A request without drafts counts 1.0 (verl counts it as 0), so this population is
+    wider than the macro accept rate's.
+    """
     return _ratio(f"{REQUEST_ACCEPT_LENGTH}_sum", f"{REQUEST_ACCEPT_LENGTH}_count", scope)
 
 
@@ -121,9 +142,13 @@ def micro_accept_length(scope: Scope) -> str:
 
 
 def accept_rate_per_position(scope: Scope) -> str:
-    """Share of drafts whose token at 0-based draft position ``position`` was accepted."""
+    """Share of drafts whose token at 0-based draft position ``position`` was accepted.
+
+    Over the drafts of requests that reported per-position acceptance (SGLang drops it
+    for an inconsistent histogram), not over all drafts.
+    """
     return (f"{_sum_rate(ACCEPTED_PER_POSITION, scope, keep=('position',))}"
-            f" / ignoring (position) group_left {_sum_rate(DRAFTS, scope)}")
+            f" / ignoring (position) group_left {_sum_rate(DRAFTS_WITH_POSITIONS, scope)}")
 
 
 def accept_rate_distribution(scope: Scope) -> str:
@@ -140,6 +165,11 @@ def share_without_drafts(scope: Scope) -> str:
 def share_without_stats(scope: Scope) -> str:
     """Share of finished requests whose engine returned no speculative-decoding stats."""
     return _ratio(MISSING_STATS_REQUESTS, REQUESTS, scope)
+
+
+def share_with_invalid_stats(scope: Scope) -> str:
+    """Share of finished requests whose engine returned counts that contradict themselves."""
+    return _ratio(INVALID_STATS_REQUESTS, REQUESTS, scope)
 
 
 # ---- weights --------------------------------------------------------------------------
@@ -276,6 +306,7 @@ class Figure:
 
 FIGURES = (
     Figure(name="macro accept rate", unit="ratio", query=macro_accept_rate),
+    Figure(name="verl's accept rate", unit="ratio", query=verl_accept_rate),
     Figure(name="micro accept rate", unit="ratio", query=micro_accept_rate),
     Figure(name="macro accept length", unit="tokens / verify step", query=macro_accept_length),
     Figure(name="micro accept length", unit="tokens / verify step", query=micro_accept_length),
@@ -284,6 +315,7 @@ FIGURES = (
            query=accept_rate_distribution),
     Figure(name="share without drafts", unit="ratio", query=share_without_drafts),
     Figure(name="share without stats", unit="ratio", query=share_without_stats),
+    Figure(name="share with invalid stats", unit="ratio", query=share_with_invalid_stats),
     Figure(name="weight version", unit="version", query=weight_version),
     Figure(name="drafter version lag", unit="versions", query=drafter_version_lag),
     Figure(name="mean push duration", unit="s", query=push_duration_mean),

@@ -60,6 +60,24 @@ class ActivePush:
     is_loading: bool = False
 
 
+def check_target(target: messages.PushTarget, *, has_draft: bool) -> None:
+    """Refuse a push that names the drafter where no drafter can load it.
+
+    Args:
+        target: the push's target.
+        has_draft: whether the engine has a drafter a push can load
+            (``EngineInfo.has_pushable_drafter``).
+
+    Raises:
+        PushError(400): ``draft`` or ``both`` without such a drafter, naming ``target``.
+    """
+    if target != "main" and not has_draft:
+        raise PushError(400, f"target: {target!r} loads the drafter, and this service has "
+                             "none a push can load (speculative decoding off, or a drafter "
+                             "other than the checkpoint's MTP layers: n-gram, suffix, a "
+                             "separate model); push with target 'main'")
+
+
 def validate_announcement(req: messages.PushBeginRequest, checkpoint: dict[str, TensorMeta],
                           *, transport: Transport = "shm") -> dict[str, TensorMeta]:
     """The announced tensors, checked against the checkpoint; first problem raises.
@@ -186,7 +204,8 @@ class PushIntake:
     Args:
         checkpoint: the served checkpoint's tensors (names as the loader accepts).
         timeout_s: a push with no call for this long is aborted.
-        has_draft: whether the engines serve an MTP drafter.
+        has_draft: whether the engines have a drafter a push can load (an MTP drafter
+            read from the served checkpoint: ``EngineInfo.has_pushable_drafter``).
         transport: the transport the engines were started with.
         metrics: push outcome counters, or None.
     """
@@ -210,14 +229,17 @@ class PushIntake:
 
         Raises:
             PushError: 409 for a concurrent push or an old version, 400 for a bad
-                announcement (recorded as rejected).
+                announcement or a drafter target without a pushable drafter (recorded as
+                rejected).
         """
         if self.active is not None:
             raise PushError(409, f"push {self.active.push_id} is in progress; one push at "
                                  "a time")
-        if req.target != "main" and not self._has_draft:
-            raise PushError(400, f"target: {req.target!r} needs an MTP drafter, and this "
-                                 "service runs without speculative decoding (use 'main')")
+        try:
+            check_target(req.target, has_draft=self._has_draft)
+        except PushError as exc:
+            self.record(req, "rejected", str(exc))
+            raise
         for role in roles(req.target):
             current = versions[role]
             if current is not None and req.version <= current:

@@ -23,7 +23,13 @@ from rollout_service.protocol import messages
 from rollout_service.protocol.placement import TensorPlacement, Transport
 from rollout_service.protocol.tensors import TensorMeta
 from rollout_service.telemetry.weights import WeightMetrics
-from rollout_service.weights.intake import PushError, PushIntake, build_update, roles
+from rollout_service.weights.intake import (
+    PushError,
+    PushIntake,
+    build_update,
+    check_target,
+    roles,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -38,7 +44,8 @@ class WeightPushManager:
         checkpoint: the served checkpoint's tensors (names as the loader accepts).
         metrics: version gauges and push counters.
         timeout_s: a push with no call for this long is aborted.
-        has_draft: whether the engine serves an MTP drafter.
+        has_draft: whether the engine has a drafter a push can load
+            (``EngineInfo.has_pushable_drafter``).
         transport: the transport the engine was started with (``weights_transport``).
     """
 
@@ -46,6 +53,7 @@ class WeightPushManager:
                  metrics: WeightMetrics, *, timeout_s: float, has_draft: bool,
                  transport: Transport = "shm") -> None:
         self._engine = engine
+        self._has_draft = has_draft
         self._metrics = metrics
         self._intake = PushIntake(checkpoint, timeout_s=timeout_s, has_draft=has_draft,
                                   transport=transport, metrics=metrics)
@@ -106,8 +114,11 @@ class WeightPushManager:
         """Load a push the weights coordinator has validated for the whole deployment.
 
         Raises:
-            PushError(500): the engine failed while loading.
+            PushError: 400 for a drafter target without a drafter a push can load (nothing
+                loaded; the coordinator decides before any engine exists), 500 for an engine
+                failure while loading.
         """
+        check_target(begin.target, has_draft=self._has_draft)
         async with self._lock:
             update = WeightUpdate(push_id=push_id, target=begin.target,
                                   transport=begin.transport, tensors=tuple(placements))

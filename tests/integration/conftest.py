@@ -2,7 +2,9 @@
 
 Starting vLLM costs ~20-40 s on two cores, so the whole session shares one
 service. It runs with an API key and two speculative tokens (so per-position
-acceptance has two positions), exactly as ``rollout-service serve`` runs.
+acceptance has two positions), exactly as ``rollout-service serve`` runs. Tests
+of another configuration start their own with :func:`run_service` (once per
+module).
 
 ``ROLLOUT_TEST_TARGET`` picks where the same tests run: ``cpu`` (default: vLLM's
 CPU build, shm pushes), ``cuda-shm`` or ``cuda-ipc`` (vLLM's CUDA build on GPU 0,
@@ -11,12 +13,13 @@ pushes through shared memory or CUDA IPC handles from this process's GPU tensors
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import shutil
 import subprocess
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -60,10 +63,14 @@ shm_only = pytest.mark.skipif(TARGET.transport != "shm",
                               reason="a test of the shm transport's segment")
 
 
-@pytest.fixture(scope="session")
-def service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServiceProcess]:
-    """The rollout service on the embedded tiny model, up and healthy."""
-    workdir = tmp_path_factory.mktemp("service")
+@contextmanager
+def run_service(workdir: Path, **changes: Any) -> Iterator[ServiceProcess]:
+    """A rollout service on the embedded tiny model for :data:`TARGET`, up and healthy.
+
+    Args:
+        workdir: where its config and log go.
+        changes: config fields replacing the session's (e.g. ``mtp``).
+    """
     config = workdir / "service.json"
     config.write_text(json.dumps({
         "model": "embedded:tiny",
@@ -73,9 +80,17 @@ def service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServiceProcess
         "weights_token": WEIGHTS_TOKEN,
         "push_timeout_s": PUSH_TIMEOUT_S,
         "weights_transport": TARGET.transport,
+        **changes,
     }))
     with ServiceProcess(workdir / "service.log", config=config) as proc:
         proc.wait_healthy(timeout_s=600)
+        yield proc
+
+
+@pytest.fixture(scope="session")
+def service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServiceProcess]:
+    """The rollout service on the embedded tiny model, up and healthy."""
+    with run_service(tmp_path_factory.mktemp("service")) as proc:
         yield proc
 
 
@@ -115,6 +130,24 @@ def wait_for(probe: Callable[[], T], condition: Callable[[T], bool], *, timeout_
         if time.monotonic() > deadline:
             raise TimeoutError(f"condition not met within {timeout_s:g} s; last: {value!r}")
         time.sleep(interval_s)
+
+
+async def until(probe: Callable[[], Awaitable[T]], condition: Callable[[T], bool], *,
+                timeout_s: float, interval_s: float = 0.1) -> T:
+    """:func:`wait_for` for async probes, without blocking the event loop.
+
+    Raises:
+        TimeoutError: with the last value probed, after ``timeout_s``.
+    """
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = await probe()
+        if condition(value):
+            return value
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"condition not met within {timeout_s:g} s; last: {value!r}")
+        await asyncio.sleep(interval_s)
+
 
 def _tail(path: Path, num_lines: int = 60) -> str:
     return "\n".join(path.read_text(errors="replace").splitlines()[-num_lines:])

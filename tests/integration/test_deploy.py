@@ -37,8 +37,19 @@ from rollout_service.embedded.corpus import arithmetic_prompts
 from rollout_service.protocol import messages
 from rollout_service.telemetry import queries
 from rollout_service.tools.launch import ServiceProcess
-from tests.integration.conftest import API_KEY, NUM_SPECULATIVE_TOKENS, WEIGHTS_TOKEN
-from tests.integration.rollout_service.test_api import _prometheus_caught_up, outputs
+from rollout_service.tools.scrape import sample_sum
+from tests.integration.conftest import (
+    API_KEY,
+    NUM_SPECULATIVE_TOKENS,
+    WEIGHTS_TOKEN,
+    until,
+    wait_for,
+)
+from tests.integration.rollout_service.test_api import (
+    _prometheus_caught_up,
+    _prometheus_value,
+    outputs,
+)
 from tests.integration.rollout_service.test_weights import next_version
 from trainer_client.push import WeightPusher
 
@@ -318,6 +329,19 @@ async def _read_parts(url: str, at: float) -> dict[str, dict[str, float]]:
 
 
 PROMPTS = [p for p, _ in arithmetic_prompts(8, seed=5)]
+VLLM_FINISHED = "vllm:e2e_request_latency_seconds_count"
+"""vLLM's own count of finished requests (one per sequence)."""
+
+
+async def _vllm_scraped(prometheus: str, client: RolloutClient, at_least: float) -> None:
+    """Wait until vLLM's own series count ``at_least`` finished requests (they reach its
+    logger just after the outputs) and Prometheus has scraped that count."""
+    async def finished() -> float:
+        return sample_sum(await client.metrics_text(), VLLM_FINISHED)
+
+    count = await until(finished, lambda n: n >= at_least, timeout_s=60)
+    await until(lambda: _prometheus_value(prometheus, f"sum({VLLM_FINISHED})"),
+                lambda scraped: scraped == count, timeout_s=60, interval_s=0.2)
 
 
 @pytest.fixture(scope="module")
@@ -326,6 +350,7 @@ async def mix(service: ServiceProcess, prometheus: str) -> AsyncIterator[Mix]:
     async with RolloutClient(service.url, api_key=API_KEY) as client:
         await _prometheus_caught_up(prometheus, client)
         before = await _read_parts(prometheus, time.time())
+        num_finished = sample_sum(await client.metrics_text(), VLLM_FINISHED)
         version = next_version(service)
         with WeightPusher(service.url, WEIGHTS_TOKEN, bucket_bytes=256 * 1024) as pusher:
             # the served checkpoint again: weight series move, outputs do not
@@ -337,7 +362,7 @@ async def mix(service: ServiceProcess, prometheus: str) -> AsyncIterator[Mix]:
                                      seed=i, ignore_eos=True) for i, p in enumerate(PROMPTS)]
         responses = await asyncio.gather(*(client.generate(r) for r in short + long))
         await _prometheus_caught_up(prometheus, client)
-        await asyncio.sleep(1.5)  # vLLM's own series reach its logger just after the outputs
+        await _vllm_scraped(prometheus, client, num_finished + len(short + long))
         at = time.time()
         yield Mix(seqs=outputs(list(responses)), version=version, before=before,
                   after=await _read_parts(prometheus, at), at=at)
@@ -349,9 +374,12 @@ def _expected_figures(seqs: list[messages.SequenceOutput]) -> dict[str, Callable
     assert all(s is not None for s in spec)
     rates = [s.accept_rate for s in spec if s.accept_rate is not None]
     num_drafts = sum(s.num_drafts for s in spec)
+    num_position_drafts = sum(s.num_drafts for s in spec if s.accepted_per_position)
     accepted = sum(s.num_accepted_tokens for s in spec)
     return {
         "rollout:spec_decode_macro_accept_rate:rate5m": lambda _: fmean(rates),
+        "rollout:spec_decode_verl_accept_rate:rate5m":  # no drafts counts 0
+            lambda _: fmean(s.accept_rate or 0.0 for s in spec),
         "rollout:spec_decode_micro_accept_rate:rate5m":
             lambda _: accepted / sum(s.num_draft_tokens for s in spec),
         "rollout:spec_decode_macro_accept_length:rate5m":
@@ -359,7 +387,7 @@ def _expected_figures(seqs: list[messages.SequenceOutput]) -> dict[str, Callable
         "rollout:spec_decode_micro_accept_length:rate5m": lambda _: 1 + accepted / num_drafts,
         "rollout:spec_decode_accept_rate_per_position:rate5m":
             lambda position: sum(s.accepted_per_position[int(position)] for s in spec
-                                 if s.num_drafts) / num_drafts,
+                                 if s.num_drafts) / num_position_drafts,
     }
 
 
@@ -455,17 +483,29 @@ def test_look_renders_the_key_panels_from_prometheus(service: ServiceProcess, pr
 
     from rollout_service.tools.look import PANELS, render_look
 
-    deadline = time.monotonic() + 60  # a scrape before the traffic, so rate() sees it change
-    while not httpx.get(f"{prometheus}/api/v1/query",
-                        params={"query": "rollout_requests_total"}).json()["data"]["result"]:
-        assert time.monotonic() < deadline, "Prometheus never scraped the service"
-        time.sleep(0.5)
+    def scraped(query: str) -> list[dict]:
+        return httpx.get(f"{prometheus}/api/v1/query",
+                         params={"query": query}).json()["data"]["result"]
+
+    def value(query: str) -> float | None:
+        result = scraped(query)
+        return float(result[0]["value"][1]) if result else None
+
+    # A scrape before the traffic, so rate() sees it change.
+    wait_for(lambda: scraped("rollout_requests_total"), bool, timeout_s=60, interval_s=0.5)
     with httpx.Client(base_url=service.url, timeout=120,
                       headers={"authorization": f"Bearer {API_KEY}"}) as http:
+        before = sample_sum(http.get("/metrics").text, VLLM_FINISHED)
         for i in range(4):  # traffic inside the rate window, whatever ran before
             assert http.post("/generate", json={"prompt_token_ids": [7 + i, 3], "seed": i,
                                                 "max_tokens": 24}).status_code == 200
-    time.sleep(4)  # a few 1 s scrapes
+        # Every panel's series scraped after the traffic: the service's own counters, and
+        # vLLM's once its logger has counted the four requests.
+        page = wait_for(lambda: http.get("/metrics").text,
+                        lambda text: sample_sum(text, VLLM_FINISHED) >= before + 4, timeout_s=60)
+    for name in ("rollout_requests_total", VLLM_FINISHED):
+        want = sample_sum(page, name)
+        wait_for(lambda: value(f"sum({name})"), lambda got: got == want, timeout_s=60)
     out = tmp_path / "look.png"
     data = render_look(prometheus, out, minutes=5, step_s=1, window="1m")
     assert set(data) == {p.title for p in PANELS}

@@ -85,7 +85,9 @@ def _losses_and_grads(model: torch.nn.Module, config: dict, data: dict[str, torc
 
     cfg = MTPLossConfig(num_layers=int(config["num_nextn_predict_layers"]), scaling_factor=0.3)
     model.zero_grad(set_to_none=True)
-    out = mtp_forward(model, **data)
+    # detach_trunk=False: the MTP loss's gradient then crosses every TP layer of the trunk
+    # too, so every parameter's gradient is compared (with the cut, the trunk's are 0).
+    out = mtp_forward(model, **data, detach_trunk=False)
     main_loss = masked_mean(out.main_output, data["loss_mask"])
     depths = mtp_depth_losses(out.mtp_hidden, data["labels"], data["loss_mask"],
                               out.output_weight, None, cfg, tp_group=tp_group)
@@ -184,7 +186,7 @@ def check_train_step_and_push(rank: int, address: str, device_type: str, params_
         data = batch(config["vocab_size"], device)
         _sync(device)
         start = time.perf_counter()
-        out = mtp_forward(model, **data)
+        out = mtp_forward(model, **data, detach_trunk=cfg.detach_trunk)
         depths = mtp_depth_losses(out.mtp_hidden, data["labels"], data["loss_mask"],
                                   out.output_weight, None, cfg, tp_group=tp_group)
         loss = masked_mean(attach_mtp_loss(out.main_output, total_mtp_loss(depths)),

@@ -7,8 +7,9 @@ of its own beyond what megatron-core's tensor-parallel layers do over the groups
 Architectures are looked up by the checkpoint's ``architectures[0]`` in
 :data:`ARCHITECTURES`. Each entry says how to fill a ``TransformerConfig`` and the
 ``GPTModel`` arguments, and how every Megatron tensor corresponds to checkpoint
-tensors (:class:`TensorMap`, interpreted by ``convert.py``). Only the local spec
-(no Transformer Engine) is built here.
+tensors (:class:`TensorMap`, interpreted by ``convert.py``). The local spec (no
+Transformer Engine) is what the converter maps; the Transformer Engine spec is built on
+request for what only it runs (packed THD attention).
 
 megatron-core is imported inside the functions that need it, so ``convert.py``
 (which reads the registry) works without paying megatron-core's import time.
@@ -238,9 +239,16 @@ def architecture_spec(hf_config: Mapping[str, Any]) -> ArchitectureSpec:
 
 # --------------------------------------------------------------------------- build
 
+_SET_BY_BUILD = ("tensor_model_parallel_size", "params_dtype", "bf16", "fp16",
+                 "use_cpu_initialization")
+"""``TransformerConfig`` fields :func:`build_gpt_mtp_model` sets from its own arguments."""
+
+
 def build_gpt_mtp_model(hf_config: Mapping[str, Any], *, tp_size: int = 1,
-                        params_dtype: torch.dtype = torch.float32) -> GPTModel:
-    """Builds the checkpoint's model as a ``GPTModel`` with an MTP block (local spec).
+                        params_dtype: torch.dtype = torch.float32,
+                        transformer_config: Mapping[str, Any] | None = None,
+                        use_transformer_engine: bool = False) -> GPTModel:
+    """Builds the checkpoint's model as a ``GPTModel`` with an MTP block.
 
     ``parallel_state`` must already be initialized with this TP size (see
     :func:`init_parallel_cpu` for CPU). On a machine without CUDA the call must run
@@ -251,15 +259,26 @@ def build_gpt_mtp_model(hf_config: Mapping[str, Any], *, tp_size: int = 1,
         hf_config: the checkpoint's config.json.
         tp_size: tensor-parallel size; must equal parallel_state's.
         params_dtype: dtype of the parameters.
+        transformer_config: further ``TransformerConfig`` keyword arguments, passed
+            through: training options such as ``recompute_granularity``,
+            ``recompute_method``, ``recompute_num_layers``, ``sequence_parallel``. They may
+            not set what the checkpoint's architecture or the other arguments set.
+        use_transformer_engine: build with megatron-core's Transformer Engine spec instead
+            of the local one. Needed for packed (THD) sequences: the local spec's attention
+            refuses ``packed_seq_params``. Its parameter names (fused layer norms) are not
+            the ones ``convert.py`` maps, so such a model cannot load or export checkpoints
+            here.
 
     Raises:
-        ValueError: unsupported architecture or config, or a TP size that does not
-            match parallel_state's.
+        ValueError: unsupported architecture or config, a TP size that does not match
+            parallel_state's, or a ``transformer_config`` key this function sets itself.
+        RuntimeError: ``use_transformer_engine`` without Transformer Engine installed.
     """
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import (
         get_gpt_layer_local_spec,
+        get_gpt_layer_with_transformer_engine_spec,
         get_gpt_mtp_block_spec,
     )
     from megatron.core.transformer.transformer_config import TransformerConfig
@@ -269,16 +288,32 @@ def build_gpt_mtp_model(hf_config: Mapping[str, Any], *, tp_size: int = 1,
     if actual_tp != tp_size:
         raise ValueError(f"tp_size: {tp_size}, but parallel_state was initialized with TP "
                          f"{actual_tp}")
+    architecture = spec.config_kwargs(hf_config)
+    extra = dict(transformer_config or {})
+    taken = sorted(set(extra) & (set(architecture) | set(_SET_BY_BUILD)))
+    if taken:
+        raise ValueError(f"transformer_config: {taken} are set from the checkpoint's config "
+                         "or this function's arguments")
     config = TransformerConfig(
-        **spec.config_kwargs(hf_config),
+        **architecture,
+        **extra,
         tensor_model_parallel_size=tp_size,
         params_dtype=params_dtype,
         bf16=params_dtype == torch.bfloat16,
         fp16=params_dtype == torch.float16,
         use_cpu_initialization=not torch.cuda.is_available(),
     )
-    layer_spec = get_gpt_layer_local_spec(normalization=config.normalization)
-    mtp_spec = get_gpt_mtp_block_spec(config, layer_spec, use_transformer_engine=False)
+    if use_transformer_engine:
+        try:
+            import transformer_engine  # noqa: F401
+        except ImportError as exc:
+            raise RuntimeError("use_transformer_engine=True needs Transformer Engine "
+                               "(pip install transformer_engine[pytorch])") from exc
+        layer_spec = get_gpt_layer_with_transformer_engine_spec()
+    else:
+        layer_spec = get_gpt_layer_local_spec(normalization=config.normalization)
+    mtp_spec = get_gpt_mtp_block_spec(config, layer_spec,
+                                      use_transformer_engine=use_transformer_engine)
     return GPTModel(config=config, transformer_layer_spec=layer_spec, mtp_block_spec=mtp_spec,
                     **spec.model_kwargs(hf_config))
 

@@ -11,46 +11,77 @@ the way it does so drifted across megatron-core versions (NVIDIA/Megatron-LM,
 ``GPTModel._postprocess`` on 0.16, through ``process_mtp_loss`` from 0.17 on (0.19 adds
 ``mtp_detach_heads`` and derives labels from ``input_ids`` when ``labels`` is None, which
 crashes on 0.16 and skips the loss on 0.17/0.18). :func:`mtp_forward` never enters either
-path. Both versions' ``_postprocess`` run the MTP block and then, on a stage without the
-output layer, return the block's output before any MTP loss::
+path. Both versions' ``_postprocess`` start with the MTP block, then return on a stage
+without the output layer::
 
-    hidden_states = self.mtp(...)          # [main; depth 1; ...; depth D] on dim 0
+    if mtp_in_postprocess:                 # GPTModel.forward passes self.mtp_process
+        hidden_states = self.mtp(input_ids, position_ids, hidden_states, attention_mask,
+                                 rotary_pos_emb, ..., packed_seq_params, ...,
+                                 embedding=self.embedding)
     if not self.post_process:
         return hidden_states
     ...MTP loss (inline or process_mtp_loss), output layer, main loss...
 
-So the forward runs with ``post_process`` switched off for the call, a forward hook on
-``model.mtp`` checks that what comes back *is* the MTP block's output in that stacked
-layout (the one feature this relies on, checked on every call rather than by version),
-and the main output is completed here as ``_postprocess`` completes it: output layer,
-0.19's MuP logit scaling where the model has it, ``compute_language_model_loss``. No
+So the forward runs in two calls:
+
+1. The trunk: ``GPTModel.forward`` with ``mtp_process`` and ``post_process`` switched off
+   for the call returns the decoder's output (the main hidden states, after the final
+   norm). A forward hook on ``model.decoder`` checks that what comes back *is* the
+   decoder's output (the one feature this relies on, checked on every call rather than
+   by version) and records what the decoder was given (attention mask, rotary embeddings,
+   ``packed_seq_params``, ...): ``_postprocess`` hands the MTP block the same objects.
+2. The MTP block, called here as ``_postprocess`` calls it, except for what it consumes
+   from the trunk when ``detach_trunk`` is set: the main hidden states detached, and an
+   embedding that runs without gradient. That is the cut slime makes (and verl's
+   ``detach_encoder``, 0.19's ``mtp_detach_heads`` inside the block): the MTP loss then
+   trains the MTP layers only. The main output is computed from the decoder's output
+   itself, never from the block's copy of it, so the main loss still trains the trunk.
+
+The main output is completed here as ``_postprocess`` completes it: output layer, 0.19's
+MuP logit scaling where the model has it, ``compute_language_model_loss``. No
 full-vocabulary logits are computed for the MTP depths and no Megatron MTP loss graph is
 kept alive; Megatron's ``MTPLossLoggingHelper`` records nothing (log with
 ``mtp_loss.reduce_for_logging`` instead). Megatron's ``mtp_loss_scaling_factor`` plays no
 part: scale with ``MTPLossConfig.scaling_factor``.
 
+Activation recompute of the MTP layers (``recompute_granularity='full'``,
+``recompute_method='uniform'``) works with the padded (BSHD) layout; with packed (THD)
+sequences megatron-core before 0.18 crashes in it (``_checkpointed_forward`` hands
+``PackedSeqParams`` to ``save_for_backward``; NVIDIA/Megatron-LM#3457), so
+:func:`mtp_forward` refuses that combination up front (:func:`mtp_recompute_breaks_thd`).
+
 Typical use in a forward step (trainer side)::
 
-    out = mtp_forward(model, tokens, position_ids, attention_mask, labels, loss_mask)
+    out = mtp_forward(model, tokens, position_ids, attention_mask, labels, loss_mask,
+                      detach_trunk=cfg.detach_trunk)
     losses = mtp_depth_losses(out.mtp_hidden, labels, loss_mask, out.output_weight, None, cfg)
     output = attach_mtp_loss(out.main_output, total_mtp_loss(losses))
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import functools
+import inspect
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-__all__ = ["MTPForwardOutput", "mtp_forward"]
+__all__ = ["MTPForwardOutput", "mtp_forward", "mtp_recompute_breaks_thd"]
 
-_REQUIRED_ATTRIBUTES = ("mtp", "mtp_process", "post_process", "output_layer",
-                        "compute_language_model_loss", "share_embeddings_and_output_weights",
+_REQUIRED_ATTRIBUTES = ("decoder", "embedding", "mtp", "mtp_process", "post_process",
+                        "output_layer", "compute_language_model_loss",
+                        "share_embeddings_and_output_weights",
                         "shared_embedding_or_output_weight", "config")
 """What :func:`mtp_forward` uses on the ``GPTModel`` (0.16 and 0.19 both have all of them)."""
+
+_DECODER_INPUTS_FOR_MTP = ("attention_mask", "rotary_pos_emb", "rotary_pos_cos",
+                           "rotary_pos_sin", "packed_seq_params", "sequence_len_offset",
+                           "padding_mask")
+"""What ``GPTModel._postprocess`` hands the MTP block besides ids, hidden states and the
+embedding: the objects the decoder got (``padding_mask`` from 0.19 on)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -65,7 +96,7 @@ class MTPForwardOutput:
     """``D`` tensors ``[s, b, h]`` (Megatron's layout, this rank's CP shard; the sequence
     parallel shard when sequence parallelism is on), the output of MTP depth ``k`` after its
     final norm and before the output layer, depth 1 first. Views of the block's output;
-    carry the graph."""
+    carry the graph (into the trunk too unless ``detach_trunk``)."""
     output_weight: torch.Tensor
     """The output layer's weight as the model applies it (the embedding when tied), to
     pass to ``mtp_loss.mtp_depth_losses`` (which detaches it). ``GPTModel``'s output
@@ -81,12 +112,14 @@ def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
     return inner
 
 
-def _check_model(model: torch.nn.Module) -> int:
+def _check_model(model: torch.nn.Module, detach_trunk: bool) -> int:
     """The number of MTP depths; raises when the model lacks what this module uses."""
     missing = [name for name in _REQUIRED_ATTRIBUTES if not hasattr(model, name)]
     if missing:
         raise RuntimeError(f"mtp_forward: {type(model).__name__} lacks {missing}; expected "
                            "megatron-core's GPTModel built with an mtp_block_spec")
+    if not isinstance(detach_trunk, bool):
+        raise ValueError(f"mtp_forward: detach_trunk must be a bool, got {detach_trunk!r}")
     num_depths = getattr(model.config, "mtp_num_layers", None) or 0
     if not model.mtp_process or num_depths < 1:
         raise ValueError("mtp_forward: the model has no MTP block on this stage "
@@ -97,51 +130,135 @@ def _check_model(model: torch.nn.Module) -> int:
     if getattr(model.config, "use_mup", False) and not hasattr(model, "_scale_logits"):
         raise RuntimeError("mtp_forward: config.use_mup is set but the model has no "
                            "_scale_logits to apply it with")
+    if getattr(model.config, "mtp_detach_heads", False) and not detach_trunk:
+        raise ValueError("mtp_forward: detach_trunk=False, but the model's "
+                         "TransformerConfig.mtp_detach_heads=True detaches the trunk inside "
+                         "the MTP block anyway; pass detach_trunk=True or build the model "
+                         "without mtp_detach_heads")
     return num_depths
 
 
+@functools.cache
+def mtp_recompute_breaks_thd() -> bool:
+    """Whether this megatron-core's MTP activation recompute crashes with packed sequences.
+
+    0.16 and 0.17's ``MultiTokenPredictionLayer._checkpointed_forward(self, forward_func,
+    *args, **kwargs)`` passes every keyword argument, ``PackedSeqParams`` included, to
+    ``tensor_parallel.checkpoint``, whose ``save_for_backward`` takes tensors only; 0.18
+    rewrote it with tensor arguments only (NVIDIA/Megatron-LM#3457). Told apart by that
+    signature, not by version.
+    """
+    from megatron.core.transformer.multi_token_prediction import MultiTokenPredictionLayer
+
+    params = list(inspect.signature(MultiTokenPredictionLayer._checkpointed_forward).parameters)
+    return params[1:2] == ["forward_func"]
+
+
+def _check_recompute(model: torch.nn.Module, packed_seq_params: Any) -> None:
+    """Refuse MTP recompute with packed sequences where megatron-core would crash in it."""
+    config = model.config
+    is_mtp_recomputed = (model.training
+                         and getattr(config, "recompute_granularity", None) == "full"
+                         and getattr(config, "recompute_method", None) == "uniform")
+    if packed_seq_params is not None and is_mtp_recomputed and mtp_recompute_breaks_thd():
+        raise ValueError(
+            "mtp_forward: activation recompute of the MTP layers (TransformerConfig "
+            "recompute_granularity='full' with recompute_method='uniform') crashes with "
+            "packed (THD) sequences on this megatron-core: MultiTokenPredictionLayer."
+            "_checkpointed_forward hands PackedSeqParams to save_for_backward (fixed in "
+            "0.18, NVIDIA/Megatron-LM#3457). Use the padded (BSHD) layout, "
+            "recompute_granularity='selective' or None, recompute_method='block' (Megatron "
+            "then skips recompute for the MTP layers), or megatron-core >= 0.18")
+
+
 @contextmanager
-def _post_process_off(model: torch.nn.Module) -> Iterator[None]:
-    """``GPTModel._postprocess`` returns the MTP block's output while this is held."""
-    model.post_process = False
+def _trunk_only(model: torch.nn.Module) -> Iterator[None]:
+    """``GPTModel.forward`` returns the decoder's output while this is held."""
+    model.mtp_process, model.post_process = False, False
     try:
         yield
     finally:
-        model.post_process = True
+        model.mtp_process, model.post_process = True, True
 
 
-def _stacked_mtp_output(captured: list[tuple[Any, Any]], returned: Any,
-                        num_depths: int) -> torch.Tensor:
-    """The block's output if it is the layout this module knows, else RuntimeError."""
+def _run_trunk(model: torch.nn.Module, input_ids: torch.Tensor, position_ids: torch.Tensor,
+               attention_mask: torch.Tensor | None, packed_seq_params: Any
+               ) -> tuple[torch.Tensor, dict[str, Any]]:
+    """The decoder's output ``[s, b, h]`` and what the decoder was given for the MTP block."""
+    captured: list[tuple[dict[str, Any], Any]] = []
+
+    def hook(_module: torch.nn.Module, _args: tuple, kwargs: dict, output: Any) -> None:
+        captured.append((kwargs, output))
+
+    handle = model.decoder.register_forward_hook(hook, with_kwargs=True)
+    try:
+        with _trunk_only(model):
+            returned = model(input_ids=input_ids, position_ids=position_ids,
+                             attention_mask=attention_mask, packed_seq_params=packed_seq_params)
+    finally:
+        handle.remove()
     if len(captured) != 1:
-        raise RuntimeError(f"mtp_forward: the MTP block ran {len(captured)} times in one "
+        raise RuntimeError(f"mtp_forward: the decoder ran {len(captured)} times in one "
                            "forward, expected once (inference mode or CUDA graphs skip the "
                            "module call; neither is supported here)")
-    block_input, block_output = captured[0]
-    if returned is not block_output:
-        raise RuntimeError("mtp_forward: GPTModel.forward with post_process=False did not "
-                           "return the MTP block's output; this megatron-core's "
-                           "_postprocess no longer returns before its MTP loss")
-    if not isinstance(block_output, torch.Tensor) or block_output.dim() != 3:
-        raise RuntimeError("mtp_forward: the MTP block returned "
-                           f"{type(block_output).__name__}, expected one [(1 + D) * s, b, h] "
-                           "tensor stacking [main; depth 1; ...; depth D] on dim 0")
-    main_len = block_input.size(0) if isinstance(block_input, torch.Tensor) else None
-    if main_len is None or block_output.size(0) != (1 + num_depths) * main_len:
-        raise RuntimeError(f"mtp_forward: the MTP block returned {tuple(block_output.shape)} "
-                           f"for hidden_states of {main_len} positions; expected "
-                           f"{1 + num_depths} x that many on dim 0 ([main; depth 1; ...; "
-                           f"depth {num_depths}])")
-    return block_output
+    decoder_kwargs, decoder_output = captured[0]
+    if returned is not decoder_output or not isinstance(returned, torch.Tensor) \
+            or returned.dim() != 3:
+        raise RuntimeError("mtp_forward: GPTModel.forward with mtp_process and post_process "
+                           "off did not return the decoder's [s, b, h] output; this "
+                           "megatron-core's _postprocess no longer returns it unchanged")
+    return returned, {name: decoder_kwargs[name] for name in _DECODER_INPUTS_FOR_MTP
+                      if name in decoder_kwargs}
+
+
+def _embedding_without_grad(embedding: torch.nn.Module) -> Callable[..., torch.Tensor]:
+    """``embedding`` as the MTP layer calls it, run without building a graph (= detached)."""
+    def embed(*args: Any, **kwargs: Any) -> torch.Tensor:
+        with torch.no_grad():
+            return embedding(*args, **kwargs)
+    return embed
+
+
+def _run_mtp_block(model: torch.nn.Module, input_ids: torch.Tensor, position_ids: torch.Tensor,
+                   main_hidden: torch.Tensor, block_inputs: dict[str, Any], num_depths: int,
+                   detach_trunk: bool) -> list[torch.Tensor]:
+    """The MTP block's output per depth, ``[s, b, h]`` each, depth 1 first."""
+    accepted = inspect.signature(model.mtp.forward).parameters
+    dropped = [name for name, value in block_inputs.items()
+               if name not in accepted and value is not None]
+    if dropped:
+        raise RuntimeError(f"mtp_forward: the decoder got {dropped}, which this "
+                           "megatron-core's MultiTokenPredictionBlock.forward does not take")
+    kwargs = {name: value for name, value in block_inputs.items() if name in accepted}
+    if detach_trunk:
+        # A leaf that requires grad, not a plain detach: megatron-core 0.16's MTP recompute
+        # (a reentrant autograd.Function) returns an output without grad when none of its
+        # inputs requires grad, and the MTP layers would silently get none. The leaf's
+        # gradient stops here; 0.19's block does the same for mtp_detach_heads.
+        hidden = main_hidden.detach().requires_grad_()
+        embedding: Callable[..., torch.Tensor] = _embedding_without_grad(model.embedding)
+    else:
+        hidden, embedding = main_hidden, model.embedding
+    stacked = model.mtp(input_ids=input_ids, position_ids=position_ids, hidden_states=hidden,
+                        embedding=embedding, **kwargs)
+    main_len = main_hidden.size(0)
+    if not isinstance(stacked, torch.Tensor) or stacked.dim() != 3 \
+            or stacked.size(0) != (1 + num_depths) * main_len:
+        shape = tuple(stacked.shape) if isinstance(stacked, torch.Tensor) else type(stacked)
+        raise RuntimeError(f"mtp_forward: the MTP block returned {shape} for hidden_states "
+                           f"of {main_len} positions; expected one tensor stacking "
+                           f"[main; depth 1; ...; depth {num_depths}] on dim 0")
+    return list(torch.chunk(stacked, 1 + num_depths, dim=0)[1:])
 
 
 def mtp_forward(model: torch.nn.Module, input_ids: torch.Tensor, position_ids: torch.Tensor,
                 attention_mask: torch.Tensor | None, labels: torch.Tensor | None,
-                loss_mask: torch.Tensor | None, packed_seq_params: Any = None
-                ) -> MTPForwardOutput:
+                loss_mask: torch.Tensor | None = None, packed_seq_params: Any = None, *,
+                detach_trunk: bool) -> MTPForwardOutput:
     """Runs the model once; Megatron's own MTP loss is not computed (module docstring).
 
-    Not re-entrant for the same model (it switches ``post_process`` off for the call).
+    Not re-entrant for the same model (it switches ``mtp_process`` and ``post_process``
+    off for the trunk's call).
 
     Args:
         model: megatron-core's ``GPTModel`` with an MTP block, on the stage that holds the
@@ -154,36 +271,34 @@ def mtp_forward(model: torch.nn.Module, input_ids: torch.Tensor, position_ids: t
         labels: ``[b, s]`` next-token labels for the main loss, or None for logits. Unlike
             ``GPTModel`` on 0.16 (crash) and 0.19 (MTP loss from ``input_ids``), None is
             fine here: the MTP part does not depend on it.
-        loss_mask: passed to ``GPTModel.forward``, which reads it only for its own MTP
-            loss; give the same mask to ``mtp_depth_losses``.
-        packed_seq_params: Megatron's ``PackedSeqParams`` for THD input, or None.
+        loss_mask: unused: ``GPTModel`` reads it only for its own MTP loss, which is not
+            run. Accepted so that one batch dict feeds ``model(**batch)`` and this alike;
+            give the mask to ``mtp_depth_losses``.
+        packed_seq_params: Megatron's ``PackedSeqParams`` for THD input (build it with
+            ``megatron.packed.packed_seq_params``), or None.
+        detach_trunk: ``MTPLossConfig.detach_trunk``: feed the MTP block a detached copy
+            of the main hidden states and an embedding without gradient, so that the MTP
+            loss trains the MTP layers only. Required: the choice belongs to the config.
 
     Returns:
         The main output, the MTP hidden states per depth and the output weight.
 
     Raises:
-        ValueError: the model has no MTP block or no output layer on this stage.
+        ValueError: the model has no MTP block or no output layer on this stage;
+            ``detach_trunk`` is not a bool or contradicts the model's
+            ``mtp_detach_heads``; MTP recompute with packed sequences on a megatron-core
+            that crashes in it (the message names the TransformerConfig options).
         RuntimeError: the model or its MTP block does not behave as on megatron-core
             0.16-0.19 (the message names what is missing).
     """
+    del loss_mask
     gpt = _unwrap(model)
-    num_depths = _check_model(gpt)
-    captured: list[tuple[Any, Any]] = []
-
-    def hook(_module: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
-        block_input = kwargs.get("hidden_states", args[2] if len(args) > 2 else None)
-        captured.append((block_input, output))
-
-    handle = gpt.mtp.register_forward_hook(hook, with_kwargs=True)
-    try:
-        with _post_process_off(gpt):
-            returned = gpt(input_ids=input_ids, position_ids=position_ids,
-                           attention_mask=attention_mask, labels=labels, loss_mask=loss_mask,
-                           packed_seq_params=packed_seq_params)
-    finally:
-        handle.remove()
-    stacked = _stacked_mtp_output(captured, returned, num_depths)
-    main_hidden, *mtp_hidden = torch.chunk(stacked, 1 + num_depths, dim=0)
+    num_depths = _check_model(gpt, detach_trunk)
+    _check_recompute(gpt, packed_seq_params)
+    main_hidden, block_inputs = _run_trunk(gpt, input_ids, position_ids, attention_mask,
+                                           packed_seq_params)
+    mtp_hidden = _run_mtp_block(gpt, input_ids, position_ids, main_hidden, block_inputs,
+                                num_depths, detach_trunk)
 
     # The rest of GPTModel._postprocess for training: output layer, (MuP) scaling, loss.
     output_weight = (gpt.shared_embedding_or_output_weight()

@@ -131,12 +131,16 @@ class SGLangEngine:
             raise
         vocab_size = checkpoint.get("vocab_size") or checkpoint["text_config"]["vocab_size"]
         max_model_len = models["data"][0].get("max_model_len") or server_info["context_length"]
-        is_spec = server_info.get("speculative_algorithm") is not None
+        algorithm = server_info.get("speculative_algorithm")
+        is_spec = algorithm is not None
         info = EngineInfo(
             model=served_model_name, engine="sglang", model_path=model_path,
             max_model_len=max_model_len, vocab_size=vocab_size,
             # The longest acceptable chain: the accept-length and per-position range.
-            num_speculative_tokens=server_info["speculative_num_steps"] if is_spec else 0)
+            num_speculative_tokens=server_info["speculative_num_steps"] if is_spec else 0,
+            speculative_method=algorithm,
+            has_pushable_drafter=has_pushable_drafter(
+                server_info, {model_path, model_info.get("model_path")}))
         return cls(client, info, features,
                    num_draft_tokens=server_info["speculative_num_draft_tokens"] if is_spec else 0,
                    num_tp_ranks=server_info.get("tp_size") or 1, payload_builder=payload_builder)
@@ -353,6 +357,22 @@ def _to_result(prompt_ids: Sequence[int], out: Mapping[str, Any],
         finish_reason=finish["type"] if finish["type"] in ("stop", "length") else "abort",
         logprobs=logprobs, weight_versions=spans,
         spec_decode=spec_stats_from_meta_info(meta, num_draft_tokens))
+
+
+def has_pushable_drafter(server_info: Mapping[str, Any], served: set[str | None]) -> bool:
+    """Whether the server drafts with the served checkpoint's own MTP layers (EAGLE or
+    NEXTN without a separate ``speculative_draft_model_path``; SGLang fills that path in
+    with the model's for an MTP checkpoint), the only drafter a push can load. EAGLE3
+    always drafts with a separate model.
+
+    Args:
+        server_info: the server's ``/server_info`` (its server arguments).
+        served: the served checkpoint's paths (ours and the server's).
+    """
+    algorithm = server_info.get("speculative_algorithm")
+    if algorithm is None or algorithm == "EAGLE3":
+        return False
+    return server_info.get("speculative_draft_model_path") in served | {None}
 
 
 async def _get_json(client: httpx.AsyncClient, path: str, fallback: str | None = None) -> Any:

@@ -27,18 +27,17 @@ tokens (lower than a chain's at the same accept length); accept length compares 
 both. SGLang's own ``spec_accept_length`` (completion tokens / verify steps, prefill token
 included) is not used. A request without the keys gets None (counted as missing), except
 that with speculation on a request of <= 1 completion token never reached a verify step
-and gets zero counts (accept length 1.0).
+and gets zero counts (accept length 1.0). Counts that contradict themselves (more accepted
+than proposed) are :class:`~rollout_service.protocol.acceptance.InvalidSpecDecodeStats`,
+counted and warned about once by the exporter, as vLLM's are.
 """
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Mapping
 from typing import Any
 
-from rollout_service.protocol.acceptance import SpecDecodeStats
-
-logger = logging.getLogger(__name__)
+from rollout_service.protocol.acceptance import InvalidSpecDecodeStats, SpecDecodeStats
 
 SPEC_KEY_GENERATIONS = (
     ("spec_num_correct_drafts", "spec_num_proposed_drafts", "spec_correct_drafts_histogram"),
@@ -49,7 +48,7 @@ SPEC_KEY_GENERATIONS = (
 
 
 def spec_stats_from_meta_info(meta_info: Mapping[str, Any], num_draft_tokens: int
-                              ) -> SpecDecodeStats | None:
+                              ) -> SpecDecodeStats | InvalidSpecDecodeStats | None:
     """SGLang's per-request counts as :class:`SpecDecodeStats` (see the module docstring).
 
     Args:
@@ -58,7 +57,9 @@ def spec_stats_from_meta_info(meta_info: Mapping[str, Any], num_draft_tokens: in
             speculative decoding is off.
 
     Returns:
-        The counts; None when the response carries none, or inconsistent ones (logged).
+        The counts; None when the response carries none; invalid when they contradict
+        themselves (a histogram that disagrees with the totals only loses the per-position
+        counts).
     """
     verify_ct = meta_info.get("spec_verify_ct")
     keys = next((k for k in SPEC_KEY_GENERATIONS if k[0] in meta_info), None)
@@ -80,7 +81,6 @@ def spec_stats_from_meta_info(meta_info: Mapping[str, Any], num_draft_tokens: in
         return SpecDecodeStats(num_drafts=verify_ct, num_draft_tokens=proposed,
                                num_accepted_tokens=accepted, num_verify_steps=verify_ct,
                                accepted_per_position=per_position)
-    except ValueError:
-        logger.warning("SGLang returned inconsistent spec-decode counts %s; dropped",
-                       {k: meta_info.get(k) for k in ("spec_verify_ct", *keys)})
-        return None
+    except ValueError as exc:
+        counts = {k: meta_info.get(k) for k in ("spec_verify_ct", *keys)}
+        return InvalidSpecDecodeStats(detail=f"SGLang meta_info {counts}: {exc}")

@@ -4,7 +4,9 @@ Runs inside the rollout service process; ``AsyncLLM`` spawns the engine-core
 process (and its workers) and talks to it over ZMQ. Each ``generate`` call is one
 engine request with ``n == 1``, so vLLM attaches exact spec-decode counts to the
 finished output (``per_request_spec_decode_metrics``), which this module turns
-into :class:`~rollout_service.protocol.acceptance.SpecDecodeStats`.
+into :class:`~rollout_service.protocol.acceptance.SpecDecodeStats`. Without a
+speculative config (``mtp.enabled: false``) vLLM refuses per-request metrics, so
+none are asked for and sequences carry no stats.
 """
 
 from __future__ import annotations
@@ -33,23 +35,29 @@ from rollout_service.engines.base import (
     WeightUpdate,
     check_prompt,
 )
-from rollout_service.engines.speculative import MTPSettings, build_vllm_speculative_config
+from rollout_service.engines.speculative import (
+    MTPSettings,
+    build_vllm_speculative_config,
+    is_mtp_method,
+)
 from rollout_service.engines.vllm.transfer import update_info
-from rollout_service.protocol.acceptance import SpecDecodeStats
+from rollout_service.protocol.acceptance import InvalidSpecDecodeStats, SpecDecodeStats
 from rollout_service.protocol.messages import PauseMode, WeightVersionSpan
 
 logger = logging.getLogger(__name__)
 
-# Per-request stats are what this service is for; "summary" has everything the
-# telemetry needs without per-step arrays.
 # Weight pushes go through vLLM's weight-transfer API with this project's `shm`
 # or `cuda_ipc` backend (registered by the `vllm.general_plugins` entry point,
 # chosen by `weights_transport`); the worker extension adds a checksum RPC used
 # to prove rejected pushes change nothing.
 _SERVICE_ENGINE_DEFAULTS: dict[str, Any] = {
-    "per_request_spec_decode_metrics": "summary",
     "worker_extension_cls": "rollout_service.engines.vllm.worker_ext.RolloutWorkerExtension",
 }
+# Per-request stats are what this service is for; "summary" has everything the
+# telemetry needs without per-step arrays. Only with a speculative config: vLLM
+# refuses them without one.
+_SPECULATIVE_ENGINE_DEFAULTS: dict[str, Any] = {"per_request_spec_decode_metrics": "summary"}
+_METRICS_FIELD = "per_request_spec_decode_metrics"
 
 
 def build_engine_args(model: str, engine_kwargs: Mapping[str, Any], mtp: MTPSettings,
@@ -65,18 +73,23 @@ def build_engine_args(model: str, engine_kwargs: Mapping[str, Any], mtp: MTPSett
     Raises:
         ValueError: a bad speculative config or an engine kwarg vLLM does not know.
     """
-    kwargs = {**_SERVICE_ENGINE_DEFAULTS,
+    speculative_config = build_vllm_speculative_config(mtp, engine_kwargs, checkpoint_config)
+    speculative_defaults = _SPECULATIVE_ENGINE_DEFAULTS if speculative_config else {}
+    kwargs = {**_SERVICE_ENGINE_DEFAULTS, **speculative_defaults,
               "weight_transfer_config": {"backend": weights_transport},
-              **engine_kwargs, "model": model}
+              **engine_kwargs, "model": model, "speculative_config": speculative_config}
     if served_model_name is not None:
         # vLLM's own series then carry the same model name as this service's.
         kwargs.setdefault("served_model_name", served_model_name)
-    speculative_config = build_vllm_speculative_config(mtp, engine_kwargs, checkpoint_config)
-    kwargs["speculative_config"] = speculative_config
-    if kwargs.get("per_request_spec_decode_metrics") == "none" and speculative_config:
-        raise ValueError("engine_kwargs.per_request_spec_decode_metrics: 'none' disables the "
+    metrics = kwargs.get(_METRICS_FIELD)
+    if metrics == "none" and speculative_config:
+        raise ValueError(f"engine_kwargs.{_METRICS_FIELD}: 'none' disables the "
                          "per-request acceptance this service exports; use 'summary' or "
                          "'detailed'")
+    if metrics not in (None, "none") and not speculative_config:
+        raise ValueError(f"engine_kwargs.{_METRICS_FIELD}: {metrics!r} needs speculative "
+                         "decoding, which is off (mtp.enabled: false and no "
+                         "engine_kwargs.speculative_config); leave it out")
     try:
         return AsyncEngineArgs(**kwargs)
     except TypeError as exc:
@@ -121,6 +134,8 @@ class VLLMEngine:
             max_model_len=model_config.max_model_len,
             vocab_size=model_config.get_vocab_size(),
             num_speculative_tokens=spec.num_speculative_tokens if spec else 0,
+            speculative_method=spec.method if spec else None,
+            has_pushable_drafter=has_pushable_drafter(spec, model_config),
         )
         return cls(llm, info)
 
@@ -188,6 +203,24 @@ class VLLMEngine:
         self._llm.shutdown()
 
 
+def has_pushable_drafter(speculative_config: Any, model_config: Any) -> bool:
+    """Whether vLLM built a drafter that a push of the served checkpoint can load.
+
+    That is an MTP drafter (method ``mtp``, to which vLLM maps the model-specific
+    ``*_mtp`` names) read from the served checkpoint itself. vLLM can also draft with
+    n-grams, suffix trees, a separate EAGLE or draft model...: none of them holds the
+    checkpoint's tensors, so a drafter push has nothing to load.
+
+    Args:
+        speculative_config: vLLM's resolved ``SpeculativeConfig``, or None.
+        model_config: vLLM's ``ModelConfig`` of the main model.
+    """
+    if speculative_config is None or not is_mtp_method(speculative_config.method):
+        return False
+    served = {model_config.model, getattr(model_config, "model_weights", None)} - {None, ""}
+    return speculative_config.model in served
+
+
 def _cache_vllm_environment() -> None:
     """Freeze vLLM's environment variables in this process, as vLLM does itself in its
     engine-core and worker processes once they have started.
@@ -240,12 +273,18 @@ def _to_result(prompt_ids: list[int], completion: Any, text: str) -> GenerationR
         finish_reason=completion.finish_reason or "abort",
         logprobs=logprobs,
         weight_versions=spans,
-        spec_decode=_to_stats(completion.spec_decode_metrics),
+        spec_decode=to_stats(completion.spec_decode_metrics),
     )
 
 
-def _to_stats(metrics: Any) -> SpecDecodeStats | None:
-    """vLLM's ``RequestSpecDecodeMetrics`` -> :class:`SpecDecodeStats` (None passes)."""
+def to_stats(metrics: Any) -> SpecDecodeStats | InvalidSpecDecodeStats | None:
+    """vLLM's ``RequestSpecDecodeMetrics`` -> :class:`SpecDecodeStats` (None passes);
+    counts that contradict themselves are :class:`InvalidSpecDecodeStats`, never raised."""
     if metrics is None:
         return None
-    return SpecDecodeStats.from_histogram(metrics.histogram, metrics.num_draft_tokens)
+    try:
+        return SpecDecodeStats.from_histogram(metrics.histogram, metrics.num_draft_tokens)
+    except ValueError as exc:
+        return InvalidSpecDecodeStats(
+            detail=f"vLLM histogram {list(metrics.histogram)} with "
+                   f"{metrics.num_draft_tokens} draft tokens: {exc}")

@@ -13,7 +13,7 @@ from rollout_service.embedded.corpus import arithmetic_prompts
 from rollout_service.protocol import messages
 from rollout_service.tools.launch import ServiceProcess
 from rollout_service.tools.scrape import sample_sum
-from tests.integration.conftest import API_KEY, NUM_SPECULATIVE_TOKENS
+from tests.integration.conftest import API_KEY, NUM_SPECULATIVE_TOKENS, until
 
 PROMPTS = [p for p, _ in arithmetic_prompts(8, seed=1)]
 
@@ -86,12 +86,16 @@ async def test_per_request_stats_match_engine_counters(client: RolloutClient) ->
                 sum(o.spec_decode.num_draft_tokens for o in seqs),
                 sum(o.spec_decode.num_drafts for o in seqs))
     assert expected[0] > 0, "the tiny model's drafter must be accepted sometimes"
-    for _ in range(50):  # the engine's stats reach its logger just after the outputs
-        after = await _engine_counters(client)
-        if tuple(a - b for a, b in zip(after, before)) == expected:
-            break
-        await asyncio.sleep(0.1)
-    assert tuple(a - b for a, b in zip(after, before)) == expected
+
+    def delta(after: tuple[float, float, float]) -> tuple[float, ...]:
+        return tuple(a - b for a, b in zip(after, before))
+
+    # The engine's stats reach its logger just after the outputs: wait until every
+    # counter has moved at least as far as the responses say, then they must be equal.
+    after = await until(lambda: _engine_counters(client),
+                        lambda counters: all(d >= e for d, e in zip(delta(counters), expected)),
+                        timeout_s=30)
+    assert delta(after) == expected
 
 
 async def _prometheus_value(url: str, query: str) -> float | None:
@@ -109,12 +113,10 @@ async def _prometheus_caught_up(url: str, client: RolloutClient) -> tuple[float,
     """Wait until Prometheus has scraped the service's current request count."""
     name = "rollout_spec_decode_request_accept_rate"
     want = sample_sum(await client.metrics_text(), "rollout_requests_total")
-    for _ in range(150):
-        if await _prometheus_value(url, "sum(rollout_requests_total)") == want:
-            return (await _prometheus_value(url, f"sum({name}_sum)"),
-                    await _prometheus_value(url, f"sum({name}_count)"))
-        await asyncio.sleep(0.2)
-    raise AssertionError("Prometheus never scraped the current request count")
+    await until(lambda: _prometheus_value(url, "sum(rollout_requests_total)"),
+                lambda scraped: scraped == want, timeout_s=30, interval_s=0.2)
+    return (await _prometheus_value(url, f"sum({name}_sum)"),
+            await _prometheus_value(url, f"sum({name}_count)"))
 
 
 async def test_macro_rate_from_prometheus_equals_mean_of_responses(
@@ -189,6 +191,9 @@ async def test_health_reports_model_and_engine(client: RolloutClient) -> None:
     health = await client.health()
     assert health.status == "ok" and health.engine == "vllm"
     assert health.model == "embedded:tiny"
+    assert health.speculation == messages.SpeculationInfo(
+        is_enabled=True, method="mtp", num_speculative_tokens=NUM_SPECULATIVE_TOKENS,
+        has_pushable_drafter=True)
 
 
 async def test_openai_client_completions(service: ServiceProcess) -> None:

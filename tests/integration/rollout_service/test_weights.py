@@ -8,7 +8,6 @@ they expect.
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -29,6 +28,7 @@ from tests.integration.conftest import (
     WEIGHTS_TOKEN,
     served_version,
     shm_only,
+    until,
     wait_for,
 )
 from tests.integration.conftest import weights_checksums as checksums
@@ -324,7 +324,10 @@ async def test_generation_during_push_sees_only_complete_versions(
         prompt_token_ids=[3 + i, 8, 13], max_tokens=48, temperature=1.0, seed=i))
         for i in range(12)]
     pending = asyncio.gather(*requests)
-    await asyncio.sleep(0.3)
+    # The push must meet generation: wait until vLLM runs some of them (or, on a fast
+    # machine, they are already done: the spans must then hold the old version alone).
+    await until(lambda: _running_or_done(client, pending), bool, timeout_s=120,
+                interval_s=0.05)
     report = await asyncio.to_thread(
         pusher.push, with_change(original, MAIN_PARAM, seed=5).items(), version=version)
     responses = await pending
@@ -368,14 +371,20 @@ async def test_keep_mode_freezes_requests_and_spans_show_the_switch(
         assert new.version == str(version) and old.end == new.start
 
 
+async def running_requests(client: RolloutClient) -> float:
+    """Requests vLLM runs now (its own gauge)."""
+    return sample_sum(await client.metrics_text(), "vllm:num_requests_running")
+
+
 async def running_requests_reach(client: RolloutClient, count: int,
-                                  timeout_s: float = 120.0) -> None:
-    """Wait until vLLM reports ``count`` requests running (its own gauge)."""
-    deadline = time.monotonic() + timeout_s
-    while sample_sum(await client.metrics_text(), "vllm:num_requests_running") < count:
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"fewer than {count} requests running after {timeout_s:g} s")
-        await asyncio.sleep(0.05)
+                                 timeout_s: float = 120.0) -> None:
+    """Wait until vLLM reports ``count`` requests running."""
+    await until(lambda: running_requests(client), lambda running: running >= count,
+                timeout_s=timeout_s, interval_s=0.05)
+
+
+async def _running_or_done(client: RolloutClient, pending: asyncio.Future) -> bool:
+    return pending.done() or await running_requests(client) > 0
 
 
 @shm_only

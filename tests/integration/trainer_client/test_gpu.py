@@ -12,6 +12,16 @@ machine; the CPU tests cover 0.16). Skipped without CUDA. Run alone with
    ``export_hf_weights``: bit-identical to the checkpoint.
 3. Training steps with the main loss plus our MTP loss (fp32, Adam), then the export:
    bf16 tensors under the checkpoint's names and shapes.
+4. ``detach_trunk`` (``test_mtp_forward.check_mtp_only_grad``): a backward of the MTP
+   loss alone leaves every non-MTP parameter's gradient exactly zero; without it the
+   trunk's is not zero.
+5. Activation recompute of the decoder and MTP layers matches no recompute, padded
+   (``check_bshd_recompute``) and packed (``test_thd_forward.check_thd_recompute``: run
+   and compared on megatron-core >= 0.18, refused with a ValueError before).
+6. Packed (THD) against padded (BSHD) per sequence (``check_thd_matches_bshd``): with the
+   CPU test's FAKE per-sequence attention (everything but the attention kernel is
+   Megatron's, 0.19 here), and with Transformer Engine's THD attention where TE is
+   installed (bf16; skipped without TE; its tolerances are estimates until it has run).
 """
 
 from __future__ import annotations
@@ -29,9 +39,12 @@ from tests.unit.trainer_client.test_mtp_forward import (
     BATCH,
     SEQ,
     batch,
+    check_bshd_recompute,
     check_mtp_forward_against_gpt_model,
+    check_mtp_only_grad,
     masked_mean,
 )
+from tests.unit.trainer_client.test_thd_forward import check_thd_matches_bshd, check_thd_recompute
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -165,7 +178,7 @@ def train_and_export(device: torch.device, config: dict, *, num_steps: int = 3,
         data = batch(config["vocab_size"], device, seed=10 + step)
         _sync(device)
         start = time.perf_counter()
-        out = mtp_forward(model, **data)
+        out = mtp_forward(model, **data, detach_trunk=cfg.detach_trunk)
         losses = mtp_depth_losses(out.mtp_hidden, data["labels"], data["loss_mask"],
                                   out.output_weight, None, cfg)
         main_loss = masked_mean(attach_mtp_loss(out.main_output, total_mtp_loss(losses)),
@@ -238,3 +251,40 @@ def test_training_steps_with_mtp_loss_then_export(megatron_cuda: torch.device,
     torch.cuda.reset_peak_memory_stats()
     train_and_export(megatron_cuda, tiny[1])
     print(f"peak CUDA memory {torch.cuda.max_memory_allocated() / 2**20:.0f} MiB")
+
+
+def test_detach_trunk_on_cuda_leaves_every_non_mtp_gradient_exactly_zero(
+        megatron_cuda: torch.device) -> None:
+    from importlib.metadata import version
+
+    norms = check_mtp_only_grad(megatron_cuda)
+    print(f"megatron-core {version('megatron-core')}: with detach_trunk every non-MTP "
+          f"gradient from the MTP loss is 0; without it the embedding's norm is "
+          f"{norms['embedding']:.3f}, the decoder layers' summed norms "
+          f"{norms['decoder_layers']:.3f}")
+
+
+def test_recompute_on_cuda_matches_no_recompute_padded_and_packed(
+        megatron_cuda: torch.device) -> None:
+    check_bshd_recompute(megatron_cuda)
+    print(f"MTP recompute with a packed batch: {check_thd_recompute(megatron_cuda)}")
+
+
+def test_packed_batch_on_cuda_matches_padded_with_the_fake_attention(
+        megatron_cuda: torch.device) -> None:
+    result = check_thd_matches_bshd(megatron_cuda)
+    print("THD vs BSHD (FAKE per-sequence attention, fp32), largest relative differences: "
+          + ", ".join(f"{k} {v:.1e}" for k, v in result.items()))
+
+
+BF16_TOLERANCES = {"loss": 2e-2, "hidden": 5e-2, "grad": 5e-2}
+"""THD and BSHD run different attention kernels in bf16 (8 mantissa bits)."""
+
+
+def test_packed_batch_matches_padded_with_transformer_engine(
+        megatron_cuda: torch.device) -> None:
+    pytest.importorskip("transformer_engine", reason="THD attention needs Transformer Engine")
+    result = check_thd_matches_bshd(megatron_cuda, use_transformer_engine=True,
+                                    params_dtype=torch.bfloat16, tolerances=BF16_TOLERANCES)
+    print("THD vs BSHD (Transformer Engine, bf16), largest relative differences: "
+          + ", ".join(f"{k} {v:.1e}" for k, v in result.items()))

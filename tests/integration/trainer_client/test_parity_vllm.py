@@ -129,7 +129,7 @@ def _megatron_worker(inbox: multiprocessing.Queue, outbox: multiprocessing.Queue
                 causal = torch.ones(seq, seq, dtype=torch.bool).triu(1).view(1, 1, seq, seq)
                 with torch.no_grad():
                     out = mtp_forward(model, tokens, torch.arange(seq).unsqueeze(0), causal,
-                                      labels=None, loss_mask=None)
+                                      labels=None, loss_mask=None, detach_trunk=True)
                     mtp_logits, _ = model.output_layer(out.mtp_hidden[0],
                                                        weight=out.output_weight)
                 return out.main_output[0].log_softmax(-1), mtp_logits[:, 0]

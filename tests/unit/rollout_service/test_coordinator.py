@@ -33,8 +33,10 @@ class FakeReplica:
     (None: never answers); records the versions each commit tells it."""
 
     def __init__(self, coordinator: WeightsCoordinator, name: str,
-                 answer: CommandResult | None) -> None:
+                 answer: CommandResult | None,
+                 speculation: messages.SpeculationInfo | None = None) -> None:
         self.coordinator, self.name, self.answer = coordinator, name, answer
+        self.speculation = speculation
         self.versions: tuple[int | None, int | None] = (None, None)
         self.committed: tuple[int | None, int | None] | None = None
 
@@ -54,7 +56,8 @@ class FakeReplica:
     def report(self) -> messages.ReplicaHealth:
         return messages.ReplicaHealth(replica=self.name, status="ok",
                                       main_version=self.versions[0],
-                                      draft_version=self.versions[1])
+                                      draft_version=self.versions[1],
+                                      speculation=self.speculation)
 
 
 @pytest.fixture
@@ -181,6 +184,37 @@ async def test_a_replica_joining_during_a_long_push_replays_nothing(segment: Seg
     snapshot = joining.result()
     assert snapshot.last_push is None
     assert snapshot.main_version == 1
+    assert coordinator.status().active_push_id == begun.push_id
+    for task in tasks:
+        task.cancel()
+
+
+async def test_a_drafter_push_is_refused_at_begin_when_a_replica_has_no_pushable_drafter(
+        segment: Segment) -> None:
+    """An engine drafting with n-grams has no drafter weights: ``both`` must be refused
+    before any replica is asked to load, ``main`` still goes through."""
+    coordinator = WeightsCoordinator(CHECKPOINT, has_draft=True, push_timeout_s=10.0,
+                                     ack_timeout_s=5.0)
+    ngram = messages.SpeculationInfo(is_enabled=True, method="ngram", num_speculative_tokens=2,
+                                     has_pushable_drafter=False)
+    mtp = ngram.model_copy(update={"method": "mtp", "has_pushable_drafter": True})
+    replicas = [FakeReplica(coordinator, "a", LOADED, mtp),
+                FakeReplica(coordinator, "b", LOADED, ngram)]
+    tasks = [asyncio.create_task(r.run()) for r in replicas]
+    while len(coordinator.replicas()) < 2:
+        await asyncio.sleep(0.01)
+    with pytest.raises(PushError, match="target: 'both' needs a drafter a push can load; "
+                                        "replica b") as refused:
+        await _begin(coordinator, segment, version=1)
+    assert refused.value.status == 400
+    assert coordinator.status().last_push.outcome == "rejected"
+    assert coordinator.status().active_push_id is None
+    assert [r.versions for r in replicas] == [(None, None), (None, None)]
+    begun = await coordinator.begin(messages.PushBeginRequest(
+        version=1, target="main", segment=segment.name, segment_bytes=segment.nbytes,
+        total_bytes=sum(m.nbytes for m in CHECKPOINT.values()),
+        params=[messages.ParamSpec(name=n, shape=list(m.shape), dtype=m.dtype)
+                for n, m in CHECKPOINT.items()]))
     assert coordinator.status().active_push_id == begun.push_id
     for task in tasks:
         task.cancel()

@@ -36,10 +36,17 @@ def test_ratio_sums_numerator_and_denominator_before_dividing() -> None:
 
 
 def test_per_position_keeps_position_on_top_of_the_scope() -> None:
+    # The denominator: drafts of the requests that reported per-position counts.
     assert queries.accept_rate_per_position(RULES) == (
         "sum by (model, position) (rate(rollout_spec_decode_accepted_per_position_total[5m]))"
         " / ignoring (position) group_left sum by (model) "
-        "(rate(rollout_spec_decode_drafts_total[5m]))")
+        "(rate(rollout_spec_decode_drafts_with_positions_total[5m]))")
+
+
+def test_verl_accept_rate_divides_by_every_request_with_stats() -> None:
+    assert queries.verl_accept_rate(RULES) == (
+        "sum by (model) (rate(rollout_spec_decode_request_accept_rate_sum[5m]))"
+        " / sum by (model) (rate(rollout_spec_decode_request_accept_length_count[5m]))")
 
 
 def test_dashboard_matchers_select_model_only_on_the_service_series() -> None:

@@ -35,14 +35,14 @@ from rollout_service.engines.base import (
     WeightUpdate,
 )
 from rollout_service.engines.sglang import engine as sglang_engine
-from rollout_service.engines.sglang.engine import SGLangEngine
+from rollout_service.engines.sglang.engine import SGLangEngine, has_pushable_drafter
 from rollout_service.engines.sglang.features import ServerFeatures
 from rollout_service.engines.sglang.launch import build_launch_command
 from rollout_service.engines.sglang.payload import push_segment
 from rollout_service.engines.sglang.stats import SPEC_KEY_GENERATIONS, spec_stats_from_meta_info
 from rollout_service.engines.speculative import MTPSettings, build_sglang_server_args
 from rollout_service.protocol import messages
-from rollout_service.protocol.acceptance import SpecDecodeStats
+from rollout_service.protocol.acceptance import InvalidSpecDecodeStats, SpecDecodeStats
 from rollout_service.protocol.cuda_ipc import CudaIpcHandle
 from rollout_service.protocol.placement import CudaIpcLocation, ShmLocation, TensorPlacement
 from rollout_service.protocol.shm import Segment
@@ -115,11 +115,24 @@ async def test_info_from_model_info_server_info_and_models(version: str, checkpo
     info = engine.info
     assert (info.engine, info.model, info.model_path) == ("sglang", "tiny", checkpoint)
     assert (info.max_model_len, info.vocab_size, info.num_speculative_tokens) == (200, 64, 3)
+    assert info.speculative_method == "EAGLE" and info.has_pushable_drafter
+
+
+@pytest.mark.parametrize("server_info,is_pushable", [
+    ({"speculative_algorithm": "EAGLE"}, True),  # the checkpoint's MTP layers
+    ({"speculative_algorithm": "NEXTN", "speculative_draft_model_path": "/ckpt"}, True),
+    ({"speculative_algorithm": "EAGLE", "speculative_draft_model_path": "/eagle-head"}, False),
+    ({"speculative_algorithm": "EAGLE3", "speculative_draft_model_path": "/eagle3"}, False),
+    ({"speculative_algorithm": None}, False),
+])
+def test_pushable_drafter_is_the_checkpoints_own(server_info: dict, is_pushable: bool) -> None:
+    assert has_pushable_drafter(server_info, {"/ckpt", "org/ckpt"}) == is_pushable
 
 
 async def test_no_speculation_reports_zero_tokens_and_no_stats(checkpoint: str) -> None:
     engine = await connect(FakeSGLang("0.5.23", model_path=checkpoint))
     assert engine.info.num_speculative_tokens == 0
+    assert engine.info.speculative_method is None and not engine.info.has_pushable_drafter
     result = await engine.generate([1, 2], greedy(8), "r0")
     assert result.spec_decode is None
 
@@ -279,7 +292,12 @@ def test_inconsistent_counts() -> None:
                      "spec_num_proposed_drafts": 12, "spec_correct_drafts_histogram": [3, 1]}
     assert spec_stats_from_meta_info(bad_histogram, 4).accepted_per_position == ()
     too_many = {"spec_verify_ct": 1, "spec_num_correct_drafts": 5, "spec_num_proposed_drafts": 3}
-    assert spec_stats_from_meta_info(too_many, 4) is None
+    # Dropped from every figure as before, and now told apart from missing stats (the
+    # exporter counts it as invalid and warns once; vLLM's contradictions go the same way).
+    invalid = spec_stats_from_meta_info(too_many, 4)
+    assert isinstance(invalid, InvalidSpecDecodeStats)
+    assert "num_accepted_tokens > num_draft_tokens" in invalid.detail
+    assert "spec_num_correct_drafts" in invalid.detail
 
 
 async def test_missing_stats_end_to_end(checkpoint: str) -> None:

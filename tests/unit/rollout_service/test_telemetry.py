@@ -2,16 +2,22 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import math
+from statistics import fmean
 
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 from prometheus_client import CollectorRegistry
 
-from rollout_service.protocol.acceptance import SpecDecodeStats, summarize
+from rollout_service.protocol.acceptance import (
+    InvalidSpecDecodeStats,
+    SpecDecodeStats,
+    summarize,
+)
 from rollout_service.telemetry.acceptance import SpecDecodeMetrics
 from rollout_service.telemetry.weights import PUSH_OUTCOMES, ROLES, WeightMetrics
 
@@ -169,6 +175,95 @@ def test_stats_with_more_positions_than_k_are_refused_whole() -> None:
     with pytest.raises(ValueError, match="draft positions"):
         exporter.observe(stats_from([0, 0, 5], k=2))
     assert metric(registry, "rollout_requests_total") == 0
+
+
+def test_invalid_stats_counted_warned_once_and_left_out(
+        caplog: pytest.LogCaptureFixture) -> None:
+    registry = CollectorRegistry()
+    exporter = SpecDecodeMetrics(registry=registry, num_speculative_tokens=1, **LABELS)
+    with caplog.at_level(logging.WARNING, logger="rollout_service.telemetry.acceptance"):
+        exporter.observe(InvalidSpecDecodeStats(detail="accepted 5 > drafted 3"))
+        exporter.observe(InvalidSpecDecodeStats(detail="accepted 9 > drafted 1"))
+        exporter.observe(stats_from([1, 1], k=1))
+    assert metric(registry, "rollout_spec_decode_invalid_stats_requests_total") == 2
+    assert metric(registry, "rollout_requests_total") == 3
+    assert metric(registry, "rollout_spec_decode_missing_stats_requests_total") == 0
+    assert metric(registry, "rollout_spec_decode_drafts_total") == 2
+    assert metric(registry, "rollout_spec_decode_request_accept_length_count") == 1
+    warnings = [r.getMessage() for r in caplog.records if "contradict" in r.getMessage()]
+    assert len(warnings) == 1 and "accepted 5 > drafted 3" in warnings[0]
+
+
+def test_speculation_off_counts_requests_not_missing_stats(
+        caplog: pytest.LogCaptureFixture) -> None:
+    registry = CollectorRegistry()
+    exporter = SpecDecodeMetrics(registry=registry, num_speculative_tokens=0, **LABELS)
+    with caplog.at_level(logging.WARNING, logger="rollout_service.telemetry.acceptance"):
+        exporter.observe(None)
+    assert metric(registry, "rollout_requests_total") == 1
+    assert metric(registry, "rollout_spec_decode_missing_stats_requests_total") == 0
+    assert not caplog.records
+
+
+def test_per_position_divides_by_the_drafts_that_have_positions() -> None:
+    """The audit's batch: with every draft as denominator it read 0.57 / 0.36."""
+    with_positions = stats_from([2, 3, 5], k=2)  # 10 drafts, positions (8, 5)
+    without = SpecDecodeStats(num_drafts=4, num_draft_tokens=8, num_accepted_tokens=3,
+                              num_verify_steps=4)  # e.g. SGLang's inconsistent histogram
+    assert with_positions.accepted_per_position == (8, 5)
+    summary = summarize([with_positions, without])
+    assert summary.micro_accept_rate_per_position == pytest.approx((0.8, 0.5))
+    registry = CollectorRegistry()
+    exporter = SpecDecodeMetrics(registry=registry, num_speculative_tokens=2, **LABELS)
+    exporter.observe(with_positions)
+    exporter.observe(without)
+    assert metric(registry, "rollout_spec_decode_drafts_total") == 14
+    position_drafts = metric(registry, "rollout_spec_decode_drafts_with_positions_total")
+    assert position_drafts == 10
+    for position, share in enumerate((0.8, 0.5)):
+        assert metric(registry, "rollout_spec_decode_accepted_per_position_total",
+                      position=str(position)) / position_drafts == pytest.approx(share)
+
+
+@given(st.lists(st.tuples(st.lists(st.integers(0, 30), min_size=3, max_size=3), st.booleans()),
+                min_size=1, max_size=15))
+def test_per_position_over_requests_with_positions(items: list[tuple[list[int], bool]]) -> None:
+    """Requests without per-position counts change no share: summary and exporter agree
+    with the summary of the requests that have them."""
+    stats = [stats_from(h, k=2) if keep else
+             dataclasses.replace(stats_from(h, k=2), accepted_per_position=())
+             for h, keep in items]
+    summary = summarize(stats)
+    alone = summarize([s for s in stats if s.has_per_position])
+    assert summary.micro_accept_rate_per_position == \
+        pytest.approx(alone.micro_accept_rate_per_position)
+    registry = CollectorRegistry()
+    exporter = SpecDecodeMetrics(registry=registry, num_speculative_tokens=2, **LABELS)
+    for s in stats:
+        exporter.observe(s)
+    position_drafts = metric(registry, "rollout_spec_decode_drafts_with_positions_total")
+    assert position_drafts == sum(s.num_drafts for s in stats if s.has_per_position)
+    for position, share in enumerate(summary.micro_accept_rate_per_position):
+        assert metric(registry, "rollout_spec_decode_accepted_per_position_total",
+                      position=str(position)) / position_drafts == pytest.approx(share)
+
+
+@given(st.lists(st.lists(st.integers(0, 20), min_size=2, max_size=2), min_size=1,
+                max_size=15))
+def test_verl_accept_rate_counts_requests_without_drafts_as_zero(
+        histos: list[list[int]]) -> None:
+    """verl's convention from the exported series: accept-rate _sum over every request
+    with stats (the accept-length _count, = rate _count + requests without drafts)."""
+    registry = CollectorRegistry()
+    exporter = SpecDecodeMetrics(registry=registry, num_speculative_tokens=1, **LABELS)
+    stats = [stats_from(h, k=1) for h in histos]
+    for s in stats:
+        exporter.observe(s)
+    with_stats = metric(registry, "rollout_spec_decode_request_accept_length_count")
+    assert with_stats == metric(registry, "rollout_spec_decode_request_accept_rate_count") + \
+        metric(registry, "rollout_spec_decode_no_spec_requests_total")
+    verl = metric(registry, "rollout_spec_decode_request_accept_rate_sum") / with_stats
+    assert verl == pytest.approx(fmean(s.accept_rate or 0.0 for s in stats))
 
 
 def test_weight_series_exist_before_the_first_push() -> None:

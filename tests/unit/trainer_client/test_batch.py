@@ -8,7 +8,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from trainer_client.batch import PackedBatch, PaddedBatch, Rollout, pack_padded, pack_thd
-from trainer_client.padding import padded_length, zigzag_split_packed
+from trainer_client.padding import (
+    packed_padded_lengths,
+    padded_length,
+    sequence_multiple,
+    zigzag_split_packed,
+)
 
 PAD_ID = 0
 
@@ -79,7 +84,11 @@ def test_padded_loss_mask_and_labels(rs: list[Rollout], tp: int, cp: int) -> Non
 def test_packed_loss_mask_labels_and_boundaries(rs: list[Rollout], tp: int, cp: int) -> None:
     batch = pack_thd(rs, tp, cp, PAD_ID)
     lengths = [r.num_tokens for r in rs]
-    padded = [padded_length(length, tp, cp) for length in lengths]
+    padded = packed_padded_lengths(lengths, tp, cp)
+    # Each sequence to 2cp (the last one also carries the row's padding), the row to the
+    # padded-row multiple.
+    assert all(p % sequence_multiple(cp) == 0 for p in padded)
+    assert sum(padded) == padded_length(sum(padded), tp, cp)
     cu, cu_padded = batch.cu_seqlens.tolist(), batch.cu_seqlens_padded.tolist()
     assert batch.cu_seqlens.dtype == batch.cu_seqlens_padded.dtype == torch.int32
     assert cu[0] == cu_padded[0] == 0
@@ -142,6 +151,19 @@ def test_packed_batch_splits_cleanly_over_cp_ranks() -> None:
     parts = [zigzag_split_packed(batch.input_ids, batch.cu_seqlens_padded, 2, rank)
              for rank in range(2)]
     assert [p.size(1) for p in parts] == [14, 14]
+
+
+def test_packed_row_pads_sequences_to_2cp_and_the_row_to_the_sp_multiple() -> None:
+    # tp=8, cp=2: each sequence to 4 (7 -> 8, 19 -> 20), the row to lcm(4, 16) = 16:
+    # 28 -> 32, the last sequence's padding grows by 4. (Before: each sequence to 16.)
+    rs = [Rollout(prompt_ids=[1] * 3, response_ids=[2] * 4),
+          Rollout(prompt_ids=[3] * 10, response_ids=[4] * 9)]
+    batch = pack_thd(rs, tp=8, cp=2, pad_id=0)
+    assert batch.cu_seqlens_padded.tolist() == [0, 8, 32]
+    parts = [zigzag_split_packed(batch.input_ids, batch.cu_seqlens_padded, 2, rank)
+             for rank in range(2)]
+    assert [p.size(1) for p in parts] == [16, 16]  # 16 per CP rank: 2 per TP rank
+    assert batch.loss_mask[0, 26:].sum() == 0 and (batch.labels[0, 26:] == 0).all()
 
 
 def rollout(**overrides: object) -> Rollout:

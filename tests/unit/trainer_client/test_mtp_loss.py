@@ -25,7 +25,6 @@ from trainer_client.mtp_loss import (
     MTPLossConfig,
     attach_mtp_loss,
     mtp_depth_losses,
-    mtp_embedding_input,
     set_mtp_loss_backward_scale,
     total_mtp_loss,
 )
@@ -239,11 +238,13 @@ def test_control_attached_output_layer_does_reach_the_lm_head(
     assert torch.count_nonzero(lm.weight.grad) > 0 and torch.count_nonzero(lm.bias.grad) > 0
 
 
-def test_detach_embedding_cuts_only_when_asked() -> None:
-    embedding = torch.randn(3, 2, requires_grad=True)
-    assert mtp_embedding_input(embedding, MTPLossConfig(num_layers=1)) is embedding
-    cut = mtp_embedding_input(embedding, MTPLossConfig(num_layers=1, detach_embedding=True))
-    assert not cut.requires_grad and torch.equal(cut, embedding)
+def test_detach_trunk_is_on_by_default_and_the_old_switch_is_gone() -> None:
+    # Applied by megatron.mtp_forward (test_mtp_forward.check_mtp_only_grad); the
+    # never-applied detach_embedding switch is gone, so a config naming it fails loudly.
+    assert MTPLossConfig(num_layers=1).detach_trunk is True
+    assert MTPLossConfig(num_layers=1, detach_trunk=False).detach_trunk is False
+    with pytest.raises(TypeError, match="detach_embedding"):
+        MTPLossConfig(num_layers=1, detach_embedding=True)  # type: ignore[call-arg]
 
 
 # --------------------------------------------------------------------------- RL loss mask
@@ -380,7 +381,8 @@ def test_config_refuses_bad_values_naming_the_field() -> None:
     for kwargs, field in [({"num_layers": 0}, "num_layers"), ({"num_layers": True}, "num_layers"),
                           ({"num_layers": 1, "scaling_factor": -0.1}, "scaling_factor"),
                           ({"num_layers": 1, "scaling_factor": float("nan")}, "scaling_factor"),
-                          ({"num_layers": 1, "per_token": 1}, "per_token")]:
+                          ({"num_layers": 1, "per_token": 1}, "per_token"),
+                          ({"num_layers": 1, "detach_trunk": None}, "detach_trunk")]:
         with pytest.raises(ValueError, match=field):
             MTPLossConfig(**kwargs)
     cfg = MTPLossConfig(num_layers=2)

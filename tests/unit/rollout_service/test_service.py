@@ -1,0 +1,173 @@
+"""The service around an engine (``local.build_local_service``): what the engine reports
+decides what the service accepts and answers.
+
+The engine here is a FAKE (``FakeEngine``): a real one cannot be made to report
+counts that contradict themselves, and this machine runs one drafter kind (MTP) in
+the integration tests. The real engine with MTP off is
+tests/integration/rollout_service/test_no_speculation.py.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from rollout_service.config import ServiceConfig
+from rollout_service.embedded import ensure_model
+from rollout_service.engines.base import (
+    EngineInfo,
+    GenerationResult,
+    LoadTimings,
+    SamplingOptions,
+    WeightUpdate,
+)
+from rollout_service.local import build_local_service
+from rollout_service.protocol import messages
+from rollout_service.protocol.acceptance import InvalidSpecDecodeStats, SpecDecodeStats
+from rollout_service.protocol.shm import Segment
+from rollout_service.protocol.tensors import checkpoint_tensors
+from rollout_service.service import RolloutService
+from rollout_service.weights.intake import PushError
+from trainer_client.push import layout
+
+MODEL = str(Path(ensure_model("tiny")))
+CHECKPOINT = checkpoint_tensors(MODEL)
+NGRAM = EngineInfo(model="tiny", engine="vllm", model_path=MODEL, max_model_len=1024,
+                   vocab_size=1024, num_speculative_tokens=2, speculative_method="ngram",
+                   has_pushable_drafter=False)
+"""Speculative decoding on, with a drafter that holds no checkpoint tensor."""
+MTP = replace(NGRAM, speculative_method="mtp", has_pushable_drafter=True)
+
+
+class FakeEngine:
+    """FAKE engine: fixed ``info``; every sequence is ``result``; records the calls that
+    would touch weights, so a test sees that a refused push touched none."""
+
+    def __init__(self, info: EngineInfo,
+                 spec_decode: SpecDecodeStats | InvalidSpecDecodeStats | None = None) -> None:
+        self.info = info
+        self.spec_decode = spec_decode
+        self.calls: list[str] = []
+
+    async def generate(self, prompt: str | list[int], sampling: SamplingOptions,
+                       request_id: str) -> GenerationResult:
+        return GenerationResult(prompt_token_ids=(1, 2), token_ids=(3, 4), text="",
+                                finish_reason="length", logprobs=None, weight_versions=(),
+                                spec_decode=self.spec_decode)
+
+    async def pause(self, mode: messages.PauseMode = "wait") -> None:
+        self.calls.append("pause")
+
+    async def resume(self) -> None:
+        self.calls.append("resume")
+
+    async def load_weights(self, update: WeightUpdate, *, draft: bool,
+                           version: str | None) -> LoadTimings:
+        self.calls.append("load draft" if draft else "load main")
+        return LoadTimings(load_s=0.0, finalize_s=0.0)
+
+    async def reset_prefix_cache(self) -> None:
+        self.calls.append("reset_prefix_cache")
+
+    async def weight_checksums(self) -> dict[str, str]:
+        return {}
+
+    async def health(self) -> None:
+        return None
+
+    async def shutdown(self) -> None:
+        return None
+
+
+def local_service(engine: FakeEngine) -> RolloutService:
+    service, _ = build_local_service(engine, ServiceConfig())
+    return service
+
+
+@pytest.fixture
+def segment() -> Iterator[Segment]:
+    _, nbytes = layout([meta.nbytes for meta in CHECKPOINT.values()])
+    with Segment.create(f"mtp-rollout-unit-{os.getpid()}", nbytes) as seg:
+        yield seg
+
+
+def begin_request(segment: Segment, target: messages.PushTarget) -> messages.PushBeginRequest:
+    """A valid announcement of the whole tiny checkpoint."""
+    return messages.PushBeginRequest(
+        version=1, target=target, segment=segment.name, segment_bytes=segment.nbytes,
+        total_bytes=sum(meta.nbytes for meta in CHECKPOINT.values()),
+        params=[messages.ParamSpec(name=name, shape=list(meta.shape), dtype=meta.dtype)
+                for name, meta in CHECKPOINT.items()])
+
+
+@pytest.mark.parametrize("target", ["draft", "both"])
+async def test_drafter_push_refused_at_begin_without_a_pushable_drafter(
+        segment: Segment, target: messages.PushTarget) -> None:
+    """n-gram drafting has num_speculative_tokens > 0 and nothing a push can load: the
+    push is refused before any byte loads, naming ``target``, and the engine is never
+    paused (before, 'both' loaded the main model and then failed on the drafter)."""
+    engine = FakeEngine(NGRAM)
+    weights = local_service(engine).weights
+    with pytest.raises(PushError) as refused:
+        await weights.begin(begin_request(segment, target))
+    assert refused.value.status == 400
+    assert str(refused.value).startswith(f"target: {target!r} loads the drafter")
+    status = weights.status()
+    assert (status.main_version, status.draft_version, status.active_push_id) == (None,) * 3
+    assert status.last_push.outcome == "rejected" and status.consistent
+    assert engine.calls == []
+
+
+async def test_main_push_begins_without_a_pushable_drafter(segment: Segment) -> None:
+    weights = local_service(FakeEngine(NGRAM)).weights
+    begun = await weights.begin(begin_request(segment, "main"))
+    await weights.abort(messages.PushAbortRequest(push_id=begun.push_id))
+
+
+async def test_both_begins_with_the_checkpoints_mtp_drafter(segment: Segment) -> None:
+    weights = local_service(FakeEngine(MTP)).weights
+    begun = await weights.begin(begin_request(segment, "both"))
+    await weights.abort(messages.PushAbortRequest(push_id=begun.push_id))
+
+
+async def test_replica_load_refuses_a_drafter_target_before_pausing(segment: Segment) -> None:
+    """Under Ray Serve the coordinator validated the push without an engine; the replica
+    refuses it before touching anything."""
+    engine = FakeEngine(NGRAM)
+    weights = local_service(engine).weights
+    with pytest.raises(PushError, match="^target: 'both'") as refused:
+        await weights.load(begin_request(segment, "both"), [], push_id="p")
+    assert refused.value.status == 400 and engine.calls == []
+    assert weights.is_consistent and weights.main_version is None
+
+
+async def test_contradictory_stats_never_fail_a_batch() -> None:
+    """The sequence is served without stats; the exporter counts it as invalid."""
+    engine = FakeEngine(MTP, spec_decode=InvalidSpecDecodeStats(detail="accepted 5 > drafted 2"))
+    service, registry = build_local_service(engine, ServiceConfig())
+    request = messages.GenerateRequest(prompt_token_ids=[1, 2], max_tokens=2, n=2)
+    batch = await service.generate_batch(messages.BatchGenerateRequest(requests=[request] * 2))
+    assert [o.spec_decode for r in batch.responses for o in r.outputs] == [None] * 4
+    assert batch.acceptance.num_missing_stats == 4 and batch.acceptance.num_sequences == 4
+    labels = {"model": "tiny", "engine": "vllm"}
+    assert registry.get_sample_value(
+        "rollout_spec_decode_invalid_stats_requests_total", labels) == 4
+    assert registry.get_sample_value(
+        "rollout_spec_decode_missing_stats_requests_total", labels) == 0
+
+
+@pytest.mark.parametrize("info,expected", [
+    (NGRAM, messages.SpeculationInfo(is_enabled=True, method="ngram", num_speculative_tokens=2,
+                                     has_pushable_drafter=False)),
+    (replace(NGRAM, num_speculative_tokens=0, speculative_method=None),
+     messages.SpeculationInfo(is_enabled=False, method=None, num_speculative_tokens=0,
+                              has_pushable_drafter=False)),
+])
+async def test_health_says_what_speculation_the_engine_runs(
+        info: EngineInfo, expected: messages.SpeculationInfo) -> None:
+    body, status = await local_service(FakeEngine(info)).health()
+    assert status == 200 and body.speculation == expected

@@ -1,0 +1,83 @@
+"""The vLLM engine's decisions that need no running engine: the engine args it builds
+(resolved by vLLM's own config classes, as ``AsyncLLM`` would), whether its drafter
+can load a push, and how vLLM's per-request counts become stats.
+
+The running engine is in tests/integration/rollout_service/ (MTP on: test_api.py and
+test_weights.py; MTP off: test_no_speculation.py).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from rollout_service.config import EMBEDDED_ENGINE_KWARGS
+from rollout_service.embedded import ensure_model
+from rollout_service.engines.speculative import MTPSettings, load_checkpoint_config
+from rollout_service.engines.vllm.engine import build_engine_args, has_pushable_drafter, to_stats
+from rollout_service.protocol.acceptance import InvalidSpecDecodeStats, SpecDecodeStats
+
+MODEL = str(Path(ensure_model("tiny")))
+
+
+def engine_config(mtp: MTPSettings, **engine_kwargs: object):  # noqa: ANN201 - VllmConfig
+    """vLLM's resolved config for the service's engine args on the tiny checkpoint."""
+    args = build_engine_args(MODEL, {**EMBEDDED_ENGINE_KWARGS, **engine_kwargs}, mtp,
+                             load_checkpoint_config(MODEL))
+    return args.create_engine_config()
+
+
+def test_speculation_off_asks_vllm_for_no_per_request_metrics() -> None:
+    """vLLM refuses per-request metrics without a speculative config: a service with
+    ``mtp.enabled: false`` must not ask for them, or it never starts."""
+    config = engine_config(MTPSettings(enabled=False))
+    assert config.speculative_config is None
+    assert config.observability_config.per_request_spec_decode_metrics == "none"
+    assert not has_pushable_drafter(config.speculative_config, config.model_config)
+
+
+def test_speculation_on_asks_for_summary_metrics() -> None:
+    config = engine_config(MTPSettings(num_speculative_tokens=2))
+    assert config.observability_config.per_request_spec_decode_metrics == "summary"
+
+
+def test_per_request_metrics_without_speculation_are_refused_naming_the_field() -> None:
+    with pytest.raises(ValueError, match="engine_kwargs.per_request_spec_decode_metrics: "
+                                         "'summary' needs speculative decoding"):
+        build_engine_args(MODEL, {"per_request_spec_decode_metrics": "summary"},
+                          MTPSettings(enabled=False), None)
+
+
+@pytest.mark.parametrize("method", ["mtp", "mimo_mtp"])
+def test_the_checkpoints_mtp_drafter_is_pushable(method: str) -> None:
+    config = engine_config(MTPSettings(method=method, num_speculative_tokens=2))
+    assert config.speculative_config.method == "mtp"  # vLLM's name for every *_mtp
+    assert has_pushable_drafter(config.speculative_config, config.model_config)
+
+
+def test_an_ngram_drafter_is_not_pushable() -> None:
+    config = engine_config(MTPSettings(method="ngram", num_speculative_tokens=2))
+    assert config.speculative_config.method == "ngram"
+    assert config.observability_config.per_request_spec_decode_metrics == "summary"
+    assert not has_pushable_drafter(config.speculative_config, config.model_config)
+
+
+def test_an_mtp_drafter_from_another_checkpoint_is_not_pushable() -> None:
+    # Stands in for a separate MTP checkpoint, which this machine does not have.
+    model_config = SimpleNamespace(model=MODEL, model_weights="")
+    assert not has_pushable_drafter(SimpleNamespace(method="mtp", model="/elsewhere/mtp"),
+                                    model_config)
+    assert not has_pushable_drafter(SimpleNamespace(method="eagle", model=MODEL), model_config)
+
+
+def test_contradictory_vllm_counts_become_invalid_stats_not_an_error() -> None:
+    metrics = SimpleNamespace(histogram=[0, 5], num_draft_tokens=2)  # 5 accepted of 2
+    invalid = to_stats(metrics)
+    assert isinstance(invalid, InvalidSpecDecodeStats)
+    assert "[0, 5]" in invalid.detail and "num_accepted_tokens > num_draft_tokens" in invalid.detail
+    assert to_stats(SimpleNamespace(histogram=[1, 2], num_draft_tokens=3)) == SpecDecodeStats(
+        num_drafts=3, num_draft_tokens=3, num_accepted_tokens=2, num_verify_steps=3,
+        accepted_per_position=(2,))
+    assert to_stats(None) is None
