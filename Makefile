@@ -9,7 +9,7 @@ SHELL := /bin/bash
 # pip warns once per package about the machine's empty local indexes; hide only those lines.
 QUIET_PIP := { grep -v "^WARNING: Location" || true; }
 
-.PHONY: venv demo test prometheus bench-serving clean
+.PHONY: venv demo test prometheus cpu-libs bench-serving clean
 
 venv: $(STAMP)
 
@@ -25,9 +25,17 @@ $(STAMP): pyproject.toml
 
 # The main job: a rollout batch with per-request acceptance, then the RL loop twice
 # (drafter synced every step vs never), with a plot of the macro accept rate.
-demo: venv
+demo: venv cpu-libs
 	$(BIN)/rollout-service demo
 	$(BIN)/rollout-service rl-demo --plot mtp-demo.png
+
+# vLLM's CPU engine runs faster with tcmalloc preloaded (Debian package; the service
+# preloads it with Intel OpenMP from the venv, see docs/benchmarks.md).
+cpu-libs:
+	@[ -e /usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4 ] || \
+	  [ -e /usr/lib/aarch64-linux-gnu/libtcmalloc_minimal.so.4 ] || { \
+	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+	  $$SUDO apt-get update -qq && $$SUDO apt-get install -y -qq libtcmalloc-minimal4 >/dev/null; }
 
 # The tests scrape the service with a real Prometheus server (Debian package).
 prometheus:
@@ -35,7 +43,7 @@ prometheus:
 	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
 	  $$SUDO apt-get update -qq && $$SUDO apt-get install -y -qq prometheus >/dev/null; }
 
-test: venv prometheus
+test: venv prometheus cpu-libs
 	$(BIN)/python -m pytest -q
 
 bench-serving: venv

@@ -11,6 +11,9 @@ machine (clocks, other load) hits every mode alike:
   posts to ``/generate``.
 - ``vllm-server``: ``python -m vllm.entrypoints.openai.api_server`` as a child
   process with the same engine args as CLI flags, reached with ``/v1/completions``.
+- ``service-no-preload`` (CPU, on request): the service without the tcmalloc and
+  Intel OpenMP preload it gives vLLM's CPU engine (``engines/vllm/cpu_preload.py``;
+  the other modes get the same preload), against ``service``.
 
 Workload: ``--concurrency`` requests in flight at once (each level measured on
 its own), prompts from the embedded corpus, n=1, ``ignore_eos`` so every request
@@ -53,11 +56,14 @@ from rich.table import Table
 
 from rollout_service.config import ServiceConfig, load_config
 from rollout_service.embedded.corpus import arithmetic_prompts
+from rollout_service.engines.vllm.cpu_preload import preload_for_cpu_engine
 from rollout_service.protocol import messages
 from rollout_service.tools.launch import ChildProcess, free_port, wait_http_ok
 
-MODES = ("asyncllm", "service", "vllm-server")
-RATIOS = (("service", "asyncllm", 0.90), ("service", "vllm-server", 1.0))
+MODES = ("asyncllm", "service", "service-no-preload", "vllm-server")
+DEFAULT_MODES = ("asyncllm", "service", "vllm-server")
+RATIOS = (("service", "asyncllm", 0.90), ("service", "vllm-server", 1.0),
+          ("service", "service-no-preload", None))
 """(numerator, denominator, target) of each printed ratio."""
 STARTUP_TIMEOUT_S = 900.0
 HTTP_TIMEOUT_S = 1800.0
@@ -115,6 +121,7 @@ async def start_asyncllm(cfg: ServiceConfig, workload: Workload) -> tuple[RoundF
     from vllm.sampling_params import RequestOutputKind
     from vllm.v1.engine.async_llm import AsyncLLM
 
+    preload_for_cpu_engine()  # as the service does (vllm-server inherits it too)
     engine = AsyncLLM.from_engine_args(engine_args(cfg))
     calls = 0
 
@@ -171,7 +178,11 @@ async def start_http(mode: str, cfg: ServiceConfig, workload: Workload, scratch:
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     address = ["--host", "127.0.0.1", "--port", str(port)]
-    if mode == "service":
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    if mode == "service-no-preload":
+        env["ROLLOUT_CPU_PRELOAD"] = "0"
+        env.pop("LD_PRELOAD", None)  # this process's own preload, inherited otherwise
+    if mode.startswith("service"):
         config_path = scratch / "service.json"
         config_path.write_text(cfg.model_dump_json(exclude={"api_key"}))
         cmd = [sys.executable, "-m", "rollout_service.cli", "serve", "--config",
@@ -204,7 +215,6 @@ async def start_http(mode: str, cfg: ServiceConfig, workload: Workload, scratch:
             return response["usage"]["completion_tokens"]
 
         path = "/v1/completions"
-    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     server = ChildProcess(cmd, scratch / f"{mode}.log", env=env)
     try:
         await asyncio.to_thread(wait_http_ok, f"{url}/health", server, STARTUP_TIMEOUT_S)
@@ -261,9 +271,10 @@ def print_report(console: Console, results: dict[int, Rates], workload: Workload
             if num in rates.by_mode and den in rates.by_mode:
                 per_round = [a / b for a, b in zip(rates.by_mode[num], rates.by_mode[den])]
                 median = statistics.median(per_round)
+                met = "-" if target is None else ("yes" if median >= target else "NO")
                 ratios.add_row(str(concurrency), f"{num} / {den}", f"{median:.3f}",
-                               spread(per_round), f">= {target}",
-                               "yes" if median >= target else "NO")
+                               spread(per_round), "-" if target is None else f">= {target}",
+                               met)
     console.print(table)
     console.print(ratios)
 
@@ -288,6 +299,7 @@ async def run(opts: argparse.Namespace, console: Console) -> dict[int, Rates]:
                         temperature=opts.temperature)
     scratch = Path(opts.logs or tempfile.mkdtemp(prefix="bench-serving-"))
     scratch.mkdir(parents=True, exist_ok=True)
+    preload_for_cpu_engine()  # the vllm-server child inherits it, like the service's engine
     console.print(f"logs: {scratch}\nengine args (non-default): "
                   f"{non_default_engine_args(engine_args(cfg))}")
     rounds: dict[str, RoundFn] = {}
@@ -336,7 +348,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3, help="timed rounds per mode")
     parser.add_argument("--num-speculative-tokens", type=int, default=1)
     parser.add_argument("--temperature", type=float, default=1.0, help="0 decodes greedily")
-    parser.add_argument("--modes", default=",".join(MODES),
+    parser.add_argument("--modes", default=",".join(DEFAULT_MODES),
                         help=f"comma-separated subset of {','.join(MODES)}")
     parser.add_argument("--device", choices=("cpu", "cuda"), default=None,
                         help="default: cuda when torch sees a GPU")

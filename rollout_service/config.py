@@ -14,6 +14,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, model_validator
 
+from rollout_service.engines.base import WeightsLoad
 from rollout_service.engines.speculative import MTPSettings
 
 EMBEDDED_PREFIX = "embedded:"
@@ -78,6 +79,13 @@ class ServiceConfig(BaseModel):
         "with: 'shm' (a shared-memory segment on this host; CPU or GPU) or 'cuda_ipc' (CUDA "
         "IPC handles; trainer and engine on the same GPU, vLLM's CUDA build, engine 'vllm' "
         "standalone). A push announcing another transport is refused (400)."))
+    weights_load: WeightsLoad = Field("auto", description=(
+        "How vLLM loads a push. 'reload': vLLM's layerwise reload (re-initialises each layer "
+        "and re-runs its post-load processing: needed where vLLM transforms weights after "
+        "loading, as its CPU build and quantized checkpoints do). 'auto': the same, except "
+        "on CUDA with an unquantized model, where the pushed tensors are copied into the "
+        "served parameters in place (weights used as loaded; several times faster). The "
+        "SGLang engine ignores it."))
 
     @model_validator(mode="after")
     def _transport_engine(self) -> ServiceConfig:

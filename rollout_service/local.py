@@ -33,7 +33,8 @@ def engine_spec(config: ServiceConfig) -> EngineSpec:
     return EngineSpec(model_path=model_path, served_model_name=config.model_name,
                       engine_kwargs=engine_kwargs, mtp=config.mtp,
                       checkpoint_config=load_checkpoint_config(model_path),
-                      weights_transport=config.weights_transport, engine_url=config.engine_url)
+                      weights_transport=config.weights_transport,
+                      weights_load=config.weights_load, engine_url=config.engine_url)
 
 
 async def start_engine(config: ServiceConfig) -> Engine:
@@ -42,6 +43,10 @@ async def start_engine(config: ServiceConfig) -> Engine:
     Raises:
         ValueError: a config the engine rejects (the message names the field).
     """
+    if config.engine == "vllm":
+        from rollout_service.engines.vllm.cpu_preload import preload_for_cpu_engine
+
+        preload_for_cpu_engine()
     start = cast(EngineStarter, importlib.import_module(ENGINE_MODULES[config.engine]).start)
     return await start(engine_spec(config))
 

@@ -2,25 +2,28 @@
 
 Runs in the rollout service process, between the FastAPI handlers (``api``)
 and an :class:`~rollout_service.engines.base.Engine`. Every sequence is one
-engine request (``n`` fans out), and each finished sequence is observed into
-the Prometheus metrics exactly once, here. A sequence whose engine returned
-contradictory stats is counted there and answered without stats; it never fails.
+engine request (``n`` fans out), generated whole (:meth:`RolloutService.sequence`)
+or streamed (:meth:`RolloutService.stream_sequence`), and each finished sequence is
+observed into the Prometheus metrics exactly once, here. A sequence whose engine
+returned contradictory stats is counted there and answered without stats; it never
+fails. OpenAI's completions and chat are built on these in ``completions``.
 """
 
 from __future__ import annotations
 
 import asyncio
-import time
 import uuid
-from collections.abc import Awaitable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Sequence
+from contextlib import aclosing
 from typing import TypeVar
 
 from rollout_service.engines.base import (
+    ChatTurn,
     Engine,
     EngineInfo,
     EngineUnavailableError,
+    GenerationDelta,
     GenerationResult,
-    InvalidRequestError,
     SamplingOptions,
 )
 from rollout_service.protocol import messages
@@ -122,21 +125,44 @@ class RolloutService:
         """SHA-256 of the main model's and the drafter's parameters."""
         return await self.engine.weight_checksums()
 
-    async def _sequence(self, prompt: str | list[int], sampling: SamplingOptions,
-                        request_id: str) -> GenerationResult:
+    @property
+    def info(self) -> EngineInfo:
+        return self.engine.info
+
+    def _check_consistent(self) -> None:
         if not self.weights.is_consistent:
             raise EngineUnavailableError("a weight load failed midway; generation is refused "
                                          "until a complete weight push succeeds")
+
+    async def sequence(self, prompt: str | list[int], sampling: SamplingOptions,
+                       request_id: str) -> GenerationResult:
+        """One sequence, observed once finished."""
+        self._check_consistent()
         result = await self.engine.generate(prompt, sampling, request_id)
         self.metrics.observe(result.spec_decode)
         return result
+
+    async def stream_sequence(self, prompt: str | list[int], sampling: SamplingOptions,
+                              request_id: str) -> AsyncIterator[GenerationDelta]:
+        """One sequence as it is produced, observed once when its last delta arrives (before
+        it is passed on); closing the iterator earlier aborts it, and it is not observed."""
+        self._check_consistent()
+        async with aclosing(self.engine.stream(prompt, sampling, request_id)) as deltas:
+            async for delta in deltas:
+                if delta.result is not None:
+                    self.metrics.observe(delta.result.spec_decode)
+                yield delta
+
+    async def chat_prompt(self, turns: Sequence[ChatTurn]) -> list[int]:
+        """A conversation as prompt token ids, by the served checkpoint's chat template."""
+        return await self.engine.chat_prompt(turns)
 
     async def _sequences(self, req: messages.GenerateRequest, request_id: str
                          ) -> list[GenerationResult]:
         prompt = req.prompt if req.prompt is not None else req.prompt_token_ids
         assert prompt is not None
         return await gather_or_cancel([
-            self._sequence(prompt, sampling_options(req, i), f"{request_id}-{i}")
+            self.sequence(prompt, sampling_options(req, i), f"{request_id}-{i}")
             for i in range(req.n)])
 
     async def generate(self, req: messages.GenerateRequest) -> messages.GenerateResponse:
@@ -161,37 +187,3 @@ class RolloutService:
             request_id=request_id, prompt_token_ids=list(results[0].prompt_token_ids),
             outputs=[to_sequence(i, r) for i, r in enumerate(results)],
             acceptance=to_summary(results))
-
-    async def complete(self, req: messages.CompletionRequest) -> messages.CompletionResponse:
-        """OpenAI ``/v1/completions``: every prompt times ``n``, choices in that order."""
-        prompts = _completion_prompts(req.prompt)
-        stop = [req.stop] if isinstance(req.stop, str) else (req.stop or [])
-        request_id = f"cmpl-{uuid.uuid4().hex}"
-        sampling = messages.SamplingFields(max_tokens=req.max_tokens, temperature=req.temperature,
-                                           top_p=req.top_p, seed=req.seed, stop=stop)
-        results = await gather_or_cancel([
-            self._sequence(prompt, sampling_options(sampling, i), f"{request_id}-{p}-{i}")
-            for p, prompt in enumerate(prompts) for i in range(req.n)])
-        num_prompt_tokens = sum(len(results[p * req.n].prompt_token_ids)
-                                for p in range(len(prompts)))
-        num_completion_tokens = sum(len(r.token_ids) for r in results)
-        return messages.CompletionResponse(
-            id=request_id, created=int(time.time()), model=self.engine.info.model,
-            choices=[messages.CompletionChoice(index=i, text=r.text, finish_reason=r.finish_reason)
-                     for i, r in enumerate(results)],
-            usage=messages.CompletionUsage(prompt_tokens=num_prompt_tokens,
-                                           completion_tokens=num_completion_tokens,
-                                           total_tokens=num_prompt_tokens + num_completion_tokens),
-            acceptance=to_summary(results))
-
-
-def _completion_prompts(prompt: str | list[str] | list[int] | list[list[int]]
-                        ) -> list[str | list[int]]:
-    """OpenAI's four prompt shapes as a list of single prompts."""
-    if isinstance(prompt, str):
-        return [prompt]
-    if not prompt:
-        raise InvalidRequestError("prompt: empty list")
-    if all(isinstance(p, int) for p in prompt):
-        return [list(prompt)]  # type: ignore[arg-type]
-    return list(prompt)  # type: ignore[arg-type]

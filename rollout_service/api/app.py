@@ -4,7 +4,8 @@ Runs in the rollout service process under uvicorn (standalone) or as a Ray Serve
 ingress. What the handlers call (:class:`~rollout_service.api.ports.AppState`)
 opens in ``lifespan``, inside the server's event loop, and is injected with
 ``Depends``; nothing lives in module globals. Errors answer in OpenAI's shape
-(``api.errors``). Dependencies are ``async def``: FastAPI runs a plain ``def`` one
+(``api.errors``), and every route documents the ones it can answer
+(``api.openapi``). Dependencies are ``async def``: FastAPI runs a plain ``def`` one
 in a worker thread, a thread hop per request that the event loop pays under load.
 """
 
@@ -14,15 +15,17 @@ from collections.abc import AsyncIterator, Callable
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 
 from fastapi import Depends, FastAPI, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-from rollout_service.api.errors import check_bearer, install_error_handlers
+from rollout_service.api.errors import bearer_guard, documented, install_error_handlers
+from rollout_service.api.openai import openai_router
+from rollout_service.api.openapi import install_openapi
 from rollout_service.api.ports import AppState, Rollouts
 from rollout_service.api.weights import weights_router
 from rollout_service.config import ServiceConfig
-from rollout_service.protocol import messages
+from rollout_service.protocol import messages, openai
 from rollout_service.telemetry.exposition import combined_registry
 
 StateOpener = Callable[[], AbstractAsyncContextManager[AppState]]
@@ -42,13 +45,14 @@ class RegistryPage:
 @asynccontextmanager
 async def local_state(config: ServiceConfig) -> AsyncIterator[AppState]:
     """One engine in this process (``rollout-service serve``)."""
+    from rollout_service.completions import OpenAICompletions
     from rollout_service.local import build_local_service, start_engine
 
     engine = await start_engine(config)
     try:
         service, registry = build_local_service(engine, config)
-        yield AppState(rollouts=service, weights=service.weights,
-                       metrics=RegistryPage(registry))
+        yield AppState(rollouts=service, completions=OpenAICompletions(service),
+                       weights=service.weights, metrics=RegistryPage(registry))
     finally:
         await engine.shutdown()
 
@@ -74,39 +78,37 @@ def create_app(config: ServiceConfig, open_state: StateOpener | None = None) -> 
 
     app = FastAPI(title="MTP rollout service", lifespan=lifespan)
     install_error_handlers(app)
+    install_openapi(app, stream_chunks=(openai.CompletionChunk, openai.ChatCompletionChunk))
+    guard = bearer_guard(api_key, scheme_name="apiKey",
+                         description="The service's api_key (generation endpoints).")
     app.include_router(weights_router(config.resolved_weights_token()))
+    app.include_router(openai_router(config.model_name, guard))
 
     async def rollouts(request: Request) -> Rollouts:
         return request.app.state.serving.rollouts
 
-    async def authorized(request: Request) -> None:
-        if api_key is not None:
-            check_bearer(request, api_key)
+    guarded = [Depends(guard)] if guard is not None else []
+    errors = documented(400, *((401,) if guard is not None else ()), 503)
 
-    guarded = [Depends(authorized)]
-
-    @app.post("/generate", dependencies=guarded)
+    @app.post("/generate", dependencies=guarded, responses=errors)
     async def generate(req: messages.GenerateRequest,
                        svc: Rollouts = Depends(rollouts)) -> messages.GenerateResponse:
         return await svc.generate(req)
 
-    @app.post("/generate_batch", dependencies=guarded)
+    @app.post("/generate_batch", dependencies=guarded, responses=errors)
     async def generate_batch(req: messages.BatchGenerateRequest,
                              svc: Rollouts = Depends(rollouts)
                              ) -> messages.BatchGenerateResponse:
         return await svc.generate_batch(req)
 
-    @app.post("/v1/completions", dependencies=guarded)
-    async def completions(req: messages.CompletionRequest,
-                          svc: Rollouts = Depends(rollouts)) -> messages.CompletionResponse:
-        return await svc.complete(req)
-
-    @app.get("/health")
+    @app.get("/health", response_model=messages.HealthResponse, responses={503: {
+        "model": messages.HealthResponse, "description": "The engine is dead, or a weight "
+        "load failed midway (Ray Serve: no replica serves)."}})
     async def health(svc: Rollouts = Depends(rollouts)) -> JSONResponse:
         body, status = await svc.health()
-        return JSONResponse(body.model_dump(), status_code=status)
+        return JSONResponse(body.model_dump(mode="json"), status_code=status)
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse)
     async def metrics(request: Request) -> Response:
         return Response(await request.app.state.serving.metrics.render(),
                         media_type=CONTENT_TYPE_LATEST)

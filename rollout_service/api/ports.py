@@ -1,20 +1,22 @@
-"""What the HTTP handlers call: two protocols, met standalone and under Ray Serve.
+"""What the HTTP handlers call: protocols met standalone and under Ray Serve.
 
-Standalone, :class:`Rollouts` is a :class:`~rollout_service.service.RolloutService`
+Standalone, :class:`Rollouts` is a :class:`~rollout_service.service.RolloutService`,
+:class:`Completions` an :class:`~rollout_service.completions.OpenAICompletions` on it
 and :class:`WeightPushes` its
 :class:`~rollout_service.weights.manager.WeightPushManager`, in this process.
-Behind Ray Serve (``serve.app``) they are the ingress's ``ReplicatedService``
-(routes to engine replicas), ``CoordinatorPushes`` (calls the weights
-coordinator) and the replicas' metrics merged into one page. The handlers know
-only these protocols.
+Behind Ray Serve (``serve.app``) they are the ingress's ``ReplicatedService`` and
+``ReplicatedCompletions`` (route to engine replicas), ``CoordinatorPushes`` (calls
+the weights coordinator) and the replicas' metrics merged into one page. The
+handlers know only these protocols.
 """
 
 from __future__ import annotations
 
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 from typing import Protocol
 
-from rollout_service.protocol import messages
+from rollout_service.protocol import messages, openai
 
 WeightChecksums = dict[str, str] | dict[str, dict[str, str]]
 """SHA-256 per model (``main``, ``draft``); under Ray Serve, per replica, then per model."""
@@ -28,13 +30,31 @@ class Rollouts(Protocol):
     async def generate_batch(self, batch: messages.BatchGenerateRequest
                              ) -> messages.BatchGenerateResponse: ...
 
-    async def complete(self, req: messages.CompletionRequest) -> messages.CompletionResponse: ...
-
     async def health(self) -> tuple[messages.HealthResponse, int]:
         """The health body and its HTTP status."""
         ...
 
     async def weight_checksums(self) -> WeightChecksums: ...
+
+
+class Completions(Protocol):
+    """OpenAI's completions and chat, whole or streamed.
+
+    A stream is an async generator of chunks whose first chunk comes once the request
+    is served (a refusal raises from the first ``anext``, before any byte is sent);
+    closing it aborts what still runs.
+    """
+
+    async def complete(self, req: openai.CompletionRequest) -> openai.CompletionResponse: ...
+
+    def complete_stream(self, req: openai.CompletionRequest
+                        ) -> AsyncGenerator[openai.CompletionChunk, None]: ...
+
+    async def chat(self, req: openai.ChatCompletionRequest
+                   ) -> openai.ChatCompletionResponse: ...
+
+    def chat_stream(self, req: openai.ChatCompletionRequest
+                    ) -> AsyncGenerator[openai.ChatCompletionChunk, None]: ...
 
 
 class WeightPushes(Protocol):
@@ -62,5 +82,6 @@ class AppState:
     """What the app serves, opened in ``lifespan``."""
 
     rollouts: Rollouts
+    completions: Completions
     weights: WeightPushes
     metrics: MetricsPage

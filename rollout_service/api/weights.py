@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Depends, Request
 
-from rollout_service.api.errors import Forbidden, check_bearer
+from rollout_service.api.errors import Forbidden, bearer_guard, documented
 from rollout_service.api.ports import Rollouts, WeightChecksums, WeightPushes
 from rollout_service.protocol import messages
 
@@ -18,11 +18,12 @@ from rollout_service.protocol import messages
 def weights_router(weights_token: str | None) -> APIRouter:
     """The router; ``weights_token`` None disables pushes."""
 
-    async def may_push(request: Request) -> None:
-        if weights_token is None:
-            raise Forbidden("weight pushes are disabled: no weights token is configured "
-                            "(weights_token, weights_token_file or $ROLLOUT_WEIGHTS_TOKEN)")
-        check_bearer(request, weights_token)
+    async def disabled() -> None:
+        raise Forbidden("weight pushes are disabled: no weights token is configured "
+                        "(weights_token, weights_token_file or $ROLLOUT_WEIGHTS_TOKEN)")
+
+    guard = bearer_guard(weights_token, scheme_name="weightsToken",
+                         description="The service's weights_token (/weights/*).")
 
     async def pushes(request: Request) -> WeightPushes:
         return request.app.state.serving.weights
@@ -30,24 +31,25 @@ def weights_router(weights_token: str | None) -> APIRouter:
     async def rollouts(request: Request) -> Rollouts:
         return request.app.state.serving.rollouts
 
-    router = APIRouter(prefix="/weights", dependencies=[Depends(may_push)])
+    router = APIRouter(prefix="/weights", dependencies=[Depends(guard or disabled)],
+                       responses=documented(401 if guard else 403))
 
-    @router.post("/begin")
+    @router.post("/begin", responses=documented(400, 409, 503))
     async def begin(req: messages.PushBeginRequest,
                     mgr: WeightPushes = Depends(pushes)) -> messages.PushBeginResponse:
         return await mgr.begin(req)
 
-    @router.post("/update")
+    @router.post("/update", responses=documented(400, 404, 409))
     async def update(req: messages.PushUpdateRequest,
                      mgr: WeightPushes = Depends(pushes)) -> messages.PushUpdateResponse:
         return await mgr.update(req)
 
-    @router.post("/finish")
+    @router.post("/finish", responses=documented(400, 404, 409, 500, 503))
     async def finish(req: messages.PushFinishRequest,
                      mgr: WeightPushes = Depends(pushes)) -> messages.PushFinishResponse:
         return await mgr.finish(req)
 
-    @router.post("/abort")
+    @router.post("/abort", responses=documented(400, 404, 409))
     async def abort(req: messages.PushAbortRequest,
                     mgr: WeightPushes = Depends(pushes)) -> messages.WeightStatus:
         return await mgr.abort(req)

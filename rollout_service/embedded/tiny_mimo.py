@@ -30,10 +30,16 @@ from safetensors.torch import save_file
 
 from rollout_service.embedded.build_tokenizer import EOS_TOKEN, TOKENIZER_PATH, VOCAB_SIZE
 
-RECIPE_VERSION = 1
-"""Bump when the generator's output changes for the same inputs; it renames the cache dir."""
+RECIPE_VERSION = 2
+"""Bump when the generator's output changes for the same inputs; it renames the cache dir.
+2: the tokenizer config has a chat template."""
 EOS_TOKEN_ID = 0
 """`<|endoftext|>` is the first token the BPE trainer adds."""
+CHAT_TEMPLATE = (
+    "{% for message in messages %}{{ message['role'] }}: {{ message['content'] }}\n"
+    "{% endfor %}{% if add_generation_prompt %}assistant:{% endif %}")
+"""A trivial chat template (``role: content`` lines, then ``assistant:``), so that
+``/v1/chat/completions`` serves the embedded model; it knows no conversation format."""
 CACHE_ENV_VAR = "MTP_ROLLOUT_CACHE"
 """Root of the cache; the model directories live under `<root>/models/`."""
 
@@ -277,6 +283,7 @@ def write_model(size: ModelSize, out_dir: Path, init: WeightInit = WeightInit())
         "pad_token": EOS_TOKEN,
         "model_max_length": size.max_position_embeddings,
         "clean_up_tokenization_spaces": False,
+        "chat_template": CHAT_TEMPLATE,
     })
     _write_json(out_dir / "generation_config.json", {
         "bos_token_id": EOS_TOKEN_ID, "eos_token_id": EOS_TOKEN_ID, "pad_token_id": EOS_TOKEN_ID,

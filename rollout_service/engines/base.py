@@ -2,8 +2,8 @@
 
 Runs inside the rollout service process. An engine owns one inference engine
 (which may spawn its own worker processes) and answers one sequence per
-``generate`` call, so every sequence carries exact per-request spec-decode stats.
-The HTTP layer never sees engine types: only the types below.
+``generate`` or ``stream`` call, so every sequence carries exact per-request
+spec-decode stats. The HTTP layer never sees engine types: only the types below.
 
 Each engine package (``engines/vllm``, ``engines/sglang``) exposes
 ``async def start(spec: EngineSpec) -> Engine`` (:data:`EngineStarter`), called
@@ -12,14 +12,17 @@ inside the event loop that will serve the engine.
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol
 
 from rollout_service.engines.speculative import MTPSettings
 from rollout_service.protocol.acceptance import InvalidSpecDecodeStats, SpecDecodeStats
 from rollout_service.protocol.messages import PauseMode, PushTarget, WeightVersionSpan
 from rollout_service.protocol.placement import TensorPlacement, Transport
+
+WeightsLoad = Literal["auto", "reload"]
+"""How an engine loads a push: ``ServiceConfig.weights_load`` documents both."""
 
 
 class InvalidRequestError(ValueError):
@@ -68,6 +71,29 @@ class GenerationResult:
     spec_decode: SpecDecodeStats | InvalidSpecDecodeStats | None
     """This sequence's acceptance counts; invalid when the engine's contradict themselves
     (counted, never raised); None when the engine gave none."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class GenerationDelta:
+    """What a streamed sequence produced since its previous delta."""
+
+    text: str
+    """The new text; may be empty (detokenization holds back an incomplete character or
+    a possible stop string). The deltas' texts joined are the result's text."""
+    token_ids: tuple[int, ...]
+    """The new tokens."""
+    result: GenerationResult | None = None
+    """The finished sequence with its stats: on the last delta, and only there."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ChatTurn:
+    """One message of a conversation, as the chat template reads it."""
+
+    role: str
+    """``system``, ``developer``, ``user`` or ``assistant``."""
+    content: str
+    """The message's text."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -143,6 +169,8 @@ class EngineSpec:
     """The checkpoint's ``config.json`` (MTP layer count), when it has one."""
     weights_transport: Transport = "shm"
     """The data path of weight pushes the engine must be able to load."""
+    weights_load: WeightsLoad = "auto"
+    """How a push is loaded (``ServiceConfig.weights_load``)."""
     engine_url: str | None = None
     """SGLang: a running server to drive instead of launching one."""
 
@@ -178,6 +206,30 @@ class Engine(Protocol):
         Raises:
             InvalidRequestError: the prompt or options cannot be served.
             EngineUnavailableError: the engine is dead.
+        """
+        ...
+
+    def stream(self, prompt: str | list[int], sampling: SamplingOptions,
+               request_id: str) -> AsyncIterator[GenerationDelta]:
+        """Generate one sequence as it is produced (an async generator).
+
+        The last delta carries the finished :class:`GenerationResult`, the same one
+        :meth:`generate` returns for the same prompt and options. Closing the iterator
+        before then aborts the engine request.
+
+        Raises (from the iteration):
+            InvalidRequestError: the prompt or options cannot be served.
+            EngineUnavailableError: the engine is dead.
+        """
+        ...
+
+    async def chat_prompt(self, turns: Sequence[ChatTurn]) -> list[int]:
+        """The prompt of a conversation: the served checkpoint's chat template applied
+        (with the generation prompt), as token ids.
+
+        Raises:
+            InvalidRequestError: the checkpoint has no chat template (naming
+                ``messages``), or the template refuses these turns.
         """
         ...
 

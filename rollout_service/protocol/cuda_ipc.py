@@ -19,14 +19,15 @@ that need it; nothing here imports vLLM.
 from __future__ import annotations
 
 import base64
-import binascii
-from typing import TYPE_CHECKING, Any
+import re
+from typing import TYPE_CHECKING, Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from rollout_service.protocol.tensors import (
     DTYPE_BYTES,
-    check_dtype,
+    Dim,
+    Dtype,
     contiguous_stride,
     numel,
 )
@@ -37,6 +38,10 @@ if TYPE_CHECKING:
 MAX_HANDLE_CHARS = 4096
 """Base64 characters per opaque handle; CUDA's are 64 bytes, torch's
 expandable-segment handles a few hundred."""
+BASE64 = r"^(?:[A-Za-z0-9+/]{4})*(?:[A-Za-z0-9+/]{4}|[A-Za-z0-9+/]{2}==|[A-Za-z0-9+/]{3}=)$"
+"""A non-empty handle in padded base64: what the handle fields accept (the OpenAPI
+document states it; the validator says why a value is refused)."""
+Handle = Annotated[str, Field(max_length=MAX_HANDLE_CHARS, json_schema_extra={"pattern": BASE64})]
 
 
 class CudaIpcHandle(BaseModel):
@@ -53,37 +58,32 @@ class CudaIpcHandle(BaseModel):
 
     gpu_uuid: str = Field(min_length=1, max_length=64, description=(
         "Physical GPU holding the memory: str(torch.cuda.get_device_properties(i).uuid)."))
-    shape: list[int] = Field(max_length=8)
+    shape: list[Dim] = Field(max_length=8)
     stride: list[int] = Field(max_length=8, description="Contiguous strides of shape.")
     storage_offset: int = Field(ge=0, description="Tensor offset in its storage (elements).")
-    dtype: str = Field(description="torch dtype name without the prefix, e.g. 'bfloat16'.")
-    storage_handle: str = Field(max_length=MAX_HANDLE_CHARS, description=(
+    dtype: Dtype = Field(description="torch dtype name without the prefix, e.g. 'bfloat16'.")
+    storage_handle: Handle = Field(description=(
         "Base64 of the CUDA memory handle of the allocation holding the storage."))
     storage_size_bytes: int = Field(gt=0)
     storage_offset_bytes: int = Field(ge=0, description="Storage offset in the allocation.")
-    ref_counter_handle: str = Field(max_length=MAX_HANDLE_CHARS, description=(
+    ref_counter_handle: Handle = Field(description=(
         "Base64 of the name of torch's shared reference-counter file."))
     ref_counter_offset: int = Field(ge=0)
-    event_handle: str = Field(max_length=MAX_HANDLE_CHARS, description=(
+    event_handle: Handle = Field(description=(
         "Base64 of the CUDA event the receiver waits on before reading."))
     event_sync_required: bool
 
     @field_validator("storage_handle", "ref_counter_handle", "event_handle")
     @classmethod
     def _base64(cls, value: str) -> str:
-        try:
-            decoded = base64.b64decode(value, validate=True)
-        except (binascii.Error, ValueError) as exc:
-            raise ValueError(f"not valid base64 ({exc})") from exc
-        if not decoded:
+        if not value:
             raise ValueError("empty handle")
+        if re.fullmatch(BASE64, value) is None:
+            raise ValueError("not valid base64 (padded, in the standard alphabet)")
         return value
 
     @model_validator(mode="after")
     def _consistent(self) -> CudaIpcHandle:
-        check_dtype(self.dtype)
-        if any(dim < 0 for dim in self.shape):
-            raise ValueError(f"shape: {self.shape} has a negative dim")
         if self.stride != contiguous_stride(self.shape):
             raise ValueError(f"stride: {self.stride} is not the contiguous stride "
                              f"{contiguous_stride(self.shape)} of shape {self.shape}; "

@@ -2,23 +2,57 @@
 
 Shared by the server (``api``) and by clients (``client``, the trainer client,
 tools, tests), so both sides validate the same shapes. Requests reject unknown
-fields.
+fields and take JSON types as they are (strict: ``"1"`` is not ``1``; an integer may be
+written ``3.0``, as JSON Schema reads it); every constraint JSON Schema can state is on a
+field or the model, so the OpenAPI document states it. OpenAI-shaped messages are in
+``protocol/openai.py``.
 """
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
 
 from rollout_service.protocol.acceptance import BatchSummary, SpecDecodeStats
 from rollout_service.protocol.placement import TensorPlacement, Transport
 from rollout_service.protocol.shm import SEGMENT_NAME_PATTERN
+from rollout_service.protocol.tensors import Dtype
 
-_STRICT = ConfigDict(extra="forbid")
+_STRICT = ConfigDict(extra="forbid", strict=True)
 
 MAX_N = 64
+"""Sequences per prompt."""
 MAX_BATCH = 4096
+"""Requests per batch, prompts per completion call."""
+MAX_STOP = 16
+"""Stop strings per request."""
+MAX_TOP_K = 2**31 - 1
+"""Far past any vocabulary (top-k past it keeps all); integers past 64 bits fail inside
+vLLM, whose processes exchange requests as msgpack."""
+MAX_SEED = 2**53 - 1
+"""The largest integer a JSON number holds exactly (an IEEE double: the OpenAPI document's
+bounds are doubles, and so are many clients' numbers)."""
+
+
+def integral(value: Any) -> Any:
+    """``3.0`` as 3; anything else as it is."""
+    return int(value) if isinstance(value, float) and value.is_integer() else value
+
+
+Int = Annotated[int, BeforeValidator(integral)]
+"""An integer of a request: JSON has one number type, and ``3.0`` is the integer 3 (as
+JSON Schema reads it); strings, booleans and fractions are refused. Constrained integers
+carry their bounds before the validator (after it, in a union, pydantic would document
+them under names JSON Schema does not know)."""
+Count = Annotated[int, Field(ge=1), BeforeValidator(integral)]
+"""An integer of at least 1."""
+TokenId = Annotated[int, Field(ge=0), BeforeValidator(integral)]
+"""A token id (the vocabulary's size is the engine's to check)."""
+Seed = Annotated[int, Field(ge=0, le=MAX_SEED), BeforeValidator(integral)]
+"""A sampling seed."""
+StopString = Annotated[str, Field(min_length=1)]
+"""A string that ends a sequence; the engines refuse an empty one."""
 
 
 class SamplingFields(BaseModel):
@@ -26,33 +60,43 @@ class SamplingFields(BaseModel):
 
     model_config = _STRICT
 
-    max_tokens: int = Field(16, ge=1, description="Tokens to generate at most.")
+    max_tokens: Int = Field(16, ge=1, description="Tokens to generate at most.")
     temperature: float = Field(1.0, ge=0.0, le=2.0,
                                description="Sampling temperature; 0 is greedy (OpenAI's range).")
     top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus probability mass kept.")
-    top_k: int = Field(0, ge=0, description="Tokens kept by rank; 0 keeps all.")
-    seed: int | None = Field(None, ge=0, description=(
+    top_k: Int = Field(0, ge=0, le=MAX_TOP_K, description=(
+        "Tokens kept by rank; 0 keeps all (and so does any k past the vocabulary)."))
+    seed: Seed | None = Field(None, description=(
         "Seed for reproducible sampling; sequence i of a request with n > 1 uses seed + i."))
-    stop: list[str] = Field(default_factory=list, max_length=16,
-                            description="Strings that end a sequence.")
+    stop: list[StopString] = Field(default_factory=list, max_length=MAX_STOP,
+                                   description="Strings that end a sequence (non-empty).")
     ignore_eos: bool = Field(False, description="Generate past end-of-sequence (benchmarks).")
     logprobs: bool = Field(False, description="Return each sampled token's log-probability.")
+
+
+_ONE_PROMPT = {"oneOf": [
+    {"required": ["prompt"], "properties": {"prompt": {"type": "string"}}},
+    {"required": ["prompt_token_ids"], "properties": {"prompt_token_ids": {"type": "array"}}},
+]}
+"""Exactly one of the two prompt fields is given and not null, in JSON Schema."""
 
 
 class GenerateRequest(SamplingFields):
     """One prompt, ``n`` sequences; give exactly one of ``prompt`` and ``prompt_token_ids``."""
 
-    prompt: str | None = Field(None, description="Prompt text (tokenized by the server).")
-    prompt_token_ids: list[int] | None = Field(None, description="Prompt as token ids.")
-    n: int = Field(1, ge=1, le=MAX_N, description=(
+    model_config = ConfigDict(json_schema_extra=_ONE_PROMPT)
+
+    prompt: Annotated[str, Field(min_length=1)] | None = Field(None, description=(
+        "Prompt text (tokenized by the server)."))
+    prompt_token_ids: Annotated[list[TokenId], Field(min_length=1)] | None \
+        = Field(None, description="Prompt as token ids (each below the vocabulary size).")
+    n: Int = Field(1, ge=1, le=MAX_N, description=(
         "Sequences to sample; each runs as its own engine request so each has exact stats."))
 
     @model_validator(mode="after")
     def _one_prompt(self) -> GenerateRequest:
         if (self.prompt is None) == (self.prompt_token_ids is None):
             raise ValueError("give exactly one of 'prompt' and 'prompt_token_ids'")
-        if self.prompt == "" or self.prompt_token_ids == []:
-            raise ValueError("the prompt is empty")
         return self
 
 
@@ -179,57 +223,6 @@ class HealthResponse(BaseModel):
     replicas: list[ReplicaHealth] | None = Field(None, description="Ray Serve only.")
 
 
-# --- OpenAI-compatible completions (the subset the `openai` client uses) ---------
-
-class CompletionRequest(BaseModel):
-    """``POST /v1/completions``; fields outside this subset are rejected."""
-
-    model_config = _STRICT
-
-    model: str
-    prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int = Field(16, ge=1)
-    temperature: float = Field(1.0, ge=0.0, le=2.0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
-    n: int = Field(1, ge=1, le=MAX_N)
-    stop: str | list[str] | None = None
-    seed: int | None = Field(None, ge=0)
-    logprobs: int | None = Field(None, ge=0, le=0, description="Only 0 (the sampled token).")
-    stream: Literal[False] = Field(False, description="Streaming is not supported.")
-    echo: Literal[False] = False
-    user: str | None = None
-
-
-class CompletionLogprobs(BaseModel):
-    tokens: list[str]
-    token_logprobs: list[float]
-    top_logprobs: None = None
-    text_offset: list[int]
-
-
-class CompletionChoice(BaseModel):
-    index: int
-    text: str
-    finish_reason: str
-    logprobs: CompletionLogprobs | None = None
-
-
-class CompletionUsage(BaseModel):
-    prompt_tokens: int
-    completion_tokens: int
-    total_tokens: int
-
-
-class CompletionResponse(BaseModel):
-    id: str
-    object: Literal["text_completion"] = "text_completion"
-    created: int
-    model: str
-    choices: list[CompletionChoice]
-    usage: CompletionUsage
-    acceptance: AcceptanceSummary = Field(description="Extension: this call's acceptance.")
-
-
 class ErrorBody(BaseModel):
     message: str
     type: str
@@ -257,16 +250,27 @@ class ParamSpec(BaseModel):
     model_config = _STRICT
 
     name: str = Field(min_length=1, max_length=512)
-    shape: list[int] = Field(max_length=8)
-    dtype: str = Field(description="torch dtype name without the prefix, e.g. 'bfloat16'.")
+    shape: list[Annotated[int, Field(ge=0), BeforeValidator(integral)]] = Field(max_length=8)
+    dtype: Dtype = Field(description="torch dtype name without the prefix, e.g. 'bfloat16'.")
+
+
+_TRANSPORT_FIELDS = {"oneOf": [
+    {"properties": {"transport": {"const": "shm"}, "segment": {"type": "string"},
+                    "segment_bytes": {"type": "integer"}},
+     "required": ["segment", "segment_bytes"]},
+    {"properties": {"transport": {"const": "cuda_ipc"}, "segment": {"type": "null"},
+                    "segment_bytes": {"type": "null"}},
+     "required": ["transport"]},
+]}
+"""Transport 'shm' (the default) needs the segment; 'cuda_ipc' leaves it out, in JSON Schema."""
 
 
 class PushBeginRequest(BaseModel):
     """Announce a push: everything is validated before any byte is loaded."""
 
-    model_config = _STRICT
+    model_config = ConfigDict(**_STRICT, json_schema_extra=_TRANSPORT_FIELDS)
 
-    version: int = Field(ge=0, description=(
+    version: Int = Field(ge=0, description=(
         "New weight version; must be greater than the current version of every target."))
     target: PushTarget = Field("both", description="Which model(s) load the stream.")
     transport: Transport = Field("shm", description=(
@@ -275,9 +279,9 @@ class PushBeginRequest(BaseModel):
         "CUDA IPC handles of the trainer's tensors (trainer and engine on the same GPU)."))
     segment: str | None = Field(None, pattern=SEGMENT_NAME_PATTERN, description=(
         "shm only (required there): name of the trainer's segment under /dev/shm."))
-    segment_bytes: int | None = Field(None, gt=0, description=(
+    segment_bytes: Count | None = Field(None, description=(
         "shm only (required there): size of the segment in bytes."))
-    total_bytes: int = Field(gt=0, description="Sum of the announced tensors' sizes.")
+    total_bytes: Int = Field(gt=0, description="Sum of the announced tensors' sizes.")
     params: list[ParamSpec] = Field(min_length=1)
     pause_mode: PauseMode = Field("wait", description=(
         "How generation is paused while the engine loads: 'wait' lets running requests "

@@ -12,15 +12,24 @@ No torch here: the service process validates placements without it.
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from rollout_service.protocol.cuda_ipc import CudaIpcHandle
 from rollout_service.protocol.shm import SEGMENT_NAME_PATTERN
-from rollout_service.protocol.tensors import DTYPE_BYTES, TensorMeta, check_dtype, numel
+from rollout_service.protocol.tensors import DTYPE_BYTES, Dim, Dtype, TensorMeta, numel
 
 _FROZEN = ConfigDict(extra="forbid", frozen=True)
+
+
+def _tag_required(schema: dict[str, Any]) -> None:
+    # The tag has a default for Python callers, but a location on the wire is told apart
+    # by it (the discriminator), so the wire needs it.
+    schema.setdefault("required", []).insert(0, "transport")
+
+
+_LOCATION = ConfigDict(**_FROZEN, json_schema_extra=_tag_required)
 
 Transport = Literal["shm", "cuda_ipc"]
 """Data path of a weight push: a shared-memory segment on one host, or CUDA memory
@@ -30,7 +39,7 @@ shared by IPC handle (trainer and engine on the same GPU)."""
 class ShmLocation(BaseModel):
     """The tensor's bytes at ``offset`` in the trainer's shared-memory ``segment``."""
 
-    model_config = _FROZEN
+    model_config = _LOCATION
 
     transport: Literal["shm"] = "shm"
     segment: str = Field(pattern=SEGMENT_NAME_PATTERN, description=(
@@ -41,7 +50,7 @@ class ShmLocation(BaseModel):
 class CudaIpcLocation(BaseModel):
     """The tensor's CUDA memory, shared by the trainer as an IPC handle."""
 
-    model_config = _FROZEN
+    model_config = _LOCATION
 
     transport: Literal["cuda_ipc"] = "cuda_ipc"
     handle: CudaIpcHandle
@@ -56,19 +65,12 @@ class TensorPlacement(BaseModel):
     model_config = _FROZEN
 
     name: str = Field(min_length=1, max_length=512, description="Checkpoint (HF) name.")
-    dtype: str = Field(description="torch dtype name without the prefix, e.g. 'bfloat16'.")
-    shape: tuple[int, ...] = Field(max_length=8)
+    dtype: Dtype = Field(description="torch dtype name without the prefix, e.g. 'bfloat16'.")
+    shape: tuple[Dim, ...] = Field(max_length=8)
     location: Location
-
-    @field_validator("dtype")
-    @classmethod
-    def _known_dtype(cls, value: str) -> str:
-        return check_dtype(value)
 
     @model_validator(mode="after")
     def _handle_matches(self) -> TensorPlacement:
-        if any(dim < 0 for dim in self.shape):
-            raise ValueError(f"shape: {list(self.shape)} of {self.name!r} has a negative dim")
         if isinstance(self.location, CudaIpcLocation):
             try:
                 self.location.handle.check_matches(self.shape, self.dtype)

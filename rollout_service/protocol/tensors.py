@@ -15,6 +15,9 @@ import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Annotated
+
+from pydantic import AfterValidator, Field, WithJsonSchema
 
 # safetensors dtype codes -> torch dtype names (the names used on the wire)
 SAFETENSORS_DTYPES = {
@@ -65,6 +68,13 @@ def check_dtype(dtype: str) -> str:
         raise ValueError(f"dtype: {dtype!r} is not a tensor dtype (accepted: "
                          f"{', '.join(sorted(DTYPE_BYTES))})")
     return dtype
+
+
+Dtype = Annotated[str, AfterValidator(check_dtype),
+                  WithJsonSchema({"type": "string", "enum": sorted(DTYPE_BYTES)})]
+"""A message's dtype field: a torch dtype name (``bfloat16``) this protocol carries."""
+Dim = Annotated[int, Field(ge=0)]
+"""A message's tensor dimension."""
 
 
 def read_safetensors_header(path: Path) -> dict[str, TensorMeta]:

@@ -7,8 +7,9 @@ deployments; the classes below run in Serve replica actors:
 - ``RolloutIngress`` (stateless, ``num_ingress_replicas``): the same FastAPI app
   as the standalone service (``api.app.create_app``), whose handlers call the engine
   replicas through a deployment handle (retrying on another replica while the
-  one reached has a dead engine or lags behind the weights) and the coordinator
-  for weight pushes, ``/health`` and ``GET /metrics/targets``.
+  one reached has a dead engine or lags behind the weights; a stream until its
+  first chunk, through a streaming handle) and the coordinator for weight pushes,
+  ``/health`` and ``GET /metrics/targets``.
 - ``RolloutEngine`` (``num_replicas`` or autoscaling): one engine each
   (``serve/replica.py``).
 - ``WeightsCoordinator`` (one replica): fans every push out to all engine
@@ -29,7 +30,7 @@ import logging
 import signal
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -42,7 +43,7 @@ from ray.serve.handle import DeploymentHandle
 from rollout_service.api.app import create_app
 from rollout_service.api.ports import AppState
 from rollout_service.engines.base import EngineUnavailableError
-from rollout_service.protocol import messages
+from rollout_service.protocol import messages, openai
 from rollout_service.protocol.acceptance import summarize
 from rollout_service.serve.config import RayServeConfig, parse_serve_config
 from rollout_service.serve.coordinator import WeightsCoordinator
@@ -68,33 +69,73 @@ async def _call(response: Any) -> Any:
         raise _cause(exc) from None
 
 
+class Replicas:
+    """Calls to the engine replicas, retried on another while the one reached cannot serve
+    (a dead engine, lagging weights, a lost actor) until ``retry_timeout_s``."""
+
+    def __init__(self, config: RayServeConfig, engine: DeploymentHandle) -> None:
+        self._retry_timeout_s = config.retry_timeout_s
+        self._engine = engine
+
+    async def call(self, method: str, request: Any) -> Any:
+        """The answer of ``method`` on a replica."""
+        deadline = time.monotonic() + self._retry_timeout_s
+        delay = 0.05
+        while True:
+            try:
+                return await getattr(self._engine, method).remote(request)
+            except Exception as exc:
+                self._check_retry(method, _cause(exc), deadline, delay)
+            await asyncio.sleep(delay)
+            delay = min(2 * delay, 1.0)
+
+    async def stream(self, method: str, request: Any) -> AsyncGenerator[Any, None]:
+        """The items of the async generator ``method`` on a replica; retried until its
+        first item only (what follows went to the client already)."""
+        deadline = time.monotonic() + self._retry_timeout_s
+        delay = 0.05
+        while True:
+            items = getattr(self._engine.options(stream=True), method).remote(request)
+            try:
+                first = await anext(items)
+                break
+            except StopAsyncIteration:
+                return
+            except Exception as exc:
+                self._check_retry(method, _cause(exc), deadline, delay)
+            await asyncio.sleep(delay)
+            delay = min(2 * delay, 1.0)
+        try:
+            yield first
+            async for item in items:
+                yield item
+        except Exception as exc:
+            raise _cause(exc) from None
+        finally:
+            items.cancel()  # the client went away: the replica closes its stream, aborting
+
+    @staticmethod
+    def _check_retry(method: str, cause: BaseException, deadline: float, delay: float) -> None:
+        if (not isinstance(cause, (EngineUnavailableError, RayActorError))
+                or time.monotonic() + delay > deadline):
+            raise cause from None
+        logger.info("retrying %s on another replica: %s", method, cause)
+
+
 class ReplicatedService:
     """The ingress's side of :class:`~rollout_service.service.RolloutService`."""
 
     def __init__(self, config: RayServeConfig, engine: DeploymentHandle,
                  coordinator: DeploymentHandle) -> None:
         self._config = config
-        self._engine = engine
+        self._replicas = Replicas(config, engine)
         self._coordinator = coordinator
         autoscaling = config.autoscaling_config or {}
         self._num_wanted = (config.num_replicas if config.autoscaling_config is None
                             else max(1, int(autoscaling.get("min_replicas", 1))))
 
     async def _on_a_replica(self, method: str, request: Any) -> Any:
-        """Call an engine replica; retry elsewhere while replicas cannot serve."""
-        deadline = time.monotonic() + self._config.retry_timeout_s
-        delay = 0.05
-        while True:
-            try:
-                return await getattr(self._engine, method).remote(request)
-            except Exception as exc:
-                cause = _cause(exc)
-                if (not isinstance(cause, (EngineUnavailableError, RayActorError))
-                        or time.monotonic() + delay > deadline):
-                    raise cause from None
-                logger.info("retrying %s on another replica: %s", method, cause)
-            await asyncio.sleep(delay)
-            delay = min(2 * delay, 1.0)
+        return await self._replicas.call(method, request)
 
     async def generate(self, req: messages.GenerateRequest) -> messages.GenerateResponse:
         return await self._on_a_replica("generate", req)
@@ -106,9 +147,6 @@ class ReplicatedService:
         stats = [o.spec_decode.to_stats() if o.spec_decode else None
                  for response in responses for o in response.outputs]
         return messages.BatchGenerateResponse(responses=responses, acceptance=summarize(stats))
-
-    async def complete(self, req: messages.CompletionRequest) -> messages.CompletionResponse:
-        return await self._on_a_replica("complete", req)
 
     async def weight_checksums(self) -> dict[str, dict[str, str]]:
         """Per replica: SHA-256 of its main model's and drafter's parameters."""
@@ -134,6 +172,28 @@ class ReplicatedService:
             weights=weights, speculation=speculation, detail="; ".join(problems) or None,
             replicas=replicas)
         return body, 200 if serving else 503
+
+
+class ReplicatedCompletions:
+    """The ingress's side of :class:`~rollout_service.completions.OpenAICompletions`: each
+    call on one replica (all of a call's choices there)."""
+
+    def __init__(self, replicas: Replicas) -> None:
+        self._replicas = replicas
+
+    async def complete(self, req: openai.CompletionRequest) -> openai.CompletionResponse:
+        return await self._replicas.call("complete", req)
+
+    def complete_stream(self, req: openai.CompletionRequest
+                        ) -> AsyncGenerator[openai.CompletionChunk, None]:
+        return self._replicas.stream("complete_stream", req)
+
+    async def chat(self, req: openai.ChatCompletionRequest) -> openai.ChatCompletionResponse:
+        return await self._replicas.call("chat", req)
+
+    def chat_stream(self, req: openai.ChatCompletionRequest
+                    ) -> AsyncGenerator[openai.ChatCompletionChunk, None]:
+        return self._replicas.stream("chat_stream", req)
 
 
 class CoordinatorPushes:
@@ -181,6 +241,7 @@ class RolloutIngress:
     @asynccontextmanager
     async def _state(self) -> AsyncIterator[AppState]:
         yield AppState(rollouts=ReplicatedService(self._config, self._engine, self._coordinator),
+                       completions=ReplicatedCompletions(Replicas(self._config, self._engine)),
                        weights=CoordinatorPushes(self._coordinator),
                        metrics=ReplicaMetrics(self._coordinator))
 

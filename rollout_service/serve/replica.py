@@ -28,10 +28,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+from collections.abc import AsyncIterator
+from contextlib import aclosing
 from typing import TYPE_CHECKING
 
 from rollout_service.engines.base import Engine, EngineUnavailableError
-from rollout_service.protocol import messages
+from rollout_service.protocol import messages, openai
 from rollout_service.serve.config import RayServeConfig
 from rollout_service.serve.coordinator import Command, CommandResult, StoredPush
 from rollout_service.service import speculation_info
@@ -63,6 +65,7 @@ class EngineReplica:
     async def __init__(self, config: RayServeConfig, coordinator: DeploymentHandle) -> None:
         from ray import serve
 
+        from rollout_service.completions import OpenAICompletions
         from rollout_service.local import build_local_service, start_engine
 
         self._id = serve.get_replica_context().replica_id.unique_id
@@ -80,6 +83,7 @@ class EngineReplica:
         await coordinator.announce.remote(await self._report())
         self._engine = await start_engine(config)
         self._service, registry = build_local_service(self._engine, config)
+        self._completions = OpenAICompletions(self._service)
         self._weights = self._service.weights
         self._metrics_address = advertised_address(
             config.metrics_host, serve_metrics(registry, config.metrics_host))
@@ -102,9 +106,28 @@ class EngineReplica:
         response = await self._service.generate(req)
         return response.model_copy(update={"replica": self._id})
 
-    async def complete(self, req: messages.CompletionRequest) -> messages.CompletionResponse:
+    async def complete(self, req: openai.CompletionRequest) -> openai.CompletionResponse:
         await self._admit()
-        return await self._service.complete(req)
+        return await self._completions.complete(req)
+
+    async def complete_stream(self, req: openai.CompletionRequest
+                              ) -> AsyncIterator[openai.CompletionChunk]:
+        """Streamed to the ingress (``handle.options(stream=True)``); cancelled with it."""
+        await self._admit()
+        async with aclosing(self._completions.complete_stream(req)) as chunks:
+            async for chunk in chunks:
+                yield chunk
+
+    async def chat(self, req: openai.ChatCompletionRequest) -> openai.ChatCompletionResponse:
+        await self._admit()
+        return await self._completions.chat(req)
+
+    async def chat_stream(self, req: openai.ChatCompletionRequest
+                          ) -> AsyncIterator[openai.ChatCompletionChunk]:
+        await self._admit()
+        async with aclosing(self._completions.chat_stream(req)) as chunks:
+            async for chunk in chunks:
+                yield chunk
 
     async def check_health(self) -> None:
         """Ray Serve's health check: a dead engine or torn weights fail the replica."""

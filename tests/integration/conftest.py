@@ -8,7 +8,9 @@ module).
 
 ``ROLLOUT_TEST_TARGET`` picks where the same tests run: ``cpu`` (default: vLLM's
 CPU build, shm pushes), ``cuda-shm`` or ``cuda-ipc`` (vLLM's CUDA build on GPU 0,
-pushes through shared memory or CUDA IPC handles from this process's GPU tensors).
+pushes through shared memory or CUDA IPC handles from this process's GPU tensors,
+copied into the served parameters in place), ``cuda-ipc-reload`` (the same with
+vLLM's layerwise reload).
 """
 
 from __future__ import annotations
@@ -47,6 +49,8 @@ class Target:
     """The service's ``weights_transport`` and the tests' pusher's."""
     tensor_device: str
     """Where the tests keep the tensors they push."""
+    weights_load: str = "auto"
+    """The service's ``weights_load`` (on CUDA, ``auto`` copies pushes in place)."""
 
 
 TARGETS = {
@@ -57,6 +61,12 @@ TARGETS = {
                        transport="shm", tensor_device="cpu"),
     "cuda-ipc": Target(engine_kwargs={"gpu_memory_utilization": 0.2, "enforce_eager": True},
                        transport="cuda_ipc", tensor_device="cuda"),
+    # The layerwise reload on CUDA: the same tests prove both loads restore the
+    # checkpoint bit for bit and change outputs the same way.
+    "cuda-ipc-reload": Target(engine_kwargs={"gpu_memory_utilization": 0.2,
+                                             "enforce_eager": True},
+                              transport="cuda_ipc", tensor_device="cuda",
+                              weights_load="reload"),
 }
 TARGET = TARGETS[os.environ.get("ROLLOUT_TEST_TARGET", "cpu")]
 shm_only = pytest.mark.skipif(TARGET.transport != "shm",
@@ -80,6 +90,7 @@ def run_service(workdir: Path, **changes: Any) -> Iterator[ServiceProcess]:
         "weights_token": WEIGHTS_TOKEN,
         "push_timeout_s": PUSH_TIMEOUT_S,
         "weights_transport": TARGET.transport,
+        "weights_load": TARGET.weights_load,
         **changes,
     }))
     with ServiceProcess(workdir / "service.log", config=config) as proc:

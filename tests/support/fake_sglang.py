@@ -15,18 +15,29 @@ vocabulary); ``eos_token_id`` ends a sequence unless ``ignore_eos``. Speculative
 follow SGLang's formulas for a drafter that gets ``accept_per_step`` tokens accepted per
 verify step. Every call is recorded in ``calls``; tensor payloads are recorded, never
 unpickled.
+
+``"stream": true`` on ``/generate`` answers as SGLang does (``engines/sglang/answers.py``):
+server-sent events, one per decode step (the prefill's token, then each verify step's
+accepted tokens plus one), each shaped as a non-streamed answer with ``finish_reason``
+null until the last, then ``data: [DONE]``; a refusal is an error event under status 200.
+Text, ids and logprobs are cumulative, or each step's delta with
+``incremental_streaming_output`` (reported in ``/server_info``, as SGLang's server
+arguments are). A client that goes away mid-stream aborts the request (``aborted``).
 """
 
 from __future__ import annotations
 
 import asyncio
 import hashlib
+import json
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from fastapi import FastAPI, Query, Request
-from fastapi.responses import JSONResponse, PlainTextResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, create_model
+
+from rollout_service.protocol.sse import DONE_EVENT, encode_event
 
 Selector = Literal["target", "draft", "all"]
 
@@ -130,11 +141,14 @@ class FakeSGLang:
         speculative: ``speculative_*`` server args (None: speculation off).
         tp_size: reported TP size.
         is_openapi_enabled: False mimics ``DISABLE_OPENAPI_DOC``.
+        incremental_streaming_output: streams send each step's delta (SGLang's server
+            argument of that name).
     """
 
     def __init__(self, profile: str, *, model_path: str, context_length: int = 256,
                  speculative: dict[str, Any] | None = None, tp_size: int = 1,
-                 is_openapi_enabled: bool = True) -> None:
+                 is_openapi_enabled: bool = True,
+                 incremental_streaming_output: bool = False) -> None:
         self.profile = PROFILES[profile]
         self.model_path = model_path
         self.context_length = context_length
@@ -144,6 +158,13 @@ class FakeSGLang:
         self.eos_token_id = 63
         self.accept_per_step = 1
         self.generate_delay_s = 0.0
+        self.stream_step_s = 0.0
+        """Pause between the events of a stream."""
+        self.incremental_streaming_output = incremental_streaming_output
+        self.num_streaming = 0
+        """Streams still sending."""
+        self.aborted: list[str] = []
+        """Request ids of streams whose client went away before the end."""
         self.is_healthy = True
         self.is_reporting_spec = True
         """False: a speculative server whose responses carry no spec_* keys."""
@@ -222,6 +243,7 @@ class FakeSGLang:
                 "speculative_num_draft_tokens": spec.get("speculative_num_draft_tokens"),
                 "weight_version": "default", "max_total_num_tokens": 4096,
                 "max_req_input_len": self.context_length - 6, "internal_states": [],
+                "incremental_streaming_output": self.incremental_streaming_output,
                 "version": self.profile.version}
 
     async def _models(self) -> dict[str, Any]:
@@ -252,9 +274,12 @@ class FakeSGLang:
         await self._resumed.wait()  # SGLang holds new requests while paused
         prompt_ids = obj["input_ids"] if obj["input_ids"] is not None else self.encode(obj["text"])
         if len(prompt_ids) >= self.context_length:
-            return JSONResponse({"error": {"message": f"The input ({len(prompt_ids)} tokens) is "
-                                                      "longer than the model's context length"}},
-                                status_code=400)
+            error = {"error": {"message": f"The input ({len(prompt_ids)} tokens) is longer than "
+                                         "the model's context length"}}
+            if obj["stream"]:  # SGLang raises inside the stream: an error event, status 200
+                events = [encode_event(json.dumps(error)), DONE_EVENT]
+                return StreamingResponse(iter(events), media_type="text/event-stream")
+            return JSONResponse(error, status_code=400)
         running = _Running()
         self._running.append(running)
         try:
@@ -280,7 +305,49 @@ class FakeSGLang:
         if obj.get("return_prompt_token_ids"):
             out["prompt_token_ids"] = prompt_ids
         self.responses.append(out)
+        if obj["stream"]:
+            return StreamingResponse(self._stream(obj["rid"], out),
+                                     media_type="text/event-stream")
         return out
+
+    def _steps(self, num_tokens: int) -> list[int]:
+        """Token counts after each decode step: the prefill's token, then accepted + 1."""
+        ends = [min(1, num_tokens)]
+        while ends[-1] < num_tokens:
+            ends.append(min(num_tokens, ends[-1] + self.accept_per_step + 1))
+        return ends
+
+    async def _stream(self, rid: str, out: dict[str, Any]) -> Any:
+        """``out`` as SGLang streams it (module docstring)."""
+        ids, meta = out["output_ids"], out["meta_info"]
+        logprobs = meta.get("output_token_logprobs")
+        is_delta = self.incremental_streaming_output
+        ends = self._steps(len(ids))
+        self.num_streaming += 1
+        sent = 0
+        try:
+            for end in ends:
+                is_last = end == ends[-1]
+                text = out["text"] if is_last else self.decode(ids[:end])
+                start = sent if is_delta else 0
+                step_meta = dict(meta) if is_last else {
+                    "id": rid, "finish_reason": None, "prompt_tokens": meta["prompt_tokens"],
+                    "weight_version": self.weight_version, "completion_tokens": end,
+                    "cached_tokens": 0}
+                if logprobs is not None:
+                    step_meta["output_token_logprobs"] = logprobs[start:end]
+                event = {"text": text[len(self.decode(ids[:sent])):] if is_delta else text,
+                         "output_ids": ids[start:end], "meta_info": step_meta}
+                yield encode_event(json.dumps(event))
+                sent = end
+                if self.stream_step_s and not is_last:
+                    await asyncio.sleep(self.stream_step_s)
+            yield DONE_EVENT
+        except asyncio.CancelledError:
+            self.aborted.append(rid)  # the client went away: SGLang aborts the request
+            raise
+        finally:
+            self.num_streaming -= 1
 
     def _decode(self, prompt_ids: list[int], params: dict[str, Any]
                 ) -> tuple[list[int], str, dict[str, Any]]:

@@ -29,6 +29,7 @@ FLOORS = {
     "rollout_service.weights": 2,
     "rollout_service.service": 3,
     "rollout_service.local": 4,
+    "rollout_service.completions": 4,
     "rollout_service.api": 5,
     "rollout_service.serve": 6,
     "rollout_service.tools": 7,

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # On the GPU machine, after `source tools/gpu/project_env.sh`: the service's
-# integration tests on vLLM's CUDA build, once per push transport given (default:
-# cuda-shm cuda-ipc gpu-marked), and the gpu-marked tests. Logs go to $OUT (or
+# integration tests on vLLM's CUDA build, once per target given (ROLLOUT_TEST_TARGET of
+# tests/integration/conftest.py; default: cuda-shm cuda-ipc cuda-ipc-reload gpu-marked),
+# and the gpu-marked tests. Logs go to $OUT (or
 # /tmp/gpu-tests); prints each run's summary. One target takes ~3-5 minutes.
 #
 #   source tools/gpu/project_env.sh && bash tools/gpu/run_gpu_tests.sh cuda-shm
@@ -10,7 +11,7 @@ out="${OUT:-/tmp/gpu-tests}"
 mkdir -p "$out"
 service_tests="tests/integration/rollout_service/test_api.py tests/integration/rollout_service/test_weights.py"
 targets=("$@")
-[ ${#targets[@]} -eq 0 ] && targets=(cuda-shm cuda-ipc gpu-marked)
+[ ${#targets[@]} -eq 0 ] && targets=(cuda-shm cuda-ipc cuda-ipc-reload gpu-marked)
 for target in "${targets[@]}"; do
   if [ "$target" = gpu-marked ]; then
     timeout 300 python3 -m pytest -q -p no:cacheprovider -m gpu --noconftest \

@@ -4,13 +4,19 @@ Runs inside the rollout service process and talks HTTP (httpx) to one SGLang ser
 either one given by ``engine_url`` or one launched here as a subprocess (``launch``).
 The server owns its scheduler and TP worker processes; this process never imports
 SGLang except to build weight payloads (``payload``). What the server accepts is read
-from its schema (``features``); acceptance counts come from each response's
-``meta_info`` (``stats``).
+from its schema (``features``); its answers become results in ``answers``, with the
+acceptance counts of each answer's ``meta_info`` (``stats``).
 
 Weight pushes go to ``/update_weights_from_tensor``. The model is picked by
 ``selector`` (0.5.23), else by ``disable_draft_model`` (0.5.10-0.5.12, whose draft path
 loads the drafter and then the target from the same tensors); ``/begin_weight_update``
 ... ``/end_weight_update`` wrap the load where they exist.
+
+Streaming (``stream``) sends ``"stream": true`` to ``/generate`` and merges SGLang's
+server-sent events into deltas (``answers``); closing the stream closes the
+connection, and SGLang aborts the request. Chat prompts use the checkpoint's chat
+template through a ``transformers`` tokenizer of the checkpoint, loaded on the first
+chat request (``engines/chat.py``).
 """
 
 from __future__ import annotations
@@ -18,21 +24,31 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
+from contextlib import asynccontextmanager
 from typing import Any
 
 import httpx
 
 from rollout_service.engines.base import (
+    ChatTurn,
     EngineInfo,
     EngineSpec,
     EngineUnavailableError,
+    GenerationDelta,
     GenerationResult,
     InvalidRequestError,
     LoadTimings,
     SamplingOptions,
     WeightUpdate,
     check_prompt,
+)
+from rollout_service.engines.chat import chat_prompt_ids, load_tokenizer
+from rollout_service.engines.sglang.answers import (
+    StreamedOutput,
+    error_message,
+    streamed_answers,
+    to_result,
 )
 from rollout_service.engines.sglang.features import (
     INFO_TIMEOUT_S,
@@ -41,9 +57,8 @@ from rollout_service.engines.sglang.features import (
 )
 from rollout_service.engines.sglang.launch import build_launch_command, start_server, stop_process
 from rollout_service.engines.sglang.payload import PayloadBuilder, build_flattened_bucket_payloads
-from rollout_service.engines.sglang.stats import spec_stats_from_meta_info
 from rollout_service.engines.speculative import MTPSettings, load_checkpoint_config
-from rollout_service.protocol.messages import PauseMode, WeightVersionSpan
+from rollout_service.protocol.messages import PauseMode
 
 logger = logging.getLogger(__name__)
 
@@ -80,11 +95,16 @@ class SGLangEngine:
 
     def __init__(self, client: httpx.AsyncClient, info: EngineInfo, features: ServerFeatures, *,
                  num_draft_tokens: int, num_tp_ranks: int,
+                 is_text_streamed_as_delta: bool = False,
                  payload_builder: PayloadBuilder | None = None,
                  process: asyncio.subprocess.Process | None = None) -> None:
         self.info = info
         self.features = features
         self._client = client
+        self._is_text_streamed_as_delta = is_text_streamed_as_delta
+        self._tokenizer: Any = None
+        self._is_tokenizer_loaded = False
+        self._tokenizer_loaded = asyncio.Lock()
         self._num_draft_tokens = num_draft_tokens
         self._num_tp_ranks = num_tp_ranks
         self._build_payloads = payload_builder or build_flattened_bucket_payloads
@@ -143,7 +163,9 @@ class SGLangEngine:
                 server_info, {model_path, model_info.get("model_path")}))
         return cls(client, info, features,
                    num_draft_tokens=server_info["speculative_num_draft_tokens"] if is_spec else 0,
-                   num_tp_ranks=server_info.get("tp_size") or 1, payload_builder=payload_builder)
+                   num_tp_ranks=server_info.get("tp_size") or 1,
+                   is_text_streamed_as_delta=bool(server_info.get("incremental_streaming_output")),
+                   payload_builder=payload_builder)
 
     @classmethod
     async def launch(cls, model_path: str, engine_kwargs: Mapping[str, Any], mtp: MTPSettings, *,
@@ -169,22 +191,36 @@ class SGLangEngine:
 
     # --- generation ---
 
-    async def generate(self, prompt: str | list[int], sampling: SamplingOptions,
-                       request_id: str) -> GenerationResult:
+    @asynccontextmanager
+    async def _in_flight(self) -> AsyncIterator[None]:
+        """One request of ours at the server: held while paused, counted for pause('wait')."""
         await self._resumed.wait()  # pause holds new requests here
         self._num_in_flight += 1
         self._idle.clear()
         try:
-            return await self._generate(prompt, sampling, request_id)
+            yield
         finally:
             self._num_in_flight -= 1
             if self._num_in_flight == 0:
                 self._idle.set()
 
+    async def generate(self, prompt: str | list[int], sampling: SamplingOptions,
+                       request_id: str) -> GenerationResult:
+        async with self._in_flight():
+            return await self._generate(prompt, sampling, request_id)
+
+    def _body(self, sampling: SamplingOptions, request_id: str) -> dict[str, Any]:
+        return {"rid": request_id, "sampling_params": _sampling_params(sampling),
+                "return_logprob": sampling.logprobs}
+
+    async def _prompt_ids(self, prompt: str | list[int], sampling: SamplingOptions) -> list[int]:
+        ids = await self._tokenize(prompt) if isinstance(prompt, str) else list(prompt)
+        check_prompt(self.info, ids, sampling.max_tokens)
+        return ids
+
     async def _generate(self, prompt: str | list[int], sampling: SamplingOptions,
                         request_id: str) -> GenerationResult:
-        body: dict[str, Any] = {"rid": request_id, "sampling_params": _sampling_params(sampling),
-                                "return_logprob": sampling.logprobs}
+        body = self._body(sampling, request_id)
         # Text goes to SGLang when it can return the prompt's ids; else we tokenize with
         # its /v1/tokenize so that prompt_token_ids are exactly what it generated from.
         is_text = isinstance(prompt, str) and self.features.accepts(
@@ -192,20 +228,50 @@ class SGLangEngine:
         if is_text:
             body |= {"text": prompt, "return_prompt_token_ids": True}
         else:
-            ids = await self._tokenize(prompt) if isinstance(prompt, str) else list(prompt)
-            check_prompt(self.info, ids, sampling.max_tokens)
-            body["input_ids"] = ids
+            body["input_ids"] = await self._prompt_ids(prompt, sampling)
         response = await self._request("POST", "/generate", body)
         if response.status_code != 200:
-            raise InvalidRequestError(_error_message(response))
+            raise InvalidRequestError(error_message(response))
         out = response.json()
         prompt_ids = out["prompt_token_ids"] if is_text else body["input_ids"]
-        return _to_result(prompt_ids, out, self._num_draft_tokens)
+        return to_result(prompt_ids, out, self._num_draft_tokens)
+
+    async def stream(self, prompt: str | list[int], sampling: SamplingOptions,
+                     request_id: str) -> AsyncIterator[GenerationDelta]:
+        async with self._in_flight():
+            # Token ids, so that the prompt's are known without return_prompt_token_ids.
+            prompt_ids = await self._prompt_ids(prompt, sampling)
+            body = self._body(sampling, request_id) | {"input_ids": prompt_ids, "stream": True}
+            merged = StreamedOutput(is_text_delta=self._is_text_streamed_as_delta)
+            try:
+                # Leaving this block (the consumer closed us) closes the connection; SGLang
+                # aborts the request when its client goes away.
+                async with self._client.stream("POST", "/generate", json=body) as response:
+                    async for out in streamed_answers(response):
+                        text, token_ids = merged.add(out)
+                        is_finished = out["meta_info"].get("finish_reason") is not None
+                        result = (to_result(prompt_ids, merged.final(), self._num_draft_tokens)
+                                  if is_finished else None)
+                        yield GenerationDelta(text=text, token_ids=token_ids, result=result)
+                        if is_finished:
+                            return
+            except httpx.TransportError as exc:
+                raise EngineUnavailableError(
+                    f"SGLang server at {self._client.base_url} unreachable: {exc!r}") from exc
+        raise EngineUnavailableError("SGLang's /generate stream ended before the sequence "
+                                     "finished")
+
+    async def chat_prompt(self, turns: Sequence[ChatTurn]) -> list[int]:
+        async with self._tokenizer_loaded:
+            if not self._is_tokenizer_loaded:
+                self._tokenizer = await asyncio.to_thread(load_tokenizer, self.info.model_path)
+                self._is_tokenizer_loaded = True
+        return chat_prompt_ids(self._tokenizer, turns)
 
     async def _tokenize(self, text: str) -> list[int]:
         response = await self._request("POST", "/v1/tokenize", {"prompt": text})
         if response.status_code != 200:
-            raise InvalidRequestError(_error_message(response))
+            raise InvalidRequestError(error_message(response))
         return list(response.json()["tokens"])
 
     async def pause(self, mode: PauseMode = "wait") -> None:
@@ -307,7 +373,7 @@ class SGLangEngine:
                 f"SGLang server at {self._client.base_url} unreachable: {exc!r}") from exc
         if response.status_code >= 500:
             raise EngineUnavailableError(f"SGLang {path} answered {response.status_code}: "
-                                         f"{_error_message(response)}")
+                                         f"{error_message(response)}")
         return response
 
     async def _control(self, path: str, body: Any) -> Any:
@@ -315,7 +381,7 @@ class SGLangEngine:
         response = await self._request("POST", path, body)
         if response.status_code != 200:
             raise RuntimeError(f"SGLang {path} failed ({response.status_code}): "
-                               f"{_error_message(response)}")
+                               f"{error_message(response)}")
         if "json" not in response.headers.get("content-type", ""):
             return None
         result = response.json()
@@ -334,29 +400,6 @@ def _sampling_params(sampling: SamplingOptions) -> dict[str, Any]:
     if sampling.seed is not None:
         params["sampling_seed"] = sampling.seed
     return params
-
-
-def _to_result(prompt_ids: Sequence[int], out: Mapping[str, Any],
-               num_draft_tokens: int) -> GenerationResult:
-    meta = out["meta_info"]
-    token_ids = tuple(out["output_ids"])
-    logprobs = None
-    if "output_token_logprobs" in meta:  # [logprob, token id, text] per token
-        logprobs = tuple(float(entry[0]) for entry in meta["output_token_logprobs"])
-    if meta.get("weight_versions"):
-        spans = tuple(WeightVersionSpan(version=s["version"], start=s["start"], end=s["end"])
-                      for s in meta["weight_versions"])
-    elif meta.get("weight_version") is not None:
-        # Older servers report only the version at finish time.
-        spans = (WeightVersionSpan(version=meta["weight_version"], start=0, end=len(token_ids)),)
-    else:
-        spans = ()
-    finish = meta.get("finish_reason") or {"type": "abort"}
-    return GenerationResult(
-        prompt_token_ids=tuple(prompt_ids), token_ids=token_ids, text=out.get("text", ""),
-        finish_reason=finish["type"] if finish["type"] in ("stop", "length") else "abort",
-        logprobs=logprobs, weight_versions=spans,
-        spec_decode=spec_stats_from_meta_info(meta, num_draft_tokens))
 
 
 def has_pushable_drafter(server_info: Mapping[str, Any], served: set[str | None]) -> bool:
@@ -383,15 +426,3 @@ async def _get_json(client: httpx.AsyncClient, path: str, fallback: str | None =
     if response.status_code != 200:
         raise EngineUnavailableError(f"SGLang {path} answered {response.status_code}")
     return response.json()
-
-
-def _error_message(response: httpx.Response) -> str:
-    """SGLang's ``{"error": {"message"}}``, ``{"success", "message"}`` or plain text."""
-    try:
-        body = response.json()
-    except ValueError:
-        return response.text
-    if not isinstance(body, dict):
-        return response.text
-    error = body.get("error") or body.get("message") or body.get("detail") or response.text
-    return str(error.get("message", error)) if isinstance(error, dict) else str(error)

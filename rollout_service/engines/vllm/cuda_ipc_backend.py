@@ -3,9 +3,9 @@
 vLLM's built-in ``ipc`` backend (``IPCWeightTransferEngine``) takes the trainer's
 ``reduce_tensor`` argument tuples, which hold bytes and classes: over HTTP they
 travel only pickled (``ipc_handles_pickled``, refused unless
-``VLLM_ALLOW_INSECURE_SERIALIZATION``). This subclass keeps its session handling
-(layerwise reload in ``start_weight_update`` / ``finish_weight_update``) and
-replaces the update info with JSON-safe placements
+``VLLM_ALLOW_INSECURE_SERIALIZATION``). This subclass replaces its session
+handling with ``transfer.LoadSession`` (a layerwise reload, or a copy in place
+where the weights are used as loaded) and the update info with JSON-safe placements
 (:class:`~rollout_service.protocol.placement.TensorPlacement` with a
 :class:`~rollout_service.protocol.cuda_ipc.CudaIpcHandle`), checked and opened
 by :mod:`rollout_service.protocol.cuda_ipc`. The pickled path is never used.
@@ -28,7 +28,7 @@ from __future__ import annotations
 import torch
 from vllm.distributed.weight_transfer.ipc_engine import IPCWeightTransferEngine
 
-from rollout_service.engines.vllm.transfer import PushUpdateInfo
+from rollout_service.engines.vllm.transfer import LoadSession, PushUpdateInfo
 from rollout_service.protocol.cuda_ipc import open_handle
 from rollout_service.protocol.placement import CudaIpcLocation
 
@@ -40,9 +40,20 @@ class CudaIpcWeightTransferEngine(IPCWeightTransferEngine):
     supports_draft_weight_update = True
 
     _opened: tuple[str, list[tuple[str, torch.Tensor]]] | None = None
+    _session: LoadSession | None = None
+
+    def start_weight_update(self) -> None:
+        self._session = LoadSession(self.model, self.model_config)
+
+    def finish_weight_update(self) -> None:
+        assert self._session is not None, "finish_weight_update without start"
+        self._session.finish()
+        self._session = None
 
     def receive_weights(self, update_info: PushUpdateInfo) -> None:  # type: ignore[override]
         update_info.check_transport("cuda_ipc")
+        assert self._session is not None, "receive_weights without start_weight_update"
+        self._session.before_load(update_info)
         try:
             self.model.load_weights(iter(self._open(update_info)))
         finally:

@@ -1,19 +1,24 @@
 """vLLM engine: ``AsyncLLM`` with MTP speculative decoding and per-request stats.
 
 Runs inside the rollout service process; ``AsyncLLM`` spawns the engine-core
-process (and its workers) and talks to it over ZMQ. Each ``generate`` call is one
-engine request with ``n == 1``, so vLLM attaches exact spec-decode counts to the
-finished output (``per_request_spec_decode_metrics``), which this module turns
-into :class:`~rollout_service.protocol.acceptance.SpecDecodeStats`. Without a
-speculative config (``mtp.enabled: false``) vLLM refuses per-request metrics, so
-none are asked for and sequences carry no stats.
+process (and its workers) and talks to it over ZMQ. Each ``generate`` or ``stream``
+call is one engine request with ``n == 1``, so vLLM attaches exact spec-decode
+counts to the finished output (``per_request_spec_decode_metrics``), which this
+module turns into :class:`~rollout_service.protocol.acceptance.SpecDecodeStats`.
+Without a speculative config (``mtp.enabled: false``) vLLM refuses per-request
+metrics, so none are asked for and sequences carry no stats.
+
+``generate`` asks for the final output only; ``stream`` for deltas
+(``RequestOutputKind.DELTA``, detokenized as they come), and closing its iterator
+closes vLLM's, which aborts the request.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import AsyncIterator, Mapping, Sequence
+from contextlib import aclosing
 from typing import Any
 
 from vllm import SamplingParams
@@ -25,16 +30,20 @@ from vllm.v1.engine.async_llm import AsyncLLM
 from vllm.v1.engine.exceptions import EngineDeadError
 
 from rollout_service.engines.base import (
+    ChatTurn,
     EngineInfo,
     EngineSpec,
     EngineUnavailableError,
+    GenerationDelta,
     GenerationResult,
     InvalidRequestError,
     LoadTimings,
     SamplingOptions,
+    WeightsLoad,
     WeightUpdate,
     check_prompt,
 )
+from rollout_service.engines.chat import chat_prompt_ids
 from rollout_service.engines.speculative import (
     MTPSettings,
     build_vllm_speculative_config,
@@ -106,7 +115,8 @@ async def start(spec: EngineSpec) -> VLLMEngine:
     args = build_engine_args(spec.model_path, spec.engine_kwargs, spec.mtp,
                              spec.checkpoint_config, served_model_name=spec.served_model_name,
                              weights_transport=spec.weights_transport)
-    return VLLMEngine.start(args, served_model_name=spec.served_model_name)
+    return VLLMEngine.start(args, served_model_name=spec.served_model_name,
+                            weights_load=spec.weights_load)
 
 
 class VLLMEngine:
@@ -115,13 +125,17 @@ class VLLMEngine:
     Create it with :func:`start` inside the event loop that will serve it.
     """
 
-    def __init__(self, llm: AsyncLLM, info: EngineInfo) -> None:
+    def __init__(self, llm: AsyncLLM, info: EngineInfo, *, loads_in_place: bool = False
+                 ) -> None:
         self._llm = llm
         self.info = info
+        self.loads_in_place = loads_in_place
+        """Whether pushes are copied into the served parameters instead of reloaded."""
         self._tokenizer = llm.get_tokenizer()
 
     @classmethod
-    def start(cls, engine_args: AsyncEngineArgs, served_model_name: str) -> VLLMEngine:
+    def start(cls, engine_args: AsyncEngineArgs, served_model_name: str,
+              weights_load: WeightsLoad = "auto") -> VLLMEngine:
         """Start the engine (spawns vLLM's engine-core process)."""
         llm = AsyncLLM.from_engine_args(engine_args)
         _cache_vllm_environment()
@@ -137,7 +151,10 @@ class VLLMEngine:
             speculative_method=spec.method if spec else None,
             has_pushable_drafter=has_pushable_drafter(spec, model_config),
         )
-        return cls(llm, info)
+        in_place = loads_in_place(weights_load, model_config)
+        logger.info("weight pushes load %s (weights_load: %s)",
+                    "in place" if in_place else "by layerwise reload", weights_load)
+        return cls(llm, info, loads_in_place=in_place)
 
     def tokenize(self, text: str) -> list[int]:
         """Token ids of ``text`` as the engine would see them."""
@@ -166,6 +183,53 @@ class VLLMEngine:
             completion.token_ids, skip_special_tokens=params.skip_special_tokens)
         return _to_result(prompt_ids, completion, text)
 
+    async def stream(self, prompt: str | list[int], sampling: SamplingOptions,
+                     request_id: str) -> AsyncIterator[GenerationDelta]:
+        prompt_ids = self.tokenize(prompt) if isinstance(prompt, str) else list(prompt)
+        check_prompt(self.info, prompt_ids, sampling.max_tokens)
+        params = sampling_params(sampling, is_streamed=True)
+        text: list[str] = []
+        token_ids: list[int] = []
+        logprobs: list[float] = []
+        try:
+            # aclosing: our consumer closing this generator closes vLLM's, which aborts.
+            async with aclosing(self._llm.generate({"prompt_token_ids": prompt_ids}, params,
+                                                   request_id)) as outputs:
+                async for output in outputs:
+                    completion = output.outputs[0]
+                    new_text = completion.text
+                    token_ids += completion.token_ids
+                    logprobs += _logprobs(completion) or ()
+                    result = None
+                    if output.finished:
+                        new_text = self._last_text("".join(text), new_text, token_ids, params)
+                        result = _to_result(prompt_ids, completion, "".join(text) + new_text,
+                                            token_ids=token_ids,
+                                            logprobs=logprobs if sampling.logprobs else None)
+                    text.append(new_text)
+                    yield GenerationDelta(text=new_text, token_ids=tuple(completion.token_ids),
+                                          result=result)
+        except EngineDeadError as exc:
+            raise EngineUnavailableError(f"vLLM engine died: {exc}") from exc
+        except (ValueError, VLLMClientError) as exc:
+            raise InvalidRequestError(str(exc)) from exc
+
+    def _last_text(self, sent: str, new_text: str, token_ids: Sequence[int],
+                   params: SamplingParams) -> str:
+        """The last delta's text, so that a stream's text is :meth:`generate`'s.
+
+        Without stop strings ``generate`` decodes the whole sequence, which keeps the
+        bytes of a character cut off by the token limit (as U+FFFD) where incremental
+        detokenization drops them: the last delta carries the rest of that decode.
+        """
+        if params.stop:
+            return new_text
+        whole = self._tokenizer.decode(token_ids, skip_special_tokens=params.skip_special_tokens)
+        return whole[len(sent):] if whole.startswith(sent) else new_text
+
+    async def chat_prompt(self, turns: Sequence[ChatTurn]) -> list[int]:
+        return chat_prompt_ids(self._tokenizer, turns)
+
     async def pause(self, mode: PauseMode = "wait") -> None:
         await self._llm.pause_generation(mode=mode)
 
@@ -180,7 +244,8 @@ class VLLMEngine:
             await self._llm.start_draft_weight_update()
         else:
             await self._llm.start_weight_update()
-        info = update_info(update, is_last_load=update.is_last_load(draft=draft))
+        info = update_info(update, is_last_load=update.is_last_load(draft=draft),
+                           in_place=self.loads_in_place)
         await self._llm.update_weights(WeightTransferUpdateRequest(update_info=info))
         loaded = time.perf_counter()
         await self._llm.finish_weight_update(weight_version=version)
@@ -201,6 +266,20 @@ class VLLMEngine:
 
     async def shutdown(self) -> None:
         self._llm.shutdown()
+
+
+def loads_in_place(weights_load: WeightsLoad, model_config: Any) -> bool:
+    """Whether a push can be copied into the served parameters as they are.
+
+    Only where vLLM uses weights as loaded: on CUDA, unquantized. vLLM's CPU build
+    repacks every linear weight after loading and quantized methods transform theirs,
+    so there the layerwise reload (which re-runs that processing) is the only correct
+    load. ``tests/gpu`` checks that both loads leave identical parameters and outputs.
+    """
+    from vllm.platforms import current_platform
+
+    return (weights_load == "auto" and current_platform.is_cuda()
+            and getattr(model_config, "quantization", None) is None)
 
 
 def has_pushable_drafter(speculative_config: Any, model_config: Any) -> bool:
@@ -236,12 +315,14 @@ def _cache_vllm_environment() -> None:
         enable()
 
 
-def sampling_params(sampling: SamplingOptions) -> SamplingParams:
-    """One sequence, final output only (no per-token streaming overhead).
+def sampling_params(sampling: SamplingOptions, *, is_streamed: bool = False) -> SamplingParams:
+    """One sequence: the final output only (no per-token streaming overhead), or deltas
+    when ``is_streamed``.
 
     vLLM detokenizes incrementally, one step per generated token in the front-end
-    process, only to find stop strings; without any the text is decoded once when
-    the sequence ends (:meth:`VLLMEngine.generate`).
+    process; the final output needs that only to find stop strings, and without any
+    the text is decoded once when the sequence ends (:meth:`VLLMEngine.generate`).
+    A stream needs the text of every delta, so it is always detokenized.
     """
     return SamplingParams(
         n=1,
@@ -253,25 +334,34 @@ def sampling_params(sampling: SamplingOptions) -> SamplingParams:
         stop=list(sampling.stop) or None,
         ignore_eos=sampling.ignore_eos,
         logprobs=0 if sampling.logprobs else None,
-        detokenize=bool(sampling.stop),
-        output_kind=RequestOutputKind.FINAL_ONLY,
+        detokenize=is_streamed or bool(sampling.stop),
+        output_kind=RequestOutputKind.DELTA if is_streamed else RequestOutputKind.FINAL_ONLY,
     )
 
 
-def _to_result(prompt_ids: list[int], completion: Any, text: str) -> GenerationResult:
-    """Convert a finished ``CompletionOutput`` (and its text) to the engine-neutral result."""
-    logprobs = None
-    if completion.logprobs is not None:
-        logprobs = tuple(step[token].logprob
-                         for step, token in zip(completion.logprobs, completion.token_ids))
+def _logprobs(completion: Any) -> tuple[float, ...] | None:
+    """The sampled tokens' log-probabilities of one ``CompletionOutput``, if asked for."""
+    if completion.logprobs is None:
+        return None
+    return tuple(step[token].logprob
+                 for step, token in zip(completion.logprobs, completion.token_ids))
+
+
+def _to_result(prompt_ids: list[int], completion: Any, text: str, *,
+               token_ids: Sequence[int] | None = None,
+               logprobs: Sequence[float] | None = None) -> GenerationResult:
+    """Convert a finished ``CompletionOutput`` (and its text) to the engine-neutral result;
+    a stream's last delta gives the sequence's ``token_ids`` and ``logprobs`` apart."""
     spans = tuple(WeightVersionSpan(version=s.version, start=s.start, end=s.end)
                   for s in completion.weight_versions or ())
+    is_delta = token_ids is not None
     return GenerationResult(
         prompt_token_ids=tuple(prompt_ids),
-        token_ids=tuple(completion.token_ids),
+        token_ids=tuple(token_ids if is_delta else completion.token_ids),
         text=text,
         finish_reason=completion.finish_reason or "abort",
-        logprobs=logprobs,
+        logprobs=(None if logprobs is None else tuple(logprobs)) if is_delta
+        else _logprobs(completion),
         weight_versions=spans,
         spec_decode=to_stats(completion.spec_decode_metrics),
     )

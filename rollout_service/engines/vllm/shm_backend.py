@@ -3,8 +3,9 @@
 vLLM's weight-transfer API (``start_weight_update`` / ``start_draft_weight_update``
 -> ``update_weights`` -> ``finish_weight_update``) calls this engine in every
 worker. It maps the trainer's shared-memory segment and feeds zero-copy tensor
-views to the target model's own ``load_weights``, wrapped in vLLM's layerwise
-reload so the CPU and quantized paths re-run their post-load processing. The
+views to the target model's own ``load_weights``: in a layerwise reload, so the
+CPU and quantized paths re-run their post-load processing, or in place where
+the weights are used as loaded (``transfer.LoadSession``). The
 service sends the same update to the main-model session and to the drafter
 session: the drafter's ``load_weights`` keeps only its MTP layers and the shared
 embedding and head, so the trainer writes the bytes once.
@@ -20,12 +21,8 @@ from dataclasses import dataclass
 
 import torch
 from vllm.distributed.weight_transfer.base import WeightTransferEngine, WeightTransferInitInfo
-from vllm.model_executor.model_loader.reload.layerwise import (
-    finalize_layerwise_reload,
-    initialize_layerwise_reload,
-)
 
-from rollout_service.engines.vllm.transfer import PushUpdateInfo
+from rollout_service.engines.vllm.transfer import LoadSession, PushUpdateInfo
 from rollout_service.protocol.placement import ShmLocation, TensorPlacement
 from rollout_service.protocol.shm import Segment, segment_path
 
@@ -45,11 +42,15 @@ class ShmWeightTransferEngine(WeightTransferEngine[ShmInitInfo, PushUpdateInfo])
     def init_transfer_engine(self, init_info: ShmInitInfo) -> None:
         pass
 
+    _session: LoadSession | None = None
+
     def start_weight_update(self) -> None:
-        initialize_layerwise_reload(self.model)
+        self._session = LoadSession(self.model, self.model_config)
 
     def finish_weight_update(self) -> None:
-        finalize_layerwise_reload(self.model, self.model_config)
+        assert self._session is not None, "finish_weight_update without start"
+        self._session.finish()
+        self._session = None
 
     _mapped: tuple[tuple[str, int, int], Segment] | None = None
 
@@ -74,6 +75,8 @@ class ShmWeightTransferEngine(WeightTransferEngine[ShmInitInfo, PushUpdateInfo])
 
     def receive_weights(self, update_info: PushUpdateInfo) -> None:
         update_info.check_transport("shm")
+        assert self._session is not None, "receive_weights without start_weight_update"
+        self._session.before_load(update_info)
         self.model.load_weights(self._tensors(update_info.placements))
 
     def _tensors(self, placements: list[TensorPlacement]) -> Iterator[tuple[str, torch.Tensor]]:

@@ -1,10 +1,19 @@
-"""The ``update_info`` of this project's vLLM weight-transfer backends.
+"""The ``update_info`` of this project's vLLM weight-transfer backends, and how they load.
 
 Built in the service process (:func:`update_info`, JSON-safe: vLLM ships it to
 its workers over its RPC) and parsed in each worker by the backend
 (:class:`PushUpdateInfo`), back into the very
 :class:`~rollout_service.protocol.placement.TensorPlacement` values the trainer
-sent. Both backends, ``shm`` and ``cuda_ipc``, take the same update info.
+sent. Both backends, ``shm`` and ``cuda_ipc``, take the same update info and
+load the same two ways (:class:`LoadSession`):
+
+- ``reload``: vLLM's layerwise reload around the model's own ``load_weights``.
+  Needed where vLLM transforms weights after loading them (its CPU build
+  repacks every linear weight; quantized checkpoints).
+- ``in_place``: the model's ``load_weights`` alone, which copies each tensor into
+  the existing parameter (fused QKV and gate-up shards placed by vLLM's own
+  weight loaders). Unquantized weights on CUDA are used as loaded, so this skips
+  the reload's re-initialisation and post-processing of every layer.
 """
 
 from __future__ import annotations
@@ -33,6 +42,9 @@ class PushUpdateInfo(WeightTransferUpdateInfo):
     """``TensorPlacement`` per tensor: dicts on the wire, parsed in ``__post_init__``."""
     is_last_load: bool = True
     """Release what this push opened after this load (main then drafter: the drafter's)."""
+    in_place: bool = False
+    """Copy into the existing parameters instead of a layerwise reload (module docstring);
+    the service sets it only where the engine's weights are used as loaded."""
     placements: list[TensorPlacement] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -49,7 +61,8 @@ class PushUpdateInfo(WeightTransferUpdateInfo):
                              f"is {self.transport!r}")
 
 
-def update_info(update: WeightUpdate, *, is_last_load: bool) -> dict[str, Any]:
+def update_info(update: WeightUpdate, *, is_last_load: bool, in_place: bool = False
+                ) -> dict[str, Any]:
     """``update_info`` for ``LLM.update_weights`` of one model's load of ``update``.
 
     The main model and the drafter get the same placements: the same segment
@@ -57,4 +70,36 @@ def update_info(update: WeightUpdate, *, is_last_load: bool) -> dict[str, Any]:
     """
     return {"push_id": update.push_id, "transport": update.transport,
             "tensors": [p.model_dump(mode="json") for p in update.tensors],
-            "is_last_load": is_last_load}
+            "is_last_load": is_last_load, "in_place": in_place}
+
+
+class LoadSession:
+    """One model's load inside a backend, reload or in place (module docstring).
+
+    vLLM calls ``start_weight_update`` before the backend sees any update info, so the
+    choice is made at the first ``receive``: a layerwise reload begins there unless the
+    update is ``in_place``, and ``finish`` ends whichever began.
+    """
+
+    def __init__(self, model: Any, model_config: Any) -> None:
+        self._model = model
+        self._model_config = model_config
+        self._is_reloading = False
+
+    def before_load(self, info: PushUpdateInfo) -> None:
+        if not info.in_place and not self._is_reloading:
+            from vllm.model_executor.model_loader.reload.layerwise import (
+                initialize_layerwise_reload,
+            )
+
+            initialize_layerwise_reload(self._model)
+            self._is_reloading = True
+
+    def finish(self) -> None:
+        if self._is_reloading:
+            from vllm.model_executor.model_loader.reload.layerwise import (
+                finalize_layerwise_reload,
+            )
+
+            finalize_layerwise_reload(self._model, self._model_config)
+            self._is_reloading = False

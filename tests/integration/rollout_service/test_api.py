@@ -137,8 +137,12 @@ BAD_BODIES = {
     "unknown field": ({"prompt": "1 + 1", "max_token": 3}, "max_token"),
     "negative max_tokens": ({"prompt": "1 + 1", "max_tokens": -1}, "max_tokens"),
     "temperature out of range": ({"prompt": "1 + 1", "temperature": 7.5}, "temperature"),
-    "empty prompt": ({"prompt": ""}, "empty"),
-    "empty token ids": ({"prompt_token_ids": []}, "empty"),
+    "empty prompt": ({"prompt": ""}, "prompt: String should have at least 1 character"),
+    "empty token ids": ({"prompt_token_ids": []}, "prompt_token_ids: List should have at least"),
+    "negative token id": ({"prompt_token_ids": [-1]}, "prompt_token_ids.0"),
+    "empty stop string": ({"prompt": "1 + 1", "stop": [""]}, "stop.0"),
+    "a string for an integer": ({"prompt": "1 + 1", "max_tokens": "3"}, "max_tokens"),
+    "a fraction for an integer": ({"prompt": "1 + 1", "max_tokens": 3.5}, "max_tokens"),
     "no prompt": ({"max_tokens": 3}, "prompt"),
     "two prompts": ({"prompt": "a", "prompt_token_ids": [1]}, "exactly one"),
     "token id outside vocab": ({"prompt_token_ids": [1, 10**7]}, "vocabulary"),
@@ -171,11 +175,12 @@ async def test_malformed_json_is_400(service: ServiceProcess) -> None:
 async def test_engine_rejection_fails_only_that_request(client: RolloutClient) -> None:
     good = [client.generate(messages.GenerateRequest(prompt=p, max_tokens=16, temperature=1.0))
             for p in PROMPTS[:4]]
-    bad = client.generate(messages.GenerateRequest(prompt=PROMPTS[4], stop=[""]))  # vLLM refuses
+    # Valid as a message; the engine refuses it (its vocabulary is not in the schema).
+    bad = client.generate(messages.GenerateRequest(prompt_token_ids=[5, 10**6]))
     results = await asyncio.gather(*good, bad, return_exceptions=True)
     assert all(isinstance(r, messages.GenerateResponse) for r in results[:4])
     assert isinstance(results[4], ServiceError) and results[4].status == 400
-    assert "stop" in results[4].message
+    assert "vocabulary" in results[4].message
 
 
 async def test_generation_requires_the_api_key(service: ServiceProcess) -> None:

@@ -7,12 +7,19 @@ what has and has not run against a live SGLang.
 
 from __future__ import annotations
 
+import json
+import shutil
 import threading
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
 
+import httpx
+import openai
 import pytest
 import uvicorn
+from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
 from rollout_service.api.app import create_app
@@ -20,27 +27,37 @@ from rollout_service.config import ServiceConfig
 from rollout_service.embedded import ensure_model
 from rollout_service.engines.speculative import MTPSettings, build_sglang_server_args
 from rollout_service.tools.launch import free_port
+from rollout_service.tools.scrape import sample_sum
+from tests.integration.conftest import wait_for
 from tests.support.fake_sglang import FakeSGLang
 
 SPEC_ARGS = build_sglang_server_args(MTPSettings(num_speculative_tokens=3), {})
 
 
-@pytest.fixture
-def fake_server() -> Iterator[tuple[FakeSGLang, str]]:
-    fake = FakeSGLang("0.5.23", model_path=str(ensure_model("tiny")), speculative=SPEC_ARGS)
+@contextmanager
+def serving(app: FastAPI) -> Iterator[str]:
+    """``app`` under uvicorn on loopback, in a thread; yields its URL."""
     port = free_port()
-    server = uvicorn.Server(uvicorn.Config(fake.app, host="127.0.0.1", port=port,
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port,
                                            log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
-    url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 30
     while not server.started:
-        assert time.monotonic() < deadline, "fake SGLang server did not start"
+        assert time.monotonic() < deadline, "the server did not start"
         time.sleep(0.05)
-    yield fake, url
-    server.should_exit = True
-    thread.join(timeout=10)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)
+
+
+@pytest.fixture
+def fake_server() -> Iterator[tuple[FakeSGLang, str]]:
+    fake = FakeSGLang("0.5.23", model_path=str(ensure_model("tiny")), speculative=SPEC_ARGS)
+    with serving(fake.app) as url:
+        yield fake, url
 
 
 def test_service_serves_and_exports_on_sglang(fake_server: tuple[FakeSGLang, str]) -> None:
@@ -62,3 +79,51 @@ def test_service_serves_and_exports_on_sglang(fake_server: tuple[FakeSGLang, str
         assert health["status"] == "ok" and health["engine"] == "sglang"
         bad = client.post("/generate", json={"prompt_token_ids": [1], "temperature": 9})
         assert bad.status_code == 400
+
+
+def test_streams_and_chat_through_the_service_on_sglang(
+        fake_server: tuple[FakeSGLang, str]) -> None:
+    fake, url = fake_server
+    config = ServiceConfig(model=fake.model_path, engine="sglang", engine_url=url,
+                           served_model_name="tiny")
+    with serving(create_app(config)) as service_url:
+        oai = openai.OpenAI(base_url=f"{service_url}/v1", api_key="none", max_retries=0)
+        params = {"model": "tiny", "prompt": [[1, 2, 3]], "n": 2, "max_tokens": 9}
+        whole = oai.completions.create(**params)
+        requests = sample_sum(httpx.get(f"{service_url}/metrics").text, "rollout_requests_total")
+        texts = ["", ""]
+        for chunk in oai.completions.create(**params, stream=True):
+            for choice in chunk.choices:
+                texts[choice.index] += choice.text
+        assert texts == [c.text for c in whole.choices]
+        metrics = httpx.get(f"{service_url}/metrics").text
+        assert sample_sum(metrics, "rollout_requests_total") == requests + 2
+
+        chat = "".join(c.choices[0].delta.content or "" for c in oai.chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=4,
+            stream=True) if c.choices)
+        assert len(chat) == 4
+
+        fake.stream_step_s = 0.05
+        with httpx.stream("POST", f"{service_url}/v1/completions", json={
+                **params, "n": 1, "max_tokens": 200, "stream": True}) as response:
+            assert next(response.iter_lines()).startswith("data: {")
+        wait_for(lambda: (fake.num_streaming, len(fake.aborted)), lambda s: s == (0, 1),
+                 timeout_s=30)
+
+
+def test_chat_on_a_checkpoint_without_a_template_is_400(tmp_path: Path) -> None:
+    model = tmp_path / "no-template"
+    shutil.copytree(ensure_model("tiny"), model)
+    tokenizer_config = json.loads((model / "tokenizer_config.json").read_text())
+    del tokenizer_config["chat_template"]
+    (model / "tokenizer_config.json").write_text(json.dumps(tokenizer_config))
+    fake = FakeSGLang("0.5.23", model_path=str(model), speculative=SPEC_ARGS)
+    with serving(fake.app) as url:
+        config = ServiceConfig(model=str(model), engine="sglang", engine_url=url)
+        with TestClient(create_app(config)) as client:
+            response = client.post("/v1/chat/completions", json={
+                "model": "m", "messages": [{"role": "user", "content": "hi"}]})
+    assert response.status_code == 400
+    assert response.json()["error"]["message"].startswith("messages: the served checkpoint "
+                                                          "has no chat template")

@@ -21,13 +21,16 @@ import re
 import socket
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import httpx
 import pytest
 from prometheus_client import CollectorRegistry
 
+from rollout_service.embedded import ensure_model
 from rollout_service.engines.base import (
+    ChatTurn,
     EngineSpec,
     EngineUnavailableError,
     InvalidRequestError,
@@ -656,3 +659,59 @@ print({n: t.tolist() for n, t in bucket.reconstruct_tensors()})
     assert received.returncode == 0, received.stderr[-3000:]
     assert received.stdout.strip() == str({"a": [[0.0, 1.0, 2.0], [3.0, 4.0, 5.0]],
                                            "b": [7, 8, 9, 10]})
+
+
+# --- streaming and chat ---
+
+
+async def streamed(engine: SGLangEngine, prompt: str | list[int], sampling: SamplingOptions,
+                   rid: str) -> list:
+    return [delta async for delta in engine.stream(prompt, sampling, rid)]
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+@pytest.mark.parametrize("is_incremental", [False, True])
+async def test_a_stream_merges_into_the_whole_answer(version: str, is_incremental: bool,
+                                                     checkpoint: str) -> None:
+    """Cumulative events (SGLang's default) and deltas (incremental_streaming_output) alike."""
+    fake = make_fake(version, checkpoint, incremental_streaming_output=is_incremental)
+    fake.accept_per_step = 2
+    engine = await connect(fake)
+    sampling = greedy(10, seed=3, logprobs=True, ignore_eos=True)
+    whole = await engine.generate([5, 6, 7], sampling, "whole")
+    deltas = await streamed(engine, [5, 6, 7], sampling, "streamed")
+    assert len(deltas) == 4  # prefill's token, then verify steps of 3 tokens
+    assert [d.result is not None for d in deltas] == [False, False, False, True]
+    assert "".join(d.text for d in deltas) == whole.text
+    assert tuple(t for d in deltas for t in d.token_ids) == whole.token_ids
+    assert deltas[-1].result == whole
+    [body] = [b for b in sent(fake, "/generate") if b.get("stream")]
+    assert body["input_ids"] == [5, 6, 7] and body["rid"] == "streamed"
+
+
+async def test_a_stream_of_text_sends_its_tokens(checkpoint: str) -> None:
+    fake = make_fake("0.5.23", checkpoint)
+    engine = await connect(fake)
+    deltas = await streamed(engine, "abc", greedy(2), "r")
+    assert deltas[-1].result.prompt_token_ids == tuple(fake.encode("abc"))
+    assert sent(fake, "/v1/tokenize") == [{"prompt": "abc"}]
+
+
+async def test_a_refusal_inside_a_stream_is_an_invalid_request(checkpoint: str) -> None:
+    """SGLang reports it as an error event under status 200."""
+    engine = await connect(make_fake("0.5.23", checkpoint, context_length=8))
+    engine.info = replace(engine.info, max_model_len=1000)  # past our own check
+    with pytest.raises(InvalidRequestError, match="longer than the model's context length"):
+        await streamed(engine, list(range(20)), greedy(2), "r")
+
+
+async def test_chat_prompt_is_the_checkpoints_template(checkpoint: str) -> None:
+    from transformers import AutoTokenizer
+
+    model = str(ensure_model("tiny"))
+    engine = await connect(FakeSGLang("0.5.23", model_path=model, speculative=SPEC_ARGS))
+    ids = await engine.chat_prompt([ChatTurn(role="user", content="1 + 1 =")])
+    assert AutoTokenizer.from_pretrained(model).decode(ids) == "user: 1 + 1 =\nassistant:"
+    without = await connect(make_fake("0.5.23", checkpoint))  # config.json alone
+    with pytest.raises(InvalidRequestError, match="^messages: .*no chat template"):
+        await without.chat_prompt([ChatTurn(role="user", content="hi")])

@@ -16,7 +16,12 @@ import pytest
 from rollout_service.config import EMBEDDED_ENGINE_KWARGS
 from rollout_service.embedded import ensure_model
 from rollout_service.engines.speculative import MTPSettings, load_checkpoint_config
-from rollout_service.engines.vllm.engine import build_engine_args, has_pushable_drafter, to_stats
+from rollout_service.engines.vllm.engine import (
+    build_engine_args,
+    has_pushable_drafter,
+    loads_in_place,
+    to_stats,
+)
 from rollout_service.protocol.acceptance import InvalidSpecDecodeStats, SpecDecodeStats
 
 MODEL = str(Path(ensure_model("tiny")))
@@ -81,3 +86,26 @@ def test_contradictory_vllm_counts_become_invalid_stats_not_an_error() -> None:
         num_drafts=3, num_draft_tokens=3, num_accepted_tokens=2, num_verify_steps=3,
         accepted_per_position=(2,))
     assert to_stats(None) is None
+
+
+@pytest.mark.parametrize("platform,quantization,weights_load,expected", [
+    ("cuda", None, "auto", True),
+    ("cuda", None, "reload", False),
+    ("cuda", "fp8", "auto", False),
+    ("cpu", None, "auto", False),
+])
+def test_pushes_load_in_place_only_where_vllm_uses_weights_as_loaded(
+        monkeypatch: pytest.MonkeyPatch, platform: str, quantization: str | None,
+        weights_load: str, expected: bool) -> None:
+    """vLLM's CPU build repacks linear weights after loading and quantized methods
+    transform theirs: an in-place copy there would serve wrong weights."""
+    from vllm import platforms
+
+    fake = SimpleNamespace(is_cuda=lambda: platform == "cuda")
+    monkeypatch.setattr(platforms, "_current_platform", fake)
+    assert loads_in_place(weights_load, SimpleNamespace(quantization=quantization)) is expected
+
+
+def test_the_cpu_engine_reloads() -> None:
+    config = engine_config(MTPSettings())
+    assert not loads_in_place("auto", config.model_config)

@@ -1,0 +1,193 @@
+"""The OpenAPI document tells the truth: schemathesis, every check, against the live service.
+
+Runs against the session's service (real vLLM CPU engine, MTP on, API key and weights
+token). Schemathesis reads the service's OpenAPI document and sends what it derives from
+it, valid and invalid, to the generation endpoints and the weight endpoints (with their
+tokens), and runs every check it has on each answer: no 5xx, statuses, content types
+and bodies as documented, invalid requests refused, valid ones accepted, auth enforced.
+The document is built at collection time by the same ``create_app`` with the session's
+tokens (schemathesis's fixture-loaded schemas do not run under pytest 9), and a test
+checks that it is the one the live service serves.
+Deterministic: a fixed seed and derandomized Hypothesis, a bounded number of examples;
+generation is kept cheap (at most 4 tokens and 2 choices a request, a few prompts a
+call) without changing whether a request is valid.
+
+The failures it may find that are intentional, with their reasons, are
+:data:`INTENTIONAL`; anything else fails. The weights must come out unchanged.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+import pytest
+import schemathesis
+from hypothesis import HealthCheck, settings
+from pydantic import ValidationError
+from schemathesis.checks import CHECKS, load_all_checks
+from schemathesis.config import SchemathesisConfig
+from schemathesis.core.failures import Failure, FailureGroup
+
+from rollout_service.api.app import create_app
+from rollout_service.config import ServiceConfig
+from rollout_service.protocol import messages, openai
+from rollout_service.tools.launch import ServiceProcess
+from tests.integration.conftest import API_KEY, WEIGHTS_TOKEN, weights_checksums, weights_status
+
+SEED = 20260512
+MAX_EXAMPLES = 12
+"""Fuzzed examples per operation (the coverage phase adds its own, deterministic ones)."""
+FUZZED_PATHS = r"^/(generate|generate_batch|v1/.*|weights/.*)$"
+MAX_TOKENS = 4
+MAX_CHOICES = 2
+MAX_PROMPTS = 2
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Intentional:
+    """A failure schemathesis reports that is the service's documented behaviour."""
+
+    check: str
+    path: str
+    """A regex over the operation's path."""
+    status: int
+    error_type: str
+    """The answer's ``error.type``."""
+    message: str
+    """A regex the answer's ``error.message`` must match."""
+    reason: str
+
+
+INTENTIONAL = (
+    Intentional(
+        check="positive_data_acceptance", path=r"^/(generate|generate_batch|v1/.*)$",
+        status=400, error_type="invalid_request_error",
+        message=r"is outside the vocabulary|exceed the model's context length",
+        reason="The vocabulary size and the context length belong to the served model, and "
+               "a text prompt's length in tokens to its tokenizer: JSON Schema cannot state "
+               "them, so a token id past the vocabulary, or a prompt plus max_tokens past the "
+               "context, is a schema-valid request the engine refuses (400 naming why)."),
+    Intentional(
+        check="positive_data_acceptance", path=r"^/weights/(begin|update|finish|abort)$",
+        status=400, error_type="weight_push_error", message=r".",
+        reason="A push is checked against the served checkpoint (every tensor's name, shape "
+               "and dtype, the total bytes), the service's weights transport, the trainer's "
+               "shared-memory segment and the active push's announcement: state, not schema "
+               "(docs/weight-pushes.md)."),
+    Intentional(
+        check="positive_data_acceptance", path=r"^/weights/update$",
+        status=400, error_type="invalid_request_error",
+        message=r"is not the contiguous stride|storage_size_bytes: \d+ cannot hold|"
+                r"the handle describes",
+        reason="A CUDA IPC handle must agree with itself and with its placement (strides "
+               "contiguous for its shape, storage large enough, the placement's shape and "
+               "dtype): relations between fields, which JSON Schema cannot state."),
+)
+
+
+REQUESTS = {"/generate": messages.GenerateRequest,
+            "/generate_batch": messages.BatchGenerateRequest,
+            "/v1/completions": openai.CompletionRequest,
+            "/v1/chat/completions": openai.ChatCompletionRequest}
+
+
+def bound(path: str, body: Any) -> None:
+    """Keep generation cheap: a request the service accepts gets fewer tokens, choices and
+    prompts and stays valid; any other is left as it is (it generates nothing)."""
+    model = REQUESTS.get(path)
+    if model is None:
+        return
+    try:
+        model.model_validate(body)
+    except ValidationError:
+        return
+    _shrink(body)
+    model.model_validate(body)
+
+
+def _shrink(body: dict[str, Any]) -> None:
+    for field, most in (("max_tokens", MAX_TOKENS), ("max_completion_tokens", MAX_TOKENS),
+                        ("n", MAX_CHOICES)):
+        value = body.get(field)
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and value > most:
+            body[field] = most  # validated: an integer, or a float holding one
+    if "messages" in body and body.get("max_tokens") is None \
+            and body.get("max_completion_tokens") is None:
+        body["max_tokens"] = MAX_TOKENS  # else: up to the context
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and isinstance(prompt[0], (str, list)):
+        del prompt[MAX_PROMPTS:]
+    requests = body.get("requests", [])
+    del requests[MAX_PROMPTS:]
+    for request in requests:
+        _shrink(request)
+
+
+def _headers(path: str) -> dict[str, str]:
+    token = WEIGHTS_TOKEN if path.startswith("/weights") else API_KEY
+    return {"authorization": f"Bearer {token}"}
+
+
+def _error(response: Any) -> dict[str, Any]:
+    try:
+        return response.json()["error"]
+    except (ValueError, KeyError, TypeError):
+        return {}
+
+
+def is_intentional(failure: Failure, path: str, response: Any) -> bool:
+    error = _error(response)
+    return any(entry.check in failure.checks and re.search(entry.path, path)
+               and response.status_code == entry.status
+               and error.get("type") == entry.error_type
+               and re.search(entry.message, error.get("message", ""))
+               for entry in INTENTIONAL)
+
+
+@pytest.fixture(scope="module")
+def checksums_before(service: ServiceProcess) -> dict[str, str]:
+    return weights_checksums(service)
+
+
+DOCUMENT = create_app(ServiceConfig(api_key=API_KEY, weights_token=WEIGHTS_TOKEN)).openapi()
+CONFIG = SchemathesisConfig.from_dict({
+    "seed": SEED,
+    "generation": {"mode": "all", "max-examples": MAX_EXAMPLES, "deterministic": True,
+                   "database": "none", "no-shrink": True},
+    "request-timeout": 120,
+})
+schema = schemathesis.openapi.from_dict(DOCUMENT, config=CONFIG).include(path_regex=FUZZED_PATHS)
+load_all_checks()
+ALL_CHECKS = CHECKS.get_all()
+
+
+def test_the_live_service_serves_the_fuzzed_document(service: ServiceProcess) -> None:
+    assert httpx.get(f"{service.url}/openapi.json", timeout=60).json() == DOCUMENT
+
+
+@schema.parametrize()
+@settings(max_examples=MAX_EXAMPLES, derandomize=True, database=None, deadline=None,
+          suppress_health_check=list(HealthCheck))
+def test_the_service_answers_as_its_openapi_document_says(
+        case: Any, service: ServiceProcess, checksums_before: dict[str, str]) -> None:
+    bound(case.path, case.body)
+    headers = _headers(case.path)
+    response = case.call(base_url=service.url, headers=headers)
+    try:
+        case.validate_response(response, checks=ALL_CHECKS, headers=headers,
+                               transport_kwargs={"base_url": service.url})
+    except FailureGroup as group:
+        unexpected = [f for f in group.exceptions
+                      if not is_intentional(f, case.path, response)]
+        if unexpected:
+            raise FailureGroup(unexpected, str(group)) from None
+
+
+def test_fuzzing_changed_no_weights(service: ServiceProcess,
+                                    checksums_before: dict[str, str]) -> None:
+    """Runs after the fuzzing (file order): every push it tried was refused."""
+    assert weights_checksums(service) == checksums_before
+    assert weights_status(service).active_push_id is None

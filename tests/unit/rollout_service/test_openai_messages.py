@@ -1,0 +1,157 @@
+"""The HTTP messages: what requests accept is what their JSON Schema says, and OpenAI's
+own client types read the responses and chunks (no engine)."""
+
+from __future__ import annotations
+
+import jsonschema
+import pytest
+from openai.types import Completion
+from openai.types.chat import ChatCompletion, ChatCompletionChunk
+from pydantic import BaseModel, ValidationError
+
+from rollout_service.protocol import messages, openai
+from rollout_service.protocol.acceptance import summarize
+
+SPEC = messages.SpecDecodeInfo(num_drafts=3, num_draft_tokens=6, num_accepted_tokens=2,
+                               num_verify_steps=3, accepted_per_position=[2, 0],
+                               accept_rate=1 / 3, accept_length=5 / 3)
+USAGE = openai.CompletionUsage(prompt_tokens=3, completion_tokens=4, total_tokens=7)
+ACCEPTANCE = summarize([SPEC.to_stats()])
+
+GENERATE_BODIES = [
+    ({"prompt": "1 + 1"}, True),
+    ({"prompt_token_ids": [0, 5]}, True),
+    ({"prompt_token_ids": [5], "prompt": None}, True),
+    ({"prompt_token_ids": [5.0], "n": 2.0}, True),   # JSON's integers, as JSON Schema reads them
+    ({}, False),
+    ({"prompt": "a", "prompt_token_ids": [1]}, False),
+    ({"prompt": None}, False),
+    ({"prompt": ""}, False),
+    ({"prompt_token_ids": []}, False),
+    ({"prompt_token_ids": [-1]}, False),
+    ({"prompt_token_ids": [1.5]}, False),
+    ({"prompt_token_ids": ["1"]}, False),
+    ({"prompt": "a", "max_tokens": "3"}, False),
+    ({"prompt": "a", "ignore_eos": 1}, False),
+    ({"prompt": "a", "stop": [""]}, False),
+    ({"prompt": "a", "seed": 2**53}, False),
+    ({"prompt": "a", "top_k": 2**31}, False),
+    ({"prompt": "a", "temperature": 2.5}, False),
+    ({"prompt": "a", "n": 65}, False),
+    ({"prompt": "a", "max_token": 3}, False),
+]
+COMPLETION_BODIES = [
+    ({"model": "m", "prompt": "a"}, True),
+    ({"model": "m", "prompt": ["a", "b"]}, True),
+    ({"model": "m", "prompt": [1, 2]}, True),
+    ({"model": "m", "prompt": [[1], [2, 3]]}, True),
+    ({"model": "m", "prompt": "a", "stream": True,
+      "stream_options": {"include_usage": True}}, True),
+    ({"model": "m", "prompt": "a", "echo": False, "logprobs": 0, "stop": "x"}, True),
+    ({"model": "m", "prompt": []}, False),
+    ({"model": "m", "prompt": [[]]}, False),
+    ({"model": "m", "prompt": [""]}, False),
+    ({"model": "m", "prompt": ["a", 1]}, False),
+    ({"model": "m", "prompt": "a", "echo": True}, False),
+    ({"model": "m", "prompt": "a", "echo": 0}, False),
+    ({"model": "m", "prompt": "a", "logprobs": 1}, False),
+    ({"model": "m", "prompt": "a", "stop": ""}, False),
+    ({"prompt": "a"}, False),
+]
+CHAT_BODIES = [
+    ({"model": "m", "messages": [{"role": "user", "content": "hi"}]}, True),
+    ({"model": "m", "messages": [{"role": "system", "content": ""},
+                                 {"role": "user", "content": [{"type": "text", "text": "a"}]}],
+      "max_completion_tokens": 4}, True),
+    ({"model": "m", "messages": []}, False),
+    ({"model": "m", "messages": [{"role": "tool", "content": "x"}]}, False),
+    ({"model": "m", "messages": [{"role": "user", "content": []}]}, False),
+    ({"model": "m", "messages": [{"role": "user", "content": "a"}], "max_tokens": 0}, False),
+]
+BEGIN = {"version": 1, "total_bytes": 2, "params": [{"name": "w", "shape": [1], "dtype": "bf16"}]}
+PUSH_BODIES = [
+    ({**BEGIN, "params": [{"name": "w", "shape": [1], "dtype": "bfloat16"}],
+      "segment": "mtp-x", "segment_bytes": 4}, True),
+    ({**BEGIN, "params": [{"name": "w", "shape": [1], "dtype": "bfloat16"}],
+      "transport": "cuda_ipc"}, True),
+    ({**BEGIN, "segment": "mtp-x", "segment_bytes": 4}, False),   # dtype not a tensor dtype
+    ({**BEGIN, "params": [{"name": "w", "shape": [1], "dtype": "bfloat16"}],
+      "segment": "mtp-x"}, False),   # shm needs segment_bytes
+    ({**BEGIN, "params": [{"name": "w", "shape": [1], "dtype": "bfloat16"}],
+      "transport": "cuda_ipc", "segment": "mtp-x"}, False),
+    ({**BEGIN, "params": [{"name": "w", "shape": [-1], "dtype": "bfloat16"}],
+      "segment": "mtp-x", "segment_bytes": 4}, False),
+]
+
+
+def schema_accepts(model: type[BaseModel], body: object) -> bool:
+    return jsonschema.Draft202012Validator(model.model_json_schema()).is_valid(body)
+
+
+def model_accepts(model: type[BaseModel], body: object) -> bool:
+    try:
+        model.model_validate(body)
+    except ValidationError:
+        return False
+    return True
+
+
+@pytest.mark.parametrize("model,body,is_valid", [
+    *((messages.GenerateRequest, b, v) for b, v in GENERATE_BODIES),
+    *((openai.CompletionRequest, b, v) for b, v in COMPLETION_BODIES),
+    *((openai.ChatCompletionRequest, b, v) for b, v in CHAT_BODIES),
+    *((messages.PushBeginRequest, b, v) for b, v in PUSH_BODIES),
+])
+def test_a_request_is_valid_exactly_when_its_json_schema_says_so(
+        model: type[BaseModel], body: dict, is_valid: bool) -> None:
+    assert model_accepts(model, body) == is_valid
+    assert schema_accepts(model, body) == is_valid
+
+
+def test_chat_message_parts_are_joined() -> None:
+    message = openai.ChatMessage(role="user", content=[
+        openai.ChatTextPart(type="text", text="1 + "), openai.ChatTextPart(type="text", text="1")])
+    assert message.text == "1 + 1"
+
+
+def test_responses_read_as_openai_types() -> None:
+    completion = openai.CompletionResponse(
+        id="cmpl-1", created=1, model="m", usage=USAGE, acceptance=ACCEPTANCE,
+        choices=[openai.CompletionChoice(index=0, text="2", finish_reason="length",
+                                         spec_decode=SPEC)])
+    parsed = Completion.model_validate(completion.model_dump(mode="json"))
+    assert parsed.choices[0].text == "2" and parsed.usage.total_tokens == 7
+    assert parsed.choices[0].model_extra["spec_decode"]["num_drafts"] == 3
+
+    chat = openai.ChatCompletionResponse(
+        id="chatcmpl-1", created=1, model="m", usage=USAGE, acceptance=ACCEPTANCE,
+        choices=[openai.ChatChoice(index=0, message=openai.AssistantMessage(content="2"),
+                                   finish_reason="stop", spec_decode=SPEC)])
+    parsed_chat = ChatCompletion.model_validate(chat.model_dump(mode="json"))
+    assert parsed_chat.choices[0].message.content == "2"
+    assert parsed_chat.model_extra["acceptance"]["num_sequences"] == 1
+
+
+def test_chunks_read_as_openai_chunks() -> None:
+    # OpenAI types a streamed completion as a Completion, whose finish_reason is never
+    # null when validated (its client constructs chunks without validating): the last
+    # chunk of a choice validates.
+    text = openai.CompletionChunk(id="cmpl-1", created=1, model="m", choices=[
+        openai.CompletionStreamChoice(index=1, text=" 2", finish_reason="stop")])
+    assert Completion.model_validate(text.model_dump(mode="json")).choices[0].text == " 2"
+    last = openai.ChatCompletionChunk(id="c", created=1, model="m", choices=[
+        openai.ChatStreamChoice(index=0, delta=openai.ChatDelta(content="!"),
+                                finish_reason="length", spec_decode=SPEC)])
+    parsed = ChatCompletionChunk.model_validate(last.model_dump(mode="json"))
+    assert parsed.choices[0].finish_reason == "length"
+    assert parsed.choices[0].model_extra["spec_decode"]["accepted_per_position"] == [2, 0]
+    usage = openai.ChatCompletionChunk(id="c", created=1, model="m", choices=[], usage=USAGE,
+                                       acceptance=ACCEPTANCE)
+    parsed_usage = ChatCompletionChunk.model_validate(usage.model_dump(mode="json"))
+    assert parsed_usage.usage.completion_tokens == 4 and parsed_usage.choices == []
+
+
+def test_model_list_is_openais() -> None:
+    listing = openai.ModelList(data=[openai.ModelCard(id="m", created=1, owned_by="x")])
+    assert listing.model_dump() == {"object": "list", "data": [
+        {"id": "m", "object": "model", "created": 1, "owned_by": "x"}]}
