@@ -19,6 +19,7 @@ from rollout_service.engines.speculative import load_checkpoint_config
 from rollout_service.protocol.tensors import checkpoint_tensors
 from rollout_service.service import RolloutService
 from rollout_service.telemetry.acceptance import SpecDecodeMetrics
+from rollout_service.telemetry.config import CategoryLabels
 from rollout_service.telemetry.weights import WeightMetrics
 from rollout_service.weights.manager import WeightPushManager
 
@@ -34,7 +35,8 @@ def engine_spec(config: ServiceConfig) -> EngineSpec:
                       engine_kwargs=engine_kwargs, mtp=config.mtp,
                       checkpoint_config=load_checkpoint_config(model_path),
                       weights_transport=config.weights_transport,
-                      weights_load=config.weights_load, engine_url=config.engine_url)
+                      weights_load=config.weights_load, engine_url=config.engine_url,
+                      verify_cost_batch_size=config.telemetry.verify_cost_batch_size)
 
 
 async def start_engine(config: ServiceConfig) -> Engine:
@@ -57,7 +59,9 @@ def build_local_service(engine: Engine, config: ServiceConfig
     info = engine.info
     registry = CollectorRegistry()
     metrics = SpecDecodeMetrics(registry=registry, model=info.model, engine=info.engine,
-                                num_speculative_tokens=info.num_speculative_tokens)
+                                num_speculative_tokens=info.num_speculative_tokens,
+                                verify_cost_ratio=info.verify_cost_ratio,
+                                categories=CategoryLabels(config.telemetry))
     weights = WeightPushManager(
         engine, checkpoint_tensors(info.model_path),
         WeightMetrics(registry=registry, model=info.model, engine=info.engine),

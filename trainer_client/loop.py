@@ -37,7 +37,7 @@ from rollout_service.client import RolloutClient
 from rollout_service.protocol import messages
 from trainer_client.batch import PaddedBatch, Rollout, pack_padded
 from trainer_client.push import PushReport, WeightPusher
-from trainer_client.task import PromptSource, reward
+from trainer_client.task import PromptSource, category_of, reward
 
 __all__ = ["LoopConfig", "PolicyLoss", "StepLog", "policy_gradient_loss", "run_loop"]
 
@@ -101,6 +101,8 @@ class StepLog:
     push_s: float
     macro_accept_rate: float | None
     """Service's mean per-sequence accept rate for this step's batch."""
+    macro_accept_rate_by_category: dict[str, float | None]
+    """The same per category the prompts named (empty without categories)."""
     step_s: float
     """Wall time of the whole step."""
 
@@ -137,8 +139,9 @@ def run_loop(cfg: LoopConfig, prompts: PromptSource, *, log: Callable[[StepLog],
         for step in range(cfg.num_steps):
             start = time.perf_counter()
             batch_prompts = prompts(cfg.batch_size, cfg.seed * 100_003 + step)
-            response = asyncio.run(generate(cfg, [p for p, _ in batch_prompts], step=step))
-            rollouts = to_rollouts(response, [a for _, a in batch_prompts])
+            response = asyncio.run(generate(cfg, [item[0] for item in batch_prompts], step=step,
+                                            categories=[category_of(i) for i in batch_prompts]))
+            rollouts = to_rollouts(response, [item[1] for item in batch_prompts])
             batch = pack_padded(rollouts, tp=1, cp=1, pad_id=int(hf_config["eos_token_id"]))
             losses = train_step(model, optimizer, batch, hf_config, cfg, policy_loss)
             version += 1
@@ -148,6 +151,9 @@ def run_loop(cfg: LoopConfig, prompts: PromptSource, *, log: Callable[[StepLog],
                             mean_reward=float(batch.rewards.mean()), weight_version=version,
                             push_s=report.total_s,
                             macro_accept_rate=response.acceptance.macro_accept_rate,
+                            macro_accept_rate_by_category={
+                                name: summary.macro_accept_rate
+                                for name, summary in response.acceptance_by_category.items()},
                             step_s=time.perf_counter() - start)
             log(entry)
             history.append(entry)
@@ -180,18 +186,21 @@ async def served_version(cfg: LoopConfig) -> int:
         return (await client.weight_status()).newest_version
 
 
-async def generate(cfg: LoopConfig, prompts: Sequence[str], *, step: int
+async def generate(cfg: LoopConfig, prompts: Sequence[str], *, step: int,
+                   categories: Sequence[str | None] | None = None
                    ) -> messages.BatchGenerateResponse:
-    """One sample per prompt, with its per-token log-probabilities.
+    """One sample per prompt (of its category, if given), with its per-token
+    log-probabilities.
 
     Each request is seeded from (seed, step, index): two runs from the same weights
     draw the same first batch.
     """
     first_seed = (cfg.seed * 1_000_003 + step) * cfg.batch_size
+    categories = categories or [None] * len(prompts)
     requests = [messages.GenerateRequest(prompt=prompt, max_tokens=cfg.max_tokens,
                                          temperature=cfg.temperature, logprobs=True,
-                                         seed=first_seed + i)
-                for i, prompt in enumerate(prompts)]
+                                         seed=first_seed + i, category=category)
+                for i, (prompt, category) in enumerate(zip(prompts, categories, strict=True))]
     async with RolloutClient(cfg.service_url, api_key=cfg.api_key) as client:
         return await client.generate_batch(messages.BatchGenerateRequest(requests=requests))
 

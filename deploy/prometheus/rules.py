@@ -96,6 +96,17 @@ ALERTS = (
               "per-request speculative-decoding stats, so acceptance figures leave them out. "
               "The engine likely runs with per_request_spec_decode_metrics=\"none\" or a "
               "version without per-request stats; see the service log's warning.")),
+    Alert(name="RolloutSpeculationSlowdown",
+          expr=queries.alert_speculation_slowdown(), for_s="10m", severity="warning",
+          summary="Speculation slows {{ $labels.model }} on {{ $labels.instance }} down",
+          description=(
+              "On {{ $labels.instance }} the estimated net speed-up of speculative decoding "
+              "has been {{ $value | humanize }} for 10m: tokens per verify step over the "
+              "measured cost of a verify step (rollout_spec_decode_verify_cost_ratio) is "
+              "below 1, so decoding without drafts would be faster. Either acceptance fell "
+              "(see the acceptance alerts) or the batch is large enough that verifying "
+              "drafts costs more than it saves: lower num_speculative_tokens, or turn "
+              "speculation off for this load.")),
     Alert(name="RolloutServiceDown",
           expr=queries.alert_service_down(), for_s="2m", severity="critical",
           summary="Rollout service {{ $labels.instance }} is not scraped",

@@ -120,6 +120,10 @@ class EngineInfo:
     MTP drafter read from the served checkpoint, so the pushed checkpoint tensors are
     its tensors. Another drafter (n-gram, suffix, a separate EAGLE model) has nothing a
     push of the checkpoint could load."""
+    verify_cost_ratio: float | None = None
+    """Time of a verify step with ``num_speculative_tokens`` drafts over a plain decode
+    step, measured by the engine when it started (vLLM: ``engines/vllm/step_cost.py``);
+    None when speculation is off or the engine does not measure it."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -173,6 +177,9 @@ class EngineSpec:
     """How a push is loaded (``ServiceConfig.weights_load``)."""
     engine_url: str | None = None
     """SGLang: a running server to drive instead of launching one."""
+    verify_cost_batch_size: int = 8
+    """Sequences per dummy batch when the engine measures a verify step's cost; 0 skips
+    the measurement (``TelemetryConfig.verify_cost_batch_size``)."""
 
 
 def check_prompt(info: EngineInfo, prompt_ids: Sequence[int], max_tokens: int) -> None:

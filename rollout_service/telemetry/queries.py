@@ -17,8 +17,9 @@ replicas (a mean of per-replica ratios is not). Macro averages are ``_sum /
 _count`` of the per-request histograms, counters too.
 
 Series read: the service's (``telemetry/acceptance.py``: ``rollout_requests_total``,
-``rollout_spec_decode_*``; ``telemetry/weights.py``: ``rollout_weight_*``; labels
-``model``, ``engine``), vLLM's own (``vllm:*``, whose model label is
+``rollout_spec_decode_*``, the gauge ``rollout_spec_decode_verify_cost_ratio``;
+``telemetry/weights.py``: ``rollout_weight_*``; labels ``model``, ``engine``, and
+``category`` on the acceptance series), vLLM's own (``vllm:*``, whose model label is
 ``model_name``, so only ``instance`` selects them), and Prometheus's ``up``; every
 series has the ``instance`` label Prometheus adds.
 """
@@ -41,6 +42,9 @@ DRAFTS_WITH_POSITIONS = "rollout_spec_decode_drafts_with_positions_total"
 """Drafts of the requests that reported per-position acceptance."""
 DRAFT_TOKENS = "rollout_spec_decode_draft_tokens_total"
 ACCEPTED_TOKENS = "rollout_spec_decode_accepted_tokens_total"
+REJECTED_TOKENS = "rollout_spec_decode_rejected_tokens_total"
+VERIFY_COST_RATIO = "rollout_spec_decode_verify_cost_ratio"
+"""Gauge, set once per engine when it starts (absent when not measured)."""
 ACCEPTED_PER_POSITION = "rollout_spec_decode_accepted_per_position_total"
 REQUEST_ACCEPT_RATE = "rollout_spec_decode_request_accept_rate"
 """Histogram: ``_sum``, ``_count``, ``_bucket``."""
@@ -141,6 +145,25 @@ def micro_accept_length(scope: Scope) -> str:
     return f"1 + {_ratio(ACCEPTED_TOKENS, DRAFTS, scope)}"
 
 
+def macro_accept_rate_by_category(scope: Scope) -> str:
+    """Macro accept rate per request ``category`` (bounded: the allow-list or the first
+    categories seen, the rest ``other``, requests without one ``none``).
+
+    A category without requests with drafts in the window has no value (not NaN).
+    """
+    rate = f"{REQUEST_ACCEPT_RATE}_sum"
+    count = f"{REQUEST_ACCEPT_RATE}_count"
+    return (f"{_sum_rate(rate, scope, keep=('category',))}"
+            f" / ({_sum_rate(count, scope, keep=('category',))} > 0)")
+
+
+def micro_accept_rate_by_category(scope: Scope) -> str:
+    """Micro accept rate (accepted / drafted tokens) per request ``category``; a category
+    without drafted tokens in the window has no value."""
+    return (f"{_sum_rate(ACCEPTED_TOKENS, scope, keep=('category',))}"
+            f" / ({_sum_rate(DRAFT_TOKENS, scope, keep=('category',))} > 0)")
+
+
 def accept_rate_per_position(scope: Scope) -> str:
     """Share of drafts whose token at 0-based draft position ``position`` was accepted.
 
@@ -170,6 +193,35 @@ def share_without_stats(scope: Scope) -> str:
 def share_with_invalid_stats(scope: Scope) -> str:
     """Share of finished requests whose engine returned counts that contradict themselves."""
     return _ratio(INVALID_STATS_REQUESTS, REQUESTS, scope)
+
+
+# ---- what speculation costs ------------------------------------------------------------
+
+def accepted_tokens_per_s(scope: Scope) -> str:
+    """Drafted tokens the target accepted, per second (work that paid off)."""
+    return _sum_rate(ACCEPTED_TOKENS, scope)
+
+
+def rejected_tokens_per_s(scope: Scope) -> str:
+    """Drafted tokens the target rejected, per second (work computed and thrown away)."""
+    return _sum_rate(REJECTED_TOKENS, scope)
+
+
+def verify_cost_ratio(scope: Scope) -> str:
+    """Time of a verify step over a plain decode step, as each engine measured it at
+    start-up (the highest of the group's replicas)."""
+    return _aggregate("max", f"{VERIFY_COST_RATIO}{_selector(scope)}", scope.by)
+
+
+def net_speedup(scope: Scope) -> str:
+    """Estimated net speed-up of speculation: tokens per verify step (micro accept length)
+    over the measured verify cost ratio; below 1, speculation slows decoding down.
+
+    Per step, not per request: the micro accept length weighs every verify step alike,
+    which is what the engine's time is spent on. The cost ratio is the replicas' highest,
+    so a group of replicas is estimated at its slowest.
+    """
+    return f"({micro_accept_length(scope)}) / {verify_cost_ratio(scope)}"
 
 
 # ---- weights --------------------------------------------------------------------------
@@ -282,6 +334,12 @@ def alert_stats_missing() -> str:
     return f"{share_without_stats(Scope(window=ALERT_WINDOW, by=PER_INSTANCE))} > 0"
 
 
+def alert_speculation_slowdown() -> str:
+    """The estimated net speed-up of speculation is below 1: drafting and verifying cost
+    more than the accepted tokens save."""
+    return f"{net_speedup(Scope(window=ALERT_WINDOW, by=PER_INSTANCE))} < 1"
+
+
 def alert_service_down() -> str:
     """Prometheus cannot scrape a replica's ``/metrics``."""
     return f'up{{job="{SCRAPE_JOB}"}} == 0'
@@ -311,11 +369,19 @@ FIGURES = (
     Figure(name="macro accept length", unit="tokens / verify step", query=macro_accept_length),
     Figure(name="micro accept length", unit="tokens / verify step", query=micro_accept_length),
     Figure(name="per-position acceptance", unit="ratio", query=accept_rate_per_position),
+    Figure(name="macro accept rate by category", unit="ratio",
+           query=macro_accept_rate_by_category),
+    Figure(name="micro accept rate by category", unit="ratio",
+           query=micro_accept_rate_by_category),
     Figure(name="accept-rate distribution", unit="requests",
            query=accept_rate_distribution),
     Figure(name="share without drafts", unit="ratio", query=share_without_drafts),
     Figure(name="share without stats", unit="ratio", query=share_without_stats),
     Figure(name="share with invalid stats", unit="ratio", query=share_with_invalid_stats),
+    Figure(name="accepted draft tokens/s", unit="tokens / s", query=accepted_tokens_per_s),
+    Figure(name="rejected draft tokens/s", unit="tokens / s", query=rejected_tokens_per_s),
+    Figure(name="verify cost ratio", unit="plain decode steps", query=verify_cost_ratio),
+    Figure(name="net speed-up", unit="ratio", query=net_speedup),
     Figure(name="weight version", unit="version", query=weight_version),
     Figure(name="drafter version lag", unit="versions", query=drafter_version_lag),
     Figure(name="mean push duration", unit="s", query=push_duration_mean),
@@ -331,7 +397,8 @@ FIGURES = (
 """Every figure; the docs table lists them and the integration tests evaluate each."""
 
 ALERTS = (alert_accept_rate_dropped_after_push, alert_drafter_behind_main,
-          alert_push_unsuccessful, alert_push_slow, alert_stats_missing, alert_service_down)
+          alert_push_unsuccessful, alert_push_slow, alert_stats_missing,
+          alert_speculation_slowdown, alert_service_down)
 """Every alert condition (``deploy/prometheus/rules.py`` names and annotates them)."""
 
 DOCS_SCOPE = Scope(window="5m")

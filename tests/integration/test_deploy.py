@@ -221,6 +221,15 @@ ALERT_CASES: dict[str, tuple[list[dict[str, str]], str, str, str]] = {
         _series("rollout_spec_decode_missing_stats_requests_total", "0x10", instance="b"),
         _series("rollout_requests_total", "0+2x10", instance="b"),
     ], "10m", "instance", "a"),
+    "RolloutSpeculationSlowdown": ([
+        # a: 1.25 tokens per verify step at a cost of 2 decode steps; b: 3 at the same cost
+        _series("rollout_spec_decode_accepted_tokens_total", "0+1x15"),
+        _series("rollout_spec_decode_drafts_total", "0+4x15"),
+        _series("rollout_spec_decode_verify_cost_ratio", "2x15"),
+        _series("rollout_spec_decode_accepted_tokens_total", "0+8x15", instance="b"),
+        _series("rollout_spec_decode_drafts_total", "0+4x15", instance="b"),
+        _series("rollout_spec_decode_verify_cost_ratio", "2x15", instance="b"),
+    ], "10m", "instance", "a"),
     "RolloutServiceDown": ([
         {"series": 'up{job="rollout", instance="a"}', "values": "0x5"},
         {"series": 'up{job="rollout", instance="b"}', "values": "1x5"},

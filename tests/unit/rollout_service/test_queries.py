@@ -65,7 +65,8 @@ def test_offset_applies_to_every_range() -> None:
 
 def test_every_rollout_series_read_is_exported() -> None:
     registry = CollectorRegistry()
-    SpecDecodeMetrics(registry=registry, model="m", engine="vllm", num_speculative_tokens=2)
+    SpecDecodeMetrics(registry=registry, model="m", engine="vllm", num_speculative_tokens=2,
+                      verify_cost_ratio=1.5)
     WeightMetrics(registry=registry, model="m", engine="vllm")
     exported = {sample.name for family in registry.collect() for sample in family.samples}
     read = {name for expr in _every_expression()
