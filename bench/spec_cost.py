@@ -1,10 +1,11 @@
 """What speculation costs: the engine's measured verify cost ratio against end-to-end
 throughput with and without drafts.
 
-Runs vLLM engines one after another in this process (``AsyncLLM`` through the service's
-own ``start_engine``): one without speculation, then one per ``k``. Each generates the
-same batches (``--batch`` concurrent sequences of ``--tokens`` tokens, ``ignore_eos``)
-greedily and at temperature 1, the order of the rounds alternating, and reports:
+Starts vLLM engines in this process (``AsyncLLM`` through the service's own
+``start_engine``): one without speculation and one per ``k``, all up at once. Then, round
+after round, each engine in turn generates the same batches (``--batch`` concurrent
+sequences of ``--tokens`` tokens, ``ignore_eos``), greedily and at temperature 1, so drift
+in the host's load hits every engine alike. It reports:
 
 - tokens/s, the micro accept length (tokens per verify step);
 - the cost ratio the engine measured at start-up (``engines/vllm/step_cost.py``);
@@ -19,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import statistics
 import time
 from dataclasses import dataclass
 
@@ -42,44 +42,52 @@ class Run:
     measured_ratio: float | None
 
 
-async def _throughput(engine: Engine, prompts: list[str], *, batch: int, tokens: int,
-                      temperature: float, rounds: int) -> tuple[float, float | None]:
-    rates, stats = [], []
-    for round_ in range(rounds):
-        for start in range(0, len(prompts), batch):
-            chunk = prompts[start:start + batch]
-            t0 = time.perf_counter()
-            results = await asyncio.gather(*(
-                engine.generate(p, SamplingOptions(max_tokens=tokens, temperature=temperature,
-                                                   seed=i, ignore_eos=True),
-                                f"b{round_}-{start}-{i}-{temperature}")
-                for i, p in enumerate(chunk)))
-            rates.append(sum(len(r.token_ids) for r in results) / (time.perf_counter() - t0))
-            stats += [r.spec_decode for r in results]
-    summary = summarize(stats)
-    length = summary.micro_accept_length if summary.num_with_speculation else None
-    return statistics.median(rates), length
+async def _batches(engine: Engine, prompts: list[str], *, batch: int, tokens: int,
+                   temperature: float, tag: str) -> tuple[float, list]:
+    """Seconds and results of generating every prompt, ``batch`` at a time."""
+    seconds, results = 0.0, []
+    for start in range(0, len(prompts), batch):
+        t0 = time.perf_counter()
+        results += await asyncio.gather(*(
+            engine.generate(p, SamplingOptions(max_tokens=tokens, temperature=temperature,
+                                               seed=i, ignore_eos=True), f"{tag}-{start}-{i}")
+            for i, p in enumerate(prompts[start:start + batch])))
+        seconds += time.perf_counter() - t0
+    return seconds, results
 
 
 async def measure(ks: list[int], *, batch: int, tokens: int, rounds: int,
                   model: str) -> list[Run]:
     prompts = [p for p, _ in arithmetic_prompts(4 * batch, seed=3)]
-    runs = []
-    for k in [0, *ks]:
-        config = ServiceConfig(model=model, mtp={"enabled": k > 0,
-                                                 "num_speculative_tokens": max(k, 1)},
-                               telemetry={"verify_cost_batch_size": batch})
-        engine = await start_engine(config)
-        try:
+    engines: dict[int, Engine] = {}
+    try:
+        for k in [0, *ks]:
+            engines[k] = await start_engine(ServiceConfig(
+                model=model, mtp={"enabled": k > 0, "num_speculative_tokens": max(k, 1)},
+                telemetry={"verify_cost_batch_size": batch}))
+        seconds: dict[tuple[int, float], float] = {}
+        stats: dict[tuple[int, float], list] = {}
+        for round_ in range(rounds):
             for temperature in (0.0, 1.0):
-                tps, length = await _throughput(engine, prompts, batch=batch, tokens=tokens,
-                                                temperature=temperature, rounds=rounds)
-                runs.append(Run(k=k, temperature=temperature, tokens_per_s=tps,
-                                accept_length=length,
-                                measured_ratio=engine.info.verify_cost_ratio))
-        finally:
+                for k, engine in engines.items():
+                    took, results = await _batches(engine, prompts, batch=batch,
+                                                   tokens=tokens, temperature=temperature,
+                                                   tag=f"{round_}-{temperature}")
+                    seconds[k, temperature] = seconds.get((k, temperature), 0.0) + took
+                    stats.setdefault((k, temperature), []).extend(
+                        r.spec_decode for r in results)
+        num_tokens = rounds * len(prompts) * tokens
+        runs = []
+        for (k, temperature), took in seconds.items():
+            summary = summarize(stats[k, temperature])
+            runs.append(Run(k=k, temperature=temperature, tokens_per_s=num_tokens / took,
+                            accept_length=summary.micro_accept_length
+                            if summary.num_with_speculation else None,
+                            measured_ratio=engines[k].info.verify_cost_ratio))
+        return sorted(runs, key=lambda r: (r.k, r.temperature))
+    finally:
+        for engine in engines.values():
             await engine.shutdown()
-    return runs
 
 
 def table(runs: list[Run]) -> Table:

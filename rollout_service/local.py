@@ -20,6 +20,7 @@ from rollout_service.protocol.tensors import checkpoint_tensors
 from rollout_service.service import RolloutService
 from rollout_service.telemetry.acceptance import SpecDecodeMetrics
 from rollout_service.telemetry.config import CategoryLabels
+from rollout_service.telemetry.drafter import DrafterHealth
 from rollout_service.telemetry.weights import WeightMetrics
 from rollout_service.weights.manager import WeightPushManager
 
@@ -58,13 +59,18 @@ def build_local_service(engine: Engine, config: ServiceConfig
     """The service around one engine, with its own metrics registry."""
     info = engine.info
     registry = CollectorRegistry()
+    drafter = DrafterHealth(registry=registry, model=info.model, engine=info.engine,
+                            num_speculative_tokens=info.num_speculative_tokens,
+                            versions_kept=config.telemetry.versions_kept)
     metrics = SpecDecodeMetrics(registry=registry, model=info.model, engine=info.engine,
                                 num_speculative_tokens=info.num_speculative_tokens,
                                 verify_cost_ratio=info.verify_cost_ratio,
-                                categories=CategoryLabels(config.telemetry))
+                                categories=CategoryLabels(config.telemetry),
+                                drafter=drafter)
     weights = WeightPushManager(
         engine, checkpoint_tensors(info.model_path),
-        WeightMetrics(registry=registry, model=info.model, engine=info.engine),
+        WeightMetrics(registry=registry, model=info.model, engine=info.engine,
+                      drafter=drafter),
         timeout_s=config.push_timeout_s, has_draft=info.has_pushable_drafter,
         transport=config.weights_transport)
     return RolloutService(engine, metrics, weights), registry

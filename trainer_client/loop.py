@@ -95,6 +95,9 @@ class StepLog:
     """The policy loss."""
     mtp_losses: list[float]
     """Per-depth MTP cross-entropy (unscaled), depth 1 first."""
+    mtp_accuracy: list[float]
+    """Per-depth top-1 agreement of the MTP head with the response tokens depth + 1 ahead,
+    measured with the weights that generated the batch; sent with the push."""
     mean_reward: float
     weight_version: int
     """The version pushed at the end of the step."""
@@ -111,6 +114,9 @@ class StepLog:
 class Losses:
     policy: float
     mtp: list[float]
+    mtp_accuracy: list[float]
+    num_tokens: int
+    """Response tokens the depth-1 figures count."""
 
 
 def policy_gradient_loss(per_token_ce: torch.Tensor, batch: PaddedBatch) -> torch.Tensor:
@@ -144,10 +150,15 @@ def run_loop(cfg: LoopConfig, prompts: PromptSource, *, log: Callable[[StepLog],
             rollouts = to_rollouts(response, [item[1] for item in batch_prompts])
             batch = pack_padded(rollouts, tp=1, cp=1, pad_id=int(hf_config["eos_token_id"]))
             losses = train_step(model, optimizer, batch, hf_config, cfg, policy_loss)
+            # The forward ran with the weights that generated the batch: the served version.
+            stats = messages.TrainingStats(version=version, mtp_accuracy=losses.mtp_accuracy,
+                                           num_tokens=losses.num_tokens)
             version += 1
-            report = push(pusher, model, hf_config, version=version, target=target)
+            report = push(pusher, model, hf_config, version=version, target=target,
+                          training_stats=stats)
             assert report is not None  # this process holds the pusher
             entry = StepLog(step=step, main_loss=losses.policy, mtp_losses=losses.mtp,
+                            mtp_accuracy=losses.mtp_accuracy,
                             mean_reward=float(batch.rewards.mean()), weight_version=version,
                             push_s=report.total_s,
                             macro_accept_rate=response.acceptance.macro_accept_rate,
@@ -251,13 +262,16 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: 
     optimizer.step()
     logged = reduce_for_logging(depth_losses, groups=[], is_source_rank=True)
     assert logged is not None
-    return Losses(policy=float(loss.detach()),
-                  mtp=[logged[f"mtp_{k}_loss"] for k in range(1, mtp_cfg.num_layers + 1)])
+    depths = range(1, mtp_cfg.num_layers + 1)
+    return Losses(policy=float(loss.detach()), mtp=[logged[f"mtp_{k}_loss"] for k in depths],
+                  mtp_accuracy=[logged[f"mtp_{k}_accuracy"] for k in depths],
+                  num_tokens=int(logged["mtp_1_num_tokens"]))
 
 
 def push(pusher: WeightPusher | None, model: torch.nn.Module, hf_config: dict[str, Any], *,
          version: int, target: messages.PushTarget,
-         tp_group: torch.distributed.ProcessGroup | None = None) -> PushReport | None:
+         tp_group: torch.distributed.ProcessGroup | None = None,
+         training_stats: messages.TrainingStats | None = None) -> PushReport | None:
     """The trained weights, under checkpoint names and dtype, into the service.
 
     Every rank of ``tp_group`` calls: each tensor is one all-gather. The rank holding
@@ -277,7 +291,8 @@ def push(pusher: WeightPusher | None, model: torch.nn.Module, hf_config: dict[st
         dtype = str(export_dtype(model, hf_config)).removeprefix("torch.")
         specs = [messages.ParamSpec(name=name, shape=list(shape), dtype=dtype)
                  for name, shape in hf_tensor_shapes(model, hf_config, tp_size).items()]
-        return pusher.push(exported, version=version, target=target, specs=specs)
+        return pusher.push(exported, version=version, target=target, specs=specs,
+                           training_stats=training_stats)
     finally:
         for _ in exported:
             pass

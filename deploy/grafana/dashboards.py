@@ -157,6 +157,24 @@ def _cost_panels() -> list[Builder[Panel]]:
     ]
 
 
+def _drafter_panels() -> list[Builder[Panel]]:
+    return [
+        _timeseries(9, "Drafter: rollout acceptance vs training accuracy, by weight version",
+                    "Share of drafts accepted per draft position on the weights served now "
+                    "(current) and before the last push (previous), each a total over that "
+                    "version's sequences, beside the trainer's top-1 accuracy of the MTP head "
+                    "on its batch for the same version (depth = position + 1). They estimate "
+                    "the same thing: acceptance far below the trainer's accuracy means the "
+                    "engine runs another drafter than the trainer trained; acceptance halved "
+                    "by a push means the push broke it (both alerted).", "percentunit", [
+                        _query("A", queries.acceptance_by_weights(SCOPE),
+                               "rollout {{weights}} v{{version}} position {{position}}"),
+                        _query("B", queries.trainer_mtp_accuracy(SCOPE),
+                               "trainer v{{version}} position {{position}}"),
+                    ], width=24).min(0).max(1),
+    ]
+
+
 def _weight_panels() -> list[Builder[Panel]]:
     return [
         _timeseries(11, "Weight version: main vs drafter",
@@ -227,7 +245,7 @@ def build() -> dashboard.Dashboard:
     for variable in _variables():
         board = board.with_variable(variable)
     sections = [("Acceptance", _acceptance_panels()), ("What speculation costs", _cost_panels()),
-                ("Weights", _weight_panels()),
+                ("Drafter health", _drafter_panels()), ("Weights", _weight_panels()),
                 ("Serving (vLLM)", _serving_panels())]
     for row_id, (title, panels) in enumerate(sections, start=100):
         board = board.with_row(dashboard.Row(title).id(row_id))

@@ -289,6 +289,28 @@ _TRANSPORT_FIELDS = {"oneOf": [
 """Transport 'shm' (the default) needs the segment; 'cuda_ipc' leaves it out, in JSON Schema."""
 
 
+MAX_MTP_DEPTHS = 16
+"""MTP depths a push's training stats may report."""
+Accuracy = Annotated[float, Field(ge=0.0, le=1.0)]
+
+
+class TrainingStats(BaseModel):
+    """What the trainer measured of the MTP head on its training batch, sent with a push;
+    the service exports it beside the rollout acceptance of the same weight version
+    (docs/telemetry.md)."""
+
+    model_config = _STRICT
+
+    version: Int = Field(ge=0, description=(
+        "The weight version the stats were measured with: the version that generated the "
+        "batch (the trainer's forward before its optimizer step), at most the pushed one."))
+    mtp_accuracy: list[Accuracy] = Field(min_length=1, max_length=MAX_MTP_DEPTHS, description=(
+        "Per MTP depth (depth 1 first): the share of response tokens where the head's top-1 "
+        "token is the token depth + 1 ahead (what the engine's acceptance at draft position "
+        "depth - 1 estimates on the same samples)."))
+    num_tokens: Int = Field(ge=0, description="Response tokens the depth-1 accuracy counts.")
+
+
 class PushBeginRequest(BaseModel):
     """Announce a push: everything is validated before any byte is loaded."""
 
@@ -310,6 +332,16 @@ class PushBeginRequest(BaseModel):
     pause_mode: PauseMode = Field("wait", description=(
         "How generation is paused while the engine loads: 'wait' lets running requests "
         "finish, 'abort' aborts them, 'keep' freezes them until the load is done."))
+    training_stats: TrainingStats | None = Field(None, description=(
+        "The trainer's MTP accuracy on its last batch; exported once the push loads."))
+
+    @model_validator(mode="after")
+    def _training_stats_version(self) -> PushBeginRequest:
+        stats = self.training_stats
+        if stats is not None and stats.version > self.version:
+            raise ValueError(f"training_stats.version: {stats.version} is newer than the pushed "
+                             f"version {self.version} (stats describe weights already trained)")
+        return self
 
     @model_validator(mode="after")
     def _transport_fields(self) -> PushBeginRequest:

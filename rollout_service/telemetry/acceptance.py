@@ -29,6 +29,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from rollout_service.protocol.acceptance import InvalidSpecDecodeStats, SpecDecodeStats
 from rollout_service.telemetry.config import CategoryLabels, TelemetryConfig
+from rollout_service.telemetry.drafter import DrafterHealth
 
 logger = logging.getLogger(__name__)
 
@@ -81,15 +82,19 @@ class SpecDecodeMetrics:
             leaves the gauge out (the net speed-up then has no series).
         categories: how request categories become label values; default: the default
             ``TelemetryConfig`` (the first 8 seen).
+        drafter: per-version acceptance (``telemetry/drafter.py``), fed every sequence's
+            stats too; None leaves it out.
     """
 
     def __init__(self, *, registry: CollectorRegistry, model: str, engine: str,
                  num_speculative_tokens: int, verify_cost_ratio: float | None = None,
-                 categories: CategoryLabels | None = None) -> None:
+                 categories: CategoryLabels | None = None,
+                 drafter: DrafterHealth | None = None) -> None:
         names = ("model", "engine", "category")
         self._labels = {"model": model, "engine": engine}
         self._categories = categories or CategoryLabels(TelemetryConfig())
         self._num_positions = num_speculative_tokens
+        self._drafter = drafter
         self._is_speculative = num_speculative_tokens > 0
         self._warned_missing = False
         self._warned_invalid = False
@@ -190,6 +195,8 @@ class SpecDecodeMetrics:
         if isinstance(stats, InvalidSpecDecodeStats):
             self._observe_invalid(series, stats)
             return
+        if self._drafter is not None:
+            self._drafter.observe(stats)
         series.drafts.inc(stats.num_drafts)
         if stats.has_per_position:
             series.drafts_with_positions.inc(stats.num_drafts)

@@ -30,7 +30,7 @@ import functools
 import inspect
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
 REQUESTS = "rollout_requests_total"
@@ -50,6 +50,13 @@ REQUEST_ACCEPT_RATE = "rollout_spec_decode_request_accept_rate"
 """Histogram: ``_sum``, ``_count``, ``_bucket``."""
 REQUEST_ACCEPT_LENGTH = "rollout_spec_decode_request_accept_length"
 """Histogram: ``_sum``, ``_count``, ``_bucket``."""
+WEIGHTS_DRAFTS = "rollout_spec_decode_weights_drafts"
+"""Gauge: drafts on the ``current`` weights (since the last push) and the ``previous`` ones,
+each labelled with its ``version``."""
+WEIGHTS_ACCEPTED = "rollout_spec_decode_weights_accepted_per_position"
+"""Gauge: per ``position``, beside :data:`WEIGHTS_DRAFTS`."""
+TRAINER_ACCURACY = "rollout_trainer_mtp_accuracy"
+"""Gauge: the trainer's top-1 accuracy of the MTP head, per ``version`` and ``position``."""
 WEIGHT_VERSION = "rollout_weight_version"
 WEIGHT_PUSHES = "rollout_weight_pushes_total"
 PUSH_DURATION = "rollout_weight_push_duration_seconds"
@@ -224,6 +231,37 @@ def net_speedup(scope: Scope) -> str:
     return f"({micro_accept_length(scope)}) / {verify_cost_ratio(scope)}"
 
 
+# ---- drafter health per weight version ------------------------------------------------
+
+def acceptance_by_weights(scope: Scope) -> str:
+    """Share of drafts accepted at each draft ``position`` on the weights served now
+    (``weights="current"``) and before the last push (``previous``), each with its
+    ``version``; no value before the weights have drafted.
+
+    Totals of each version's sequences, not rates: the ratio is that version's acceptance,
+    however long ago it was served.
+    """
+    keep = (*scope.by, "weights", "version")
+    accepted = _aggregate("sum", f"{WEIGHTS_ACCEPTED}{_selector(scope)}", (*keep, "position"))
+    drafts = _aggregate("sum", f"{WEIGHTS_DRAFTS}{_selector(scope)}", keep)
+    return f"{accepted} / ignoring (position) group_left ({drafts} > 0)"
+
+
+def trainer_mtp_accuracy(scope: Scope) -> str:
+    """The trainer's top-1 accuracy of the MTP head per weight ``version`` and draft
+    ``position`` (depth ``position + 1``), on its training batch."""
+    return _aggregate("max", f"{TRAINER_ACCURACY}{_selector(scope)}",
+                      (*scope.by, "version", "position"))
+
+
+def _position_zero_acceptance(scope: Scope) -> str:
+    """Acceptance at draft position 0 per ``scope.by``, where those weights have at least
+    :data:`MIN_DRAFTS` drafts (fewer: no value)."""
+    accepted = _aggregate("sum", WEIGHTS_ACCEPTED + _selector(scope, 'position="0"'), scope.by)
+    drafts = _aggregate("sum", WEIGHTS_DRAFTS + _selector(scope), scope.by)
+    return f"{accepted} / ({drafts} >= {MIN_DRAFTS})"
+
+
 # ---- weights --------------------------------------------------------------------------
 
 def weight_version(scope: Scope) -> str:
@@ -298,20 +336,46 @@ PUSH_WINDOW = "15m"
 """Weight pushes come once per training step, minutes apart: a window of a few
 scrapes would mostly hold none."""
 ACCEPT_RATE_DROP_FACTOR = 0.5
-ACCEPT_RATE_BASELINE_OFFSET = "1h"
+"""The drop alert: acceptance after a push below this fraction of the one before."""
+TRAINING_GAP_FACTOR = 0.5
+"""Rollout acceptance below this fraction of the trainer's accuracy for the same version."""
+MIN_DRAFTS = 64
+"""Drafts a weight version needs before its acceptance is compared (a few requests)."""
+BASELINE_WINDOW = "15m"
+BASELINE_STEP = "15s"
+"""The drop alert's memory of the level before the push: a subquery over this window."""
 SLOW_PUSH_S = 30
 PER_MODEL = ("model",)
 PER_INSTANCE = ("model", "instance")
 
 
 def alert_accept_rate_dropped_after_push() -> str:
-    """The macro accept rate of a model fell below half its value an hour ago, and weights
-    were loaded in the last 15m (the drafter likely no longer matches the main model)."""
-    now = Scope(window=ALERT_WINDOW, by=PER_MODEL)
-    before = replace(now, offset=ACCEPT_RATE_BASELINE_OFFSET)
-    pushes = Scope(window=PUSH_WINDOW, by=PER_MODEL)
-    return (f"({macro_accept_rate(now)}) < {ACCEPT_RATE_DROP_FACTOR} * "
-            f"({macro_accept_rate(before)}) and on (model) {loaded_pushes(pushes)} > 0")
+    """Acceptance at the first draft position of the weights served now or before the last
+    push (each over at least 64 drafts) fell below half the best such level of the last 15
+    minutes: a push broke the drafter, or left it behind the policy.
+
+    Both weights and a 15-minute memory: pushes come every step, so the weights before the
+    last push are often already broken ones, and the weights just pushed have not drafted
+    yet; the condition holds for as long as the broken drafter is served (15 minutes at
+    most: then the rollout-versus-training alert, and the slow-down one, still hold).
+    """
+    per_weights = Scope(window=ALERT_WINDOW, by=(*PER_MODEL, "weights"))
+    recent = _aggregate("min", _position_zero_acceptance(per_weights), PER_MODEL)
+    best = _aggregate("max", _position_zero_acceptance(per_weights), PER_MODEL)
+    baseline = f"max_over_time(({best})[{BASELINE_WINDOW}:{BASELINE_STEP}])"
+    return f"{recent} < {ACCEPT_RATE_DROP_FACTOR} * {baseline}"
+
+
+def alert_acceptance_below_training_accuracy() -> str:
+    """Rollout acceptance at the first draft position of a weight version (over at least 64
+    drafts) is below half the trainer's top-1 accuracy of the MTP head for the same version:
+    the drafter the engine runs is not the drafter the trainer trained. The value is the
+    lowest ratio of the two over the versions exported (the weights now and before the
+    last push)."""
+    per_version = Scope(window=ALERT_WINDOW, by=(*PER_MODEL, "version"))
+    accuracy = _aggregate("max", f'{TRAINER_ACCURACY}{{position="0"}}', per_version.by)
+    ratio = f"{_position_zero_acceptance(per_version)} / on (model, version) {accuracy}"
+    return f"{_aggregate('min', ratio, PER_MODEL)} < {TRAINING_GAP_FACTOR}"
 
 
 def alert_drafter_behind_main() -> str:
@@ -382,6 +446,8 @@ FIGURES = (
     Figure(name="rejected draft tokens/s", unit="tokens / s", query=rejected_tokens_per_s),
     Figure(name="verify cost ratio", unit="plain decode steps", query=verify_cost_ratio),
     Figure(name="net speed-up", unit="ratio", query=net_speedup),
+    Figure(name="acceptance by weights", unit="ratio", query=acceptance_by_weights),
+    Figure(name="trainer MTP accuracy", unit="ratio", query=trainer_mtp_accuracy),
     Figure(name="weight version", unit="version", query=weight_version),
     Figure(name="drafter version lag", unit="versions", query=drafter_version_lag),
     Figure(name="mean push duration", unit="s", query=push_duration_mean),
@@ -396,7 +462,8 @@ FIGURES = (
 )
 """Every figure; the docs table lists them and the integration tests evaluate each."""
 
-ALERTS = (alert_accept_rate_dropped_after_push, alert_drafter_behind_main,
+ALERTS = (alert_accept_rate_dropped_after_push, alert_acceptance_below_training_accuracy,
+          alert_drafter_behind_main,
           alert_push_unsuccessful, alert_push_slow, alert_stats_missing,
           alert_speculation_slowdown, alert_service_down)
 """Every alert condition (``deploy/prometheus/rules.py`` names and annotates them)."""

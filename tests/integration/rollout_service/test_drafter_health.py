@@ -3,17 +3,23 @@ the net speed-up, per request and in Prometheus's text."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import httpx
 import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
+from safetensors.torch import load_file
 
-from rollout_service.client import RolloutClient
+from rollout_service.client import RolloutClient, ServiceError
+from rollout_service.embedded import ensure_model
 from rollout_service.embedded.corpus import arithmetic_prompts
 from rollout_service.protocol import messages
 from rollout_service.tools.launch import ServiceProcess
 from rollout_service.tools.scrape import sample_sum
-from tests.integration.conftest import API_KEY, NUM_SPECULATIVE_TOKENS
+from tests.integration.conftest import API_KEY, NUM_SPECULATIVE_TOKENS, WEIGHTS_TOKEN
+from tests.integration.rollout_service.test_weights import next_version
+from trainer_client.push import WeightPusher
 
 PROMPTS = [p for p, _ in arithmetic_prompts(6, seed=11)]
 
@@ -102,3 +108,33 @@ def test_a_bad_category_is_a_400_naming_it(service: ServiceProcess) -> None:
                           json={"prompt": "1 + 1 =", "category": "no spaces allowed"})
     assert response.status_code == 400
     assert "category" in response.json()["error"]["message"]
+
+
+async def test_acceptance_per_weight_version_and_training_accuracy(
+        client: RolloutClient, service: ServiceProcess) -> None:
+    """A push carrying the trainer's accuracy: exported under the version it measured, and
+    the sequences after the push counted under the new version's 'current' series."""
+    original = load_file(str(Path(ensure_model("tiny")) / "model.safetensors"))
+    version = next_version(service)
+    stats = messages.TrainingStats(version=version - 1, mtp_accuracy=[0.625], num_tokens=80)
+    with WeightPusher(service.url, WEIGHTS_TOKEN, bucket_bytes=256 * 1024) as pusher:
+        with pytest.raises(ServiceError, match="training_stats.version") as refused:
+            pusher.push(original.items(), version=version,
+                        training_stats=stats.model_copy(update={"version": version + 1}))
+        assert refused.value.status == 400
+        pusher.push(original.items(), version=version, target="both", training_stats=stats)
+    batch = await client.generate_batch(messages.BatchGenerateRequest(requests=[
+        messages.GenerateRequest(prompt=p, max_tokens=16, temperature=1.0, seed=i)
+        for i, p in enumerate(PROMPTS)]))
+    text = await client.metrics_text()
+    seqs = [o.spec_decode for r in batch.responses for o in r.outputs]
+    current = {"weights": "current", "version": str(version)}
+    assert sample_sum(text, "rollout_spec_decode_weights_drafts", **current) == \
+        sum(s.num_drafts for s in seqs)
+    for position in range(NUM_SPECULATIVE_TOKENS):
+        assert sample_sum(text, "rollout_spec_decode_weights_accepted_per_position",
+                          **current, position=str(position)) == \
+            sum(s.accepted_per_position[position] for s in seqs)
+    assert 'weights="previous"' in text, "the weights before the push stay exported"
+    assert sample_sum(text, "rollout_trainer_mtp_accuracy", version=str(version - 1),
+                      position="0") == 0.625

@@ -11,8 +11,10 @@ from pathlib import Path
 import pytest
 from prometheus_client import CollectorRegistry
 
+from rollout_service.protocol.messages import TrainingStats
 from rollout_service.telemetry import queries
 from rollout_service.telemetry.acceptance import SpecDecodeMetrics
+from rollout_service.telemetry.drafter import DrafterHealth
 from rollout_service.telemetry.weights import WeightMetrics
 
 DOCS = Path(__file__).resolve().parents[3] / "docs" / "telemetry.md"
@@ -68,6 +70,9 @@ def test_every_rollout_series_read_is_exported() -> None:
     SpecDecodeMetrics(registry=registry, model="m", engine="vllm", num_speculative_tokens=2,
                       verify_cost_ratio=1.5)
     WeightMetrics(registry=registry, model="m", engine="vllm")
+    drafter = DrafterHealth(registry=registry, model="m", engine="vllm",
+                            num_speculative_tokens=2)
+    drafter.loaded(1, TrainingStats(version=0, mtp_accuracy=[0.5], num_tokens=1))
     exported = {sample.name for family in registry.collect() for sample in family.samples}
     read = {name for expr in _every_expression()
             for name in re.findall(r"\brollout_\w+", expr)}
