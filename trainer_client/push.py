@@ -15,6 +15,7 @@ twice.
 from __future__ import annotations
 
 import ctypes
+import sys
 import time
 import uuid
 from collections.abc import Iterable, Sequence
@@ -123,14 +124,19 @@ class WeightPusher:
             (CUDA tensors shared in place; the engine on the same GPU). Must be the
             service's ``weights_transport``.
         bucket_bytes: bytes announced per update call; a larger tensor goes alone.
+            Default: 512 MiB for ``shm``; for ``cuda_ipc`` every tensor in one call
+            (the bytes do not travel, only ~200 bytes of handle per tensor, and each
+            call costs a few milliseconds of HTTP and validation).
         timeout_s: HTTP timeout; loading a large model can take a while.
     """
 
     def __init__(self, url: str, token: str, *, transport: Transport = "shm",
-                 bucket_bytes: int = DEFAULT_BUCKET_BYTES, timeout_s: float = 600.0) -> None:
+                 bucket_bytes: int | None = None, timeout_s: float = 600.0) -> None:
         if transport not in ("shm", "cuda_ipc"):
             raise ValueError(f"transport: {transport!r} is not supported (accepted: 'shm', "
                              "'cuda_ipc')")
+        if bucket_bytes is None:
+            bucket_bytes = DEFAULT_BUCKET_BYTES if transport == "shm" else sys.maxsize
         if bucket_bytes <= 0:
             raise ValueError(f"bucket_bytes: must be > 0, got {bucket_bytes}")
         self._http = httpx.Client(base_url=url, timeout=timeout_s, headers=bearer(token))

@@ -231,7 +231,16 @@ class VLLMEngine:
         return chat_prompt_ids(self._tokenizer, turns)
 
     async def pause(self, mode: PauseMode = "wait") -> None:
-        await self._llm.pause_generation(mode=mode)
+        """``AsyncLLM.pause_generation`` without its closing ``asyncio.sleep(0.02)``.
+
+        vLLM sleeps there only so that the last outputs of drained requests reach their
+        callers before the call returns ("not required for correctness", its comment
+        says). Nothing here depends on that order: the version spans of every token come
+        from the engine core, not from when the outputs arrive. On an H200 the sleep
+        was 20 of a 1.14B push's 133 ms.
+        """
+        await self._llm.renderer.clear_mm_cache_async()
+        await self._llm.engine_core.pause_scheduler_async(mode=mode, clear_cache=True)
 
     async def resume(self) -> None:
         await self._llm.resume_generation()
