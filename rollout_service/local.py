@@ -18,7 +18,12 @@ from rollout_service.engines.base import Engine, EngineSpec, EngineStarter, Spec
 from rollout_service.engines.speculative import load_checkpoint_config
 from rollout_service.protocol.tensors import checkpoint_tensors
 from rollout_service.service import RolloutService
-from rollout_service.spec_control import REASONS, SpeculationControl, show_fixed_k
+from rollout_service.spec_control import (
+    REASONS,
+    SpeculationControl,
+    served_versions,
+    show_fixed_k,
+)
 from rollout_service.telemetry.acceptance import SpecDecodeMetrics
 from rollout_service.telemetry.speculation import SpeculationMetrics
 from rollout_service.telemetry.weights import WeightMetrics
@@ -73,8 +78,8 @@ def build_local_service(engine: Engine, config: ServiceConfig
         buckets=settings.batch_size_buckets, reasons=REASONS)
     control = None
     if settings.enabled:
-        control = SpeculationControl(cast(SpecScheduleEngine, engine), settings, weights,
-                                     speculation_metrics)
+        control = SpeculationControl(cast(SpecScheduleEngine, engine), settings,
+                                     lambda: served_versions(weights), speculation_metrics)
     else:
         show_fixed_k(speculation_metrics, settings.batch_size_buckets,
                      info.num_speculative_tokens)

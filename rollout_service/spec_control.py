@@ -28,6 +28,7 @@ import logging
 import statistics
 import time
 import uuid
+from collections.abc import Callable
 
 from rollout_service.config import CalibrationSettings, SpeculationControlSettings
 from rollout_service.engines.base import (
@@ -110,15 +111,16 @@ class SpeculationControl:
     Args:
         engine: the engine, started with a run-time K schedule.
         settings: the service config's ``speculation_control``.
-        weights: the served weight versions (the controller keys acceptance on them).
+        versions: the weight versions served now (the controller keys acceptance on the
+            drafter's): :func:`served_versions` of the service's push manager.
         metrics: the K in force and its reason, per bucket.
     """
 
     def __init__(self, engine: SpecScheduleEngine, settings: SpeculationControlSettings,
-                 weights: WeightPushManager, metrics: SpeculationMetrics) -> None:
+                 versions: Callable[[], WeightVersions], metrics: SpeculationMetrics) -> None:
         self._engine = engine
         self._settings = settings
-        self._weights = weights
+        self._versions = versions
         self._metrics = metrics
         self._k_max = engine.info.num_speculative_tokens
         self._controller = SpeculationController(controller_config(settings, self._k_max),
@@ -163,10 +165,9 @@ class SpeculationControl:
         """Count one finished sequence and decide again; never raises (a sequence with
         inconsistent counts is logged and skipped)."""
         stats = result.spec_decode if isinstance(result.spec_decode, SpecDecodeStats) else None
-        versions = WeightVersions(main_version=_version(self._weights.main_version),
-                                  draft_version=_version(self._weights.draft_version))
         try:
-            self._controller.observe(stats, versions, batch_size=max(1, self._engine.batch_size),
+            self._controller.observe(stats, self._versions(),
+                                     batch_size=max(1, self._engine.batch_size),
                                      now=time.monotonic())
         except ValueError:
             logger.exception("speculation control: observation skipped")
@@ -338,8 +339,13 @@ async def calibrate(control: SpeculationControl, calibration: CalibrationSetting
     return samples
 
 
-def _version(version: int | None) -> int:
-    return -1 if version is None else version
+def served_versions(weights: WeightPushManager) -> WeightVersions:
+    """The versions ``weights`` serves now; -1 for a model never pushed. A sequence is
+    counted under the versions served when it finishes (one that spans a push mixes both,
+    once per push)."""
+    return WeightVersions(
+        main_version=-1 if weights.main_version is None else weights.main_version,
+        draft_version=-1 if weights.draft_version is None else weights.draft_version)
 
 
 def _entries(schedule: dict[int, int] | None) -> list[ScheduleEntry] | None:
