@@ -13,6 +13,7 @@ from prometheus_client import CollectorRegistry
 
 from rollout_service.telemetry import queries
 from rollout_service.telemetry.acceptance import SpecDecodeMetrics
+from rollout_service.telemetry.speculation import SpeculationMetrics
 from rollout_service.telemetry.weights import WeightMetrics
 
 DOCS = Path(__file__).resolve().parents[3] / "docs" / "telemetry.md"
@@ -67,6 +68,8 @@ def test_every_rollout_series_read_is_exported() -> None:
     registry = CollectorRegistry()
     SpecDecodeMetrics(registry=registry, model="m", engine="vllm", num_speculative_tokens=2)
     WeightMetrics(registry=registry, model="m", engine="vllm")
+    SpeculationMetrics(registry=registry, model="m", engine="vllm", buckets=[1, 8],
+                       reasons=["pinned"])
     exported = {sample.name for family in registry.collect() for sample in family.samples}
     read = {name for expr in _every_expression()
             for name in re.findall(r"\brollout_\w+", expr)}
