@@ -21,8 +21,8 @@ from rollout_service.engines.vllm.engine import (
     has_pushable_drafter,
     loads_in_place,
     to_stats,
-    with_startup_schedule,
 )
+from rollout_service.engines.vllm.spec_schedule import with_startup_schedule
 from rollout_service.protocol.acceptance import InvalidSpecDecodeStats, SpecDecodeStats
 
 MODEL = str(Path(ensure_model("tiny")))
