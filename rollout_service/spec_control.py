@@ -315,19 +315,22 @@ async def calibrate(control: SpeculationControl, calibration: CalibrationSetting
     return them.
 
     Each point runs B synthetic greedy requests (``ignore_eos``) at one K for every batch
-    size, long enough for ``num_steps`` decode steps at the full batch, and takes the
-    median of the clean decode steps at (K, B). A first single request warms the engine
-    up and is not counted. A point with fewer than 2 clean steps (B above the engine's
-    ``max_num_seqs``, or a token budget that splits the batch) is skipped with a warning:
-    the table then interpolates around it, or reports no cost data beyond.
+    size (every K in turn at one B, then the next B), long enough for ``num_steps`` decode
+    steps at the full batch, and takes the median of the clean decode steps at (K, B). A
+    first single request warms the engine up and is not counted. A point with fewer than
+    2 clean steps (B above the engine's ``max_num_seqs``, or a token budget that splits
+    the batch) is skipped with a warning: the table then interpolates around it, or
+    reports no cost data beyond.
     """
     sizes = calibration_batch_sizes(calibration.max_batch_size)
     samples = []
     await control.apply_for_calibration(0)
     await control.run_calibration_batch(0, 1, calibration)  # warm-up
-    for k in range(control.k_max + 1):
-        await control.apply_for_calibration(k)
-        for batch_size in sizes:
+    for batch_size in sizes:
+        # Every K back to back at one B: the decision reads ratios at equal B, and a
+        # machine whose load drifts during the calibration biases them least this way.
+        for k in range(control.k_max + 1):
+            await control.apply_for_calibration(k)
             step_s = await control.run_calibration_batch(k, batch_size, calibration)
             if step_s is None:
                 logger.warning("speculation control: no clean decode steps at K=%d, B=%d; "

@@ -21,7 +21,6 @@ at run time through the engine core's ``rollout_set_spec_schedule``
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import time
 from collections.abc import AsyncIterator, Mapping, Sequence
@@ -62,7 +61,7 @@ from rollout_service.engines.vllm.patches import spec_schedule as schedule_rpc
 from rollout_service.engines.vllm.spec_schedule import (
     lookup_to_schedule,
     schedule_to_ranges,
-    startup_ranges,
+    with_startup_schedule,
 )
 from rollout_service.engines.vllm.step_costs import StepCostMonitor
 from rollout_service.engines.vllm.transfer import update_info
@@ -142,46 +141,6 @@ async def start(spec: EngineSpec) -> VLLMEngine:
         await engine.shutdown()
         raise
     return engine
-
-
-def with_startup_schedule(args: AsyncEngineArgs) -> AsyncEngineArgs:
-    """``args`` with the K schedule a run-time schedule needs at start-up: every K in
-    ``0..num_speculative_tokens`` at some batch size (``spec_schedule.startup_ranges``),
-    over the batch sizes vLLM will allow (its ``max_num_seqs``, resolved here as vLLM
-    resolves it).
-
-    Raises:
-        ValueError: naming the field: no speculative decoding, a schedule of the user's
-            own, data parallelism (vLLM drops any schedule there), vLLM's model runner V1
-            on CUDA (it forces PIECEWISE graphs with a schedule, vllm-project/vllm#49548),
-            or a vLLM version the engine-core patch does not support.
-    """
-    from vllm import __version__ as vllm_version
-    from vllm.platforms import current_platform
-
-    field = "speculation_control.enabled"
-    speculative = args.speculative_config
-    if vllm_version not in schedule_rpc.SUPPORTED_VLLM_VERSIONS:
-        raise ValueError(f"{field}: the run-time K schedule supports vLLM "
-                         f"{schedule_rpc.SUPPORTED_VLLM_VERSIONS}, not {vllm_version}")
-    if not speculative:
-        raise ValueError(f"{field}: needs speculative decoding (mtp.enabled or "
-                         "engine_kwargs.speculative_config)")
-    if speculative.get("num_speculative_tokens_per_batch_size") is not None:
-        raise ValueError("engine_kwargs.speculative_config.num_speculative_tokens_per_batch_"
-                         f"size: the speculation control sets it ({field}); leave it out")
-    if (args.data_parallel_size or 1) > 1:
-        raise ValueError(f"{field}: vLLM drops a K schedule with data parallelism "
-                         f"(engine_kwargs.data_parallel_size={args.data_parallel_size})")
-    config = dataclasses.replace(args).create_engine_config()
-    if current_platform.is_cuda() and not config.use_v2_model_runner:
-        raise ValueError(f"{field}: vLLM's model runner V1 on CUDA turns a K schedule's "
-                         "FULL CUDA graphs into PIECEWISE ones (vllm-project/vllm#49548); "
-                         "run model runner V2 (VLLM_USE_V2_MODEL_RUNNER=1)")
-    ranges = startup_ranges(config.speculative_config.num_speculative_tokens,
-                            config.scheduler_config.max_num_seqs)
-    return dataclasses.replace(args, speculative_config={
-        **speculative, "num_speculative_tokens_per_batch_size": ranges})
 
 
 class VLLMEngine:

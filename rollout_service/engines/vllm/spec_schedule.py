@@ -1,18 +1,26 @@
 """The K schedule as vLLM takes it: batch-size ranges, at start-up and at run time.
 
-Runs in the rollout service process; pure (no vLLM import). vLLM 0.32.0's scheduler, in
-the engine-core process, reads the number of draft tokens K of every step from a dense
-batch size -> K lookup built from ``speculative_config.num_speculative_tokens_per_batch_size``:
-a list of inclusive ranges ``[start, end, K]`` whose first starts at 1; gaps and the tail
-past the last range carry the previous K forward (``vllm/v1/spec_decode/dynamic/utils.py``).
-The service's schedule is a table ``{bucket upper edge: K}`` (the speculation controller's
-``schedule()``); this module converts it, and builds the schedule the engine starts with.
-The engine-core side that swaps the lookup at run time is ``patches/spec_schedule.py``.
+Runs in the rollout service process; pure but for :func:`with_startup_schedule`, which
+resolves the engine's config with vLLM (imported there, not at module level).
+
+vLLM 0.32.0's scheduler, in the engine-core process, reads the number of draft tokens K
+of every step from a dense batch size -> K lookup built from
+``speculative_config.num_speculative_tokens_per_batch_size``: a list of inclusive ranges
+``[start, end, K]`` whose first starts at 1; gaps and the tail past the last range carry
+the previous K forward (``vllm/v1/spec_decode/dynamic/utils.py``). The service's schedule
+is a table ``{bucket upper edge: K}`` (the speculation controller's ``schedule()``); this
+module converts it, and builds the schedule the engine starts with. The engine-core side
+that swaps the lookup at run time is ``patches/spec_schedule.py``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from vllm.engine.arg_utils import AsyncEngineArgs
 
 ScheduleRanges = list[list[int]]
 """vLLM's ``num_speculative_tokens_per_batch_size``: ``[[start, end, K], ...]``, inclusive."""
@@ -107,3 +115,43 @@ def startup_ranges(k_max: int, max_batch_size: int) -> ScheduleRanges:
 def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
+
+def with_startup_schedule(args: AsyncEngineArgs) -> AsyncEngineArgs:
+    """``args`` with the K schedule a run-time schedule needs at start-up: every K in
+    ``0..num_speculative_tokens`` at some batch size (:func:`startup_ranges`), over the
+    batch sizes vLLM will allow (its ``max_num_seqs``, resolved here as vLLM resolves it).
+
+    Raises:
+        ValueError: naming the field: no speculative decoding, a schedule of the user's
+            own, data parallelism (vLLM drops any schedule there), vLLM's model runner V1
+            on CUDA (it forces PIECEWISE graphs with a schedule, vllm-project/vllm#49548),
+            or a vLLM version the engine-core patch does not support.
+    """
+    from vllm import __version__ as vllm_version
+    from vllm.platforms import current_platform
+
+    from rollout_service.engines.vllm.patches import spec_schedule as schedule_rpc
+
+    field = "speculation_control.enabled"
+    speculative = args.speculative_config
+    if vllm_version not in schedule_rpc.SUPPORTED_VLLM_VERSIONS:
+        raise ValueError(f"{field}: the run-time K schedule supports vLLM "
+                         f"{schedule_rpc.SUPPORTED_VLLM_VERSIONS}, not {vllm_version}")
+    if not speculative:
+        raise ValueError(f"{field}: needs speculative decoding (mtp.enabled or "
+                         "engine_kwargs.speculative_config)")
+    if speculative.get("num_speculative_tokens_per_batch_size") is not None:
+        raise ValueError("engine_kwargs.speculative_config.num_speculative_tokens_per_batch_"
+                         f"size: the speculation control sets it ({field}); leave it out")
+    if (args.data_parallel_size or 1) > 1:
+        raise ValueError(f"{field}: vLLM drops a K schedule with data parallelism "
+                         f"(engine_kwargs.data_parallel_size={args.data_parallel_size})")
+    config = dataclasses.replace(args).create_engine_config()
+    if current_platform.is_cuda() and not config.use_v2_model_runner:
+        raise ValueError(f"{field}: vLLM's model runner V1 on CUDA turns a K schedule's "
+                         "FULL CUDA graphs into PIECEWISE ones (vllm-project/vllm#49548); "
+                         "run model runner V2 (VLLM_USE_V2_MODEL_RUNNER=1)")
+    ranges = startup_ranges(config.speculative_config.num_speculative_tokens,
+                            config.scheduler_config.max_num_seqs)
+    return dataclasses.replace(args, speculative_config={
+        **speculative, "num_speculative_tokens_per_batch_size": ranges})
