@@ -1,7 +1,7 @@
 """check_reqs.py -- are the Requires-Dist of a bundle's wheels met?
 
     python3 check_reqs.py lock BUNDLE_DIR WHEEL_DIR IMAGE_PACKAGES   (CPU machine, after prepare.sh)
-    python3 check_reqs.py installed TARGET...                        (GPU machine, from device_step.sh)
+    python3 check_reqs.py installed PRUNED TARGET...                 (GPU machine, from device_step.sh)
 
 `lock` reads the wheels named in BUNDLE_DIR/lock-*.txt from WHEEL_DIR, checks that each is
 installable by CPython 3.12 on manylinux x86_64, and that each requirement (markers evaluated for
@@ -10,7 +10,8 @@ package the GPU image holds (IMAGE_PACKAGES: one name a line, `name==version` wh
 listed in BUNDLE_DIR/pruned.txt (`name  reason`: left out on purpose). Exit 1 when one is unmet.
 
 `installed` puts the TARGETs first on sys.path and checks the installed bundle's requirements against
-what Python then finds (the bundle, then the image): informational, it prints and exits 0.
+what Python then finds (the bundle, then the image), leaving out the names in PRUNED (the bundle's
+pruned.txt; a missing file is fine): informational, it prints and exits 0.
 """
 import email.parser
 import glob
@@ -46,6 +47,17 @@ def requirements(metadata_text):
             yield req
 
 
+def read_pruned(path):
+    """`name  reason` lines -> {canonical name: reason}; {} when the file does not exist."""
+    pruned = {}
+    if os.path.exists(path):
+        for line in open(path):
+            if line.strip() and not line.startswith('#'):
+                name, _, why = line.strip().partition(' ')
+                pruned[canonicalize_name(name)] = why.strip()
+    return pruned
+
+
 def check_lock(bundle_dir, wheel_dir, image_file):
     locked = {}   # name -> (version, file)
     for lock in sorted(glob.glob(os.path.join(bundle_dir, 'lock-*.txt'))):
@@ -59,13 +71,7 @@ def check_lock(bundle_dir, wheel_dir, image_file):
         if line:
             name, _, version = line.partition('==')
             image[canonicalize_name(name)] = version or None
-    pruned = {}
-    pruned_file = os.path.join(bundle_dir, 'pruned.txt')
-    if os.path.exists(pruned_file):
-        for line in open(pruned_file):
-            if line.strip() and not line.startswith('#'):
-                name, _, why = line.strip().partition(' ')
-                pruned[canonicalize_name(name)] = why.strip()
+    pruned = read_pruned(os.path.join(bundle_dir, 'pruned.txt'))
     num_unmet, from_image, used_pruned = 0, {}, set()
     for name, (version, filename) in sorted(locked.items()):
         _, _, _, tags = parse_wheel_filename(filename)
@@ -103,9 +109,10 @@ def check_lock(bundle_dir, wheel_dir, image_file):
     return 1 if num_unmet else 0
 
 
-def check_installed(targets):
+def check_installed(pruned_file, *targets):
     import importlib.metadata as md
     sys.path[:0] = targets
+    pruned = read_pruned(pruned_file)
     seen, num_unmet = set(), 0
     for target in targets:
         for info in sorted(glob.glob(os.path.join(target, '*.dist-info'))):
@@ -115,6 +122,8 @@ def check_installed(targets):
                 continue
             seen.add(name)
             for req in requirements(dist.read_text('METADATA') or ''):
+                if canonicalize_name(req.name) in pruned:
+                    continue
                 try:
                     have = md.version(req.name)
                 except md.PackageNotFoundError:
@@ -122,11 +131,11 @@ def check_installed(targets):
                 if have is None or not req.specifier.contains(have, prereleases=True):
                     print(f'  unmet: {name} {dist.version} requires {req}; found {have or "nothing"}')
                     num_unmet += 1
-    print(f'  requirements of {len(seen)} installed distributions: {num_unmet} unmet '
-          '(the bundle\'s README lists the expected ones)')
+    print(f'  requirements of {len(seen)} installed distributions: {num_unmet} unmet, '
+          f'{len(pruned)} pruned names not checked (the bundle\'s README lists the expected ones)')
     return 0
 
 
 if __name__ == '__main__':
     mode, args = sys.argv[1], sys.argv[2:]
-    sys.exit(check_lock(*args) if mode == 'lock' else check_installed(args))
+    sys.exit(check_lock(*args) if mode == 'lock' else check_installed(*args))

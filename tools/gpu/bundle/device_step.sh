@@ -42,6 +42,7 @@ for f in "$HERE"/*.part; do
   cp "$f" "$ROOT/parts/$id.tmp" && mv "$ROOT/parts/$id.tmp" "$ROOT/parts/$id.part"
 done
 cp "$HERE/smoke.py" "$HERE/check_reqs.py" "$ROOT/"
+[ ! -f "$HERE/pruned.txt" ] || cp "$HERE/pruned.txt" "$ROOT/"
 ALL=$(awk '$1=="PART"{print $2}' "$MAN")
 MISS=$(for i in $ALL; do [ -f "$ROOT/parts/$i.part" ] || printf '%s ' "$i"; done)
 echo "gpu-$NAME: $(( $(wc -w <<<"$ALL") - $(wc -w <<<"$MISS") ))/$(wc -w <<<"$ALL") parts on this machine; missing: ${MISS:-none}"
@@ -100,7 +101,7 @@ cp "$ROOT/smoke.py" "$SITE/_smoke.py"
 
 # the bundle's wheels ask for packages the image may hold in other versions: list what is unmet
 # shellcheck disable=SC2086
-env $ENVV "$PY" "$ROOT/check_reqs.py" installed $(for p in $PIECES; do printf '%s ' "${p##*:}"; done) \
+env $ENVV "$PY" "$ROOT/check_reqs.py" installed "$ROOT/pruned.txt" $(for p in $PIECES; do printf '%s ' "${p##*:}"; done) \
   2>&1 | tail -n 40
 
 # shellcheck disable=SC2086

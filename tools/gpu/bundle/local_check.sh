@@ -31,7 +31,7 @@ mkdir -p "$T"
 if [ ! -x "$T/venv/bin/python3" ] || ! cmp -s "$T.image-reqs" "$T/venv/.reqs"; then
   rm -rf "$T/venv" && "$PY312" -m venv "$T/venv"
   # the closure of the image's packages, less what the bundle carries and torch's CUDA stack
-  sed 's/==.*//' "$T.image-reqs" | grep -v -x -E 'torch|triton|torchvision|torchaudio|nvidia-.*|cuda-toolkit' > "$T/names"
+  sed 's/==.*//' "$T.image-reqs" | grep -v -x -E 'torch|triton|torchvision|torchaudio|cuda-toolkit|nvidia-(cu|nccl|nvshmem|nvjitlink|nvtx).*' > "$T/names"
   "$T/venv/bin/python3" -m pip install -q --dry-run --ignore-installed --report "$T/report.json" -r "$T/names" 2>/dev/null
   "$T/venv/bin/python3" - "$T/report.json" "$HERE/$NAME" > "$T/standins" <<'PY'
 import glob, json, re, sys
@@ -39,7 +39,7 @@ canon = lambda n: re.sub(r'[-_.]+', '-', n).lower()
 locked = {canon(l.split('==')[0]) for f in glob.glob(sys.argv[2] + '/lock-*.txt') for l in open(f) if '==' in l and not l.startswith('#')}
 for i in json.load(open(sys.argv[1]))['install']:
     n = canon(i['metadata']['name'])
-    if n not in locked and not re.match(r'(torch|triton|nvidia-|cuda-toolkit)', n):
+    if n not in locked and not re.match(r'(torch|triton|cuda-toolkit|nvidia-(cu|nccl|nvshmem|nvjitlink|nvtx))', n):
         print(f"{i['metadata']['name']}=={i['metadata']['version']}")
 PY
   "$T/venv/bin/python3" -m pip install -q --no-deps -r "$T/standins" 2>&1 | grep -v 'is ignored' || true

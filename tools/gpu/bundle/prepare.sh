@@ -10,7 +10,8 @@
 #    one tar per piece; splits them into $PART_SIZE parts (default: bundle.env's DEFAULT_PART_SIZE,
 #    else 59m) and writes manifest.txt;
 # 3. stages one git-ignored folder per GPU call, .gpu-BUNDLE/<id>, holding its part, manifest.txt,
-#    device_step.sh, bundle.env and smoke.py; adds /.gpu-BUNDLE/ to .git/info/exclude;
+#    device_step.sh, check_reqs.py, bundle.env, smoke.py (and pruned.txt); adds /.gpu-BUNDLE/ to
+#    .git/info/exclude;
 # 4. prints the calls to make.  Re-running skips what is done (PART_SIZE changes rebuild the parts).
 # Needs: git, python3 -m pip (any Python: the wheels are chosen for CPython 3.12), GNU tar/split.
 set -euo pipefail
@@ -121,6 +122,7 @@ fi
 IDS=$(awk '$1=="PART"{print $2}' "$OUT/manifest.txt")
 for d in $IDS; do   # always the current scripts
   cp "$HERE/device_step.sh" "$HERE/check_reqs.py" "$BDIR/bundle.env" "$BDIR/smoke.py" "$OUT/$d/"
+  [ ! -f "$BDIR/pruned.txt" ] || cp "$BDIR/pruned.txt" "$OUT/$d/"
 done
 if [ -f "$BDIR/tested-parts.sha256" ] && [ "$PART_SIZE" = "$(sed -n 's/^# PART_SIZE=\([^ ]*\).*/\1/p' "$BDIR/tested-parts.sha256")" ]; then
   if (cd "$OUT" && sha256sum --quiet -c "$BDIR/tested-parts.sha256" >/dev/null 2>&1); then

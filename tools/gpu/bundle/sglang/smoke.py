@@ -41,7 +41,8 @@ def versions():
              'nvidia-nccl-cu13', 'nvidia-cudnn-cu13', 'nvidia-cublas', 'nvidia-cuda-runtime',
              'nvidia-cusparselt-cu13', 'nvidia-nvshmem-cu13', 'cuda-bindings', 'numpy']
     found = ' '.join(f'{n}={_version(n)}' for n in names)
-    return f'{found} | torch cuda {torch.version.cuda} available {torch.cuda.is_available()}'
+    return (f'{found} (nvidia-*: the image\'s dists; the NCCL loaded is the bundle\'s, see below) '
+            f'| torch cuda {torch.version.cuda} available {torch.cuda.is_available()}')
 
 
 def _version(name):
