@@ -8,7 +8,7 @@ sequences of ``--tokens`` tokens, ``ignore_eos``), greedily and at temperature 1
 in the host's load hits every engine alike. It reports:
 
 - tokens/s, the micro accept length (tokens per verify step);
-- the cost ratio the engine measured at start-up (``engines/vllm/step_cost.py``);
+- the cost ratio the engine measured at start-up (``engines/vllm/verify_cost.py``);
 - the ratio the throughputs imply: ``accept length * tokens/s without / tokens/s with``
   (what a verify step must have cost for the measured speed), and the net speed-up
   both ways.

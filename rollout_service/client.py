@@ -1,14 +1,15 @@
 """HTTP client of the rollout service (httpx), for trainers, tools and tests.
 
 Runs in the caller's process and speaks only the JSON messages of
-``protocol.messages``. Every error the service answers becomes one exception
-type, :class:`ServiceError`, parsed in one place (:func:`raise_for_error`),
+``protocol.messages`` (and ``protocol.speculation``). Every error the service answers
+becomes one exception type, :class:`ServiceError`, parsed in one place (:func:`raise_for_error`),
 whether it came to :class:`RolloutClient` (async: generation, health, weight
-status) or to the trainer's ``WeightPusher`` (sync: the push protocol).
+status, pinned K schedules) or to the trainer's ``WeightPusher`` (sync: the push protocol).
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from types import TracebackType
 from typing import Any
 
@@ -16,6 +17,11 @@ import httpx
 from pydantic import BaseModel
 
 from rollout_service.protocol import messages
+from rollout_service.protocol.speculation import (
+    PinScheduleRequest,
+    ScheduleEntry,
+    SpeculationControlStatus,
+)
 
 
 class ServiceError(RuntimeError):
@@ -57,7 +63,8 @@ class RolloutClient:
     Args:
         base_url: e.g. ``http://127.0.0.1:8000``.
         api_key: bearer token of the generation endpoints, if the service has one.
-        weights_token: bearer token of ``/weights/*`` (only :meth:`weight_status` needs it).
+        weights_token: bearer token of ``/weights/*`` and ``/speculation/*`` (only
+            :meth:`weight_status` and :meth:`pin_schedule` need it).
         timeout_s: per-request timeout; rollouts can be long.
         max_connections: connection pool size. Requests beyond it wait for a free
             connection instead of opening more sockets than the host allows.
@@ -101,6 +108,19 @@ class RolloutClient:
         response = await self._http.get("/weights/status", headers=self._weights_headers)
         raise_for_error(response)
         return messages.WeightStatus.model_validate(response.json())
+
+    async def pin_schedule(self, schedule: Mapping[int, int] | None
+                           ) -> SpeculationControlStatus:
+        """``POST /speculation/schedule`` (weights token): run ``schedule`` (batch-size bucket
+        upper edge -> K) whatever the speculation controller decides; None hands K back to
+        the controller. Returns the controller's state once the engine runs it."""
+        entries = None if schedule is None else [ScheduleEntry(batch_size=b, k=k)
+                                                 for b, k in schedule.items()]
+        response = await self._http.post(
+            "/speculation/schedule", headers=self._weights_headers,
+            json=PinScheduleRequest(schedule=entries).model_dump(mode="json"))
+        raise_for_error(response)
+        return SpeculationControlStatus.model_validate(response.json())
 
     async def metrics_text(self) -> str:
         response = await self._http.get("/metrics")

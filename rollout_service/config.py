@@ -12,7 +12,15 @@ import os
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SecretStr,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from rollout_service.engines.base import WeightsLoad
 from rollout_service.engines.speculative import MTPSettings
@@ -34,6 +42,69 @@ EMBEDDED_ENGINE_KWARGS: dict[str, Any] = {
     "kv_cache_memory_bytes": 512 * 1024**2,
     "dtype": "float32",
 }
+
+
+class CalibrationSettings(BaseModel):
+    """The start-up measurement of the step cost c(K, B) (docs/speculation-control.md)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    enabled: bool = Field(True, description=(
+        "Measure c(K, B) before serving; off, every bucket runs K = 0 ('no cost data') "
+        "until live steps have measured K = 0 and another K at its batch size, which K = 0 "
+        "alone never does: leave it on unless a benchmark pins the schedule."))
+    max_batch_size: int = Field(32, ge=1, description=(
+        "Largest batch size measured; the grid is 1, 2, 4, ... up to it. Buckets above it "
+        "run K = 0 ('no cost data') until live steps reach them."))
+    prompt_tokens: int = Field(64, ge=1, description=(
+        "Prompt length of the synthetic requests (a step's cost grows with context)."))
+    num_steps: int = Field(16, ge=4, description=(
+        "Decode steps measured per (K, B) point at its full batch size; the point's cost is "
+        "their median."))
+
+
+class SpeculationControlSettings(BaseModel):
+    """The speculation controller: K per batch-size bucket from live acceptance and
+    measured step costs, applied to the running vLLM engine (docs/speculation-control.md)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    enabled: bool = Field(False, description=(
+        "Run the controller (vLLM 0.32.0 with MTP only). Off, vLLM runs "
+        "num_speculative_tokens at every batch size."))
+    batch_size_buckets: list[int] = Field(
+        [1, 2, 4, 8, 16, 32, 64, 128, 256], min_length=1, description=(
+            "Upper edges of the batch-size buckets, strictly increasing: a bucket covers the "
+            "batch sizes above the previous edge up to its own, the last one everything "
+            "above too. K is decided per bucket, at its edge."))
+    calibration: CalibrationSettings = Field(default_factory=CalibrationSettings,
+                                             description="The start-up cost measurement.")
+    num_steps_per_cost_sample: int = Field(16, ge=1, description=(
+        "Live refresh: clean decode steps of one (K, B) folded into one cost sample "
+        "(their median), which blends into the table."))
+    margin: float = Field(0.05, ge=0, description=(
+        "Relative throughput a better K must win by before it replaces the K in force."))
+    num_confirmations: int = Field(4, ge=1, description=(
+        "Consecutive decisions (one per finished sequence) the win must last."))
+    collapse_window_observations: int = Field(8, ge=1, description=(
+        "Drafted sequences pooled by the collapse rule; also the bound, in drafted "
+        "sequences, on reaching K = 0 once acceptance collapses."))
+    collapse_threshold_rate: float = Field(0.1, gt=0, lt=1, description=(
+        "Pooled first-position acceptance below which the drafter counts as broken."))
+    reprobe_after_s: float | None = Field(300.0, gt=0, description=(
+        "Seconds in collapse after which the same drafter is probed again; null: only a "
+        "drafter push ends a collapse."))
+    probe_max_batch_size: int = Field(4, ge=1, description=(
+        "Buckets up to this batch size run K >= 1 while a new drafter is probed."))
+    probe_num_drafts: int = Field(256, ge=1, description=(
+        "Drafts of a new drafter after which probing ends."))
+
+    @field_validator("batch_size_buckets")
+    @classmethod
+    def _increasing(cls, buckets: list[int]) -> list[int]:
+        if buckets[0] < 1 or any(b <= a for a, b in zip(buckets, buckets[1:])):
+            raise ValueError(f"must be >= 1 and strictly increasing, got {buckets}")
+        return buckets
 
 
 class ServiceConfig(BaseModel):
@@ -91,11 +162,28 @@ class ServiceConfig(BaseModel):
         "served parameters in place (weights used as loaded; several times faster). The "
         "SGLang engine ignores it."))
 
+    speculation_control: SpeculationControlSettings = Field(
+        default_factory=SpeculationControlSettings, description=(
+            "Choose the number of draft tokens per batch size at run time "
+            "(docs/speculation-control.md); off by default."))
+
     @model_validator(mode="after")
     def _transport_engine(self) -> ServiceConfig:
         if self.weights_transport == "cuda_ipc" and self.engine != "vllm":
             raise ValueError(f"weights_transport: 'cuda_ipc' is built for engine 'vllm' only, "
                              f"not {self.engine!r}")
+        return self
+
+    @model_validator(mode="after")
+    def _speculation_control_engine(self) -> ServiceConfig:
+        if not self.speculation_control.enabled:
+            return self
+        if self.engine != "vllm":
+            raise ValueError(f"speculation_control.enabled: needs engine 'vllm' (its "
+                             f"run-time K schedule), not {self.engine!r}")
+        if not self.mtp.enabled and not self.engine_kwargs.get("speculative_config"):
+            raise ValueError("speculation_control.enabled: needs speculative decoding "
+                             "(mtp.enabled or engine_kwargs.speculative_config)")
         return self
 
     @property

@@ -14,13 +14,20 @@ from typing import cast
 from prometheus_client import CollectorRegistry
 
 from rollout_service.config import ServiceConfig
-from rollout_service.engines.base import Engine, EngineSpec, EngineStarter
+from rollout_service.engines.base import Engine, EngineSpec, EngineStarter, SpecScheduleEngine
 from rollout_service.engines.speculative import load_checkpoint_config
 from rollout_service.protocol.tensors import checkpoint_tensors
 from rollout_service.service import RolloutService
+from rollout_service.spec_control import (
+    REASONS,
+    SpeculationControl,
+    served_versions,
+    show_fixed_k,
+)
 from rollout_service.telemetry.acceptance import SpecDecodeMetrics
 from rollout_service.telemetry.config import CategoryLabels
 from rollout_service.telemetry.drafter import DrafterHealth
+from rollout_service.telemetry.speculation import SpeculationMetrics
 from rollout_service.telemetry.weights import WeightMetrics
 from rollout_service.weights.manager import WeightPushManager
 
@@ -37,7 +44,8 @@ def engine_spec(config: ServiceConfig) -> EngineSpec:
                       checkpoint_config=load_checkpoint_config(model_path),
                       weights_transport=config.weights_transport,
                       weights_load=config.weights_load, engine_url=config.engine_url,
-                      verify_cost_batch_size=config.telemetry.verify_cost_batch_size)
+                      verify_cost_batch_size=config.telemetry.verify_cost_batch_size,
+                      runtime_spec_schedule=config.speculation_control.enabled)
 
 
 async def start_engine(config: ServiceConfig) -> Engine:
@@ -56,7 +64,8 @@ async def start_engine(config: ServiceConfig) -> Engine:
 
 def build_local_service(engine: Engine, config: ServiceConfig
                         ) -> tuple[RolloutService, CollectorRegistry]:
-    """The service around one engine, with its own metrics registry."""
+    """The service around one engine, with its own metrics registry; the speculation
+    control too when configured (``await service.start()`` before serving)."""
     info = engine.info
     registry = CollectorRegistry()
     drafter = DrafterHealth(registry=registry, model=info.model, engine=info.engine,
@@ -73,4 +82,15 @@ def build_local_service(engine: Engine, config: ServiceConfig
                       drafter=drafter),
         timeout_s=config.push_timeout_s, has_draft=info.has_pushable_drafter,
         transport=config.weights_transport)
-    return RolloutService(engine, metrics, weights), registry
+    settings = config.speculation_control
+    speculation_metrics = SpeculationMetrics(
+        registry=registry, model=info.model, engine=info.engine,
+        buckets=settings.batch_size_buckets, reasons=REASONS)
+    control = None
+    if settings.enabled:
+        control = SpeculationControl(cast(SpecScheduleEngine, engine), settings,
+                                     lambda: served_versions(weights), speculation_metrics)
+    else:
+        show_fixed_k(speculation_metrics, settings.batch_size_buckets,
+                     info.num_speculative_tokens)
+    return RolloutService(engine, metrics, weights, speculation=control), registry

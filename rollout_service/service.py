@@ -6,7 +6,9 @@ engine request (``n`` fans out), generated whole (:meth:`RolloutService.sequence
 or streamed (:meth:`RolloutService.stream_sequence`), and each finished sequence is
 observed into the Prometheus metrics exactly once, here. A sequence whose engine
 returned contradictory stats is counted there and answered without stats; it never
-fails. OpenAI's completions and chat are built on these in ``completions``.
+fails. OpenAI's completions and chat are built on these in ``completions``. With the speculation
+control (``spec_control``), each finished sequence also goes to it, which decides the K
+schedule and applies it in the background.
 """
 
 from __future__ import annotations
@@ -32,10 +34,16 @@ from rollout_service.protocol.acceptance import (
     summarize,
     summarize_by_category,
 )
+from rollout_service.protocol.speculation import SpeculationControlStatus
+from rollout_service.spec_control import SpeculationControl
 from rollout_service.telemetry.acceptance import SpecDecodeMetrics
 from rollout_service.weights.manager import WeightPushManager
 
 T = TypeVar("T")
+
+
+class SpeculationControlOff(RuntimeError):
+    """A call for the speculation control on a service that runs none (403)."""
 
 
 async def gather_or_cancel(aws: Sequence[Awaitable[T]]) -> list[T]:
@@ -107,10 +115,17 @@ class RolloutService:
     """Generation on one engine, with per-request acceptance telemetry."""
 
     def __init__(self, engine: Engine, metrics: SpecDecodeMetrics,
-                 weights: WeightPushManager) -> None:
+                 weights: WeightPushManager, speculation: SpeculationControl | None = None
+                 ) -> None:
         self.engine = engine
         self.metrics = metrics
         self.weights = weights
+        self.speculation = speculation
+
+    async def start(self) -> None:
+        """Before serving: the speculation control's first schedule and calibration."""
+        if self.speculation is not None:
+            await self.speculation.start()
 
     async def health(self) -> tuple[messages.HealthResponse, int]:
         """The health body and HTTP status: 503 if the engine is dead or weights are torn."""
@@ -122,10 +137,12 @@ class RolloutService:
             detail = str(exc)
         if detail is None and not self.weights.is_consistent:
             detail = "a weight load failed midway; generation is refused until a full push"
+        control = None if self.speculation is None else self.speculation.status()
         body = messages.HealthResponse(status="ok" if detail is None else "unavailable",
                                        model=info.model, engine=info.engine,
                                        weights=self.weights.status(),
-                                       speculation=speculation_info(info), detail=detail)
+                                       speculation=speculation_info(info),
+                                       speculation_control=control, detail=detail)
         return body, 200 if detail is None else 503
 
     async def weight_checksums(self) -> dict[str, str]:
@@ -147,7 +164,7 @@ class RolloutService:
         one)."""
         self._check_consistent()
         result = await self.engine.generate(prompt, sampling, request_id)
-        self.metrics.observe(result.spec_decode, category)
+        self._observe(result, category)
         return result
 
     async def stream_sequence(self, prompt: str | list[int], sampling: SamplingOptions,
@@ -159,8 +176,25 @@ class RolloutService:
         async with aclosing(self.engine.stream(prompt, sampling, request_id)) as deltas:
             async for delta in deltas:
                 if delta.result is not None:
-                    self.metrics.observe(delta.result.spec_decode, category)
+                    self._observe(delta.result, category)
                 yield delta
+
+    def _observe(self, result: GenerationResult, category: str | None) -> None:
+        self.metrics.observe(result.spec_decode, category)
+        if self.speculation is not None:
+            self.speculation.observe(result)
+
+    async def pin_schedule(self, schedule: dict[int, int] | None) -> SpeculationControlStatus:
+        """Run ``schedule`` (batch size -> K) whatever the controller decides; None unpins.
+
+        Raises:
+            SpeculationControlOff: the service runs no speculation control.
+            ScheduleRefusedError: the engine refused it; the schedule in force stays.
+        """
+        if self.speculation is None:
+            raise SpeculationControlOff("speculation control is off "
+                                        "(speculation_control.enabled): vLLM runs a fixed K")
+        return await self.speculation.pin(schedule)
 
     async def chat_prompt(self, turns: Sequence[ChatTurn]) -> list[int]:
         """A conversation as prompt token ids, by the served checkpoint's chat template."""

@@ -23,6 +23,7 @@ from rollout_service.api.errors import bearer_guard, documented, install_error_h
 from rollout_service.api.openai import openai_router
 from rollout_service.api.openapi import install_openapi
 from rollout_service.api.ports import AppState, Rollouts
+from rollout_service.api.speculation import speculation_router
 from rollout_service.api.weights import weights_router
 from rollout_service.config import ServiceConfig
 from rollout_service.protocol import messages, openai
@@ -51,8 +52,10 @@ async def local_state(config: ServiceConfig) -> AsyncIterator[AppState]:
     engine = await start_engine(config)
     try:
         service, registry = build_local_service(engine, config)
+        await service.start()
         yield AppState(rollouts=service, completions=OpenAICompletions(service),
-                       weights=service.weights, metrics=RegistryPage(registry))
+                       weights=service.weights, metrics=RegistryPage(registry),
+                       speculation=service)
     finally:
         await engine.shutdown()
 
@@ -81,7 +84,9 @@ def create_app(config: ServiceConfig, open_state: StateOpener | None = None) -> 
     install_openapi(app, stream_chunks=(openai.CompletionChunk, openai.ChatCompletionChunk))
     guard = bearer_guard(api_key, scheme_name="apiKey",
                          description="The service's api_key (generation endpoints).")
-    app.include_router(weights_router(config.resolved_weights_token()))
+    weights_token = config.resolved_weights_token()
+    app.include_router(weights_router(weights_token))
+    app.include_router(speculation_router(weights_token))
     app.include_router(openai_router(config.model_name, guard))
 
     async def rollouts(request: Request) -> Rollouts:

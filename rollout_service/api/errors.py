@@ -23,6 +23,7 @@ from starlette.exceptions import HTTPException
 
 from rollout_service.engines.base import EngineUnavailableError, InvalidRequestError
 from rollout_service.protocol import messages
+from rollout_service.service import SpeculationControlOff
 from rollout_service.weights.intake import PushError
 
 logger = logging.getLogger(__name__)
@@ -101,7 +102,7 @@ def classify(exc: Exception) -> tuple[int, str, str]:
         return 400, str(exc), "invalid_request_error"
     if isinstance(exc, Unauthorized):
         return 401, "missing or invalid bearer token", "authentication_error"
-    if isinstance(exc, Forbidden):
+    if isinstance(exc, Forbidden | SpeculationControlOff):
         return 403, str(exc), "permission_error"
     if isinstance(exc, PushError):
         return exc.status, str(exc), "weight_push_error"
@@ -118,7 +119,7 @@ def install_error_handlers(app: FastAPI) -> None:
         return error_response(*classify(exc))
 
     for kind in (RequestValidationError, InvalidRequestError, Unauthorized, Forbidden, PushError,
-                 EngineUnavailableError, Exception):
+                 SpeculationControlOff, EngineUnavailableError, Exception):
         app.add_exception_handler(kind, on_error)
 
     @app.exception_handler(HTTPException)

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from rollout_service.protocol import messages, openai
+from rollout_service.protocol.speculation import SpeculationControlStatus
 
 WeightChecksums = dict[str, str] | dict[str, dict[str, str]]
 """SHA-256 per model (``main``, ``draft``); under Ray Serve, per replica, then per model."""
@@ -71,6 +72,13 @@ class WeightPushes(Protocol):
     async def get_status(self) -> messages.WeightStatus: ...
 
 
+class SchedulePins(Protocol):
+    """``POST /speculation/schedule``: pin a K schedule over the speculation controller."""
+
+    async def pin_schedule(self, schedule: dict[int, int] | None
+                           ) -> SpeculationControlStatus: ...
+
+
 class MetricsPage(Protocol):
     """``GET /metrics``: the Prometheus exposition text this app answers with."""
 
@@ -85,3 +93,5 @@ class AppState:
     completions: Completions
     weights: WeightPushes
     metrics: MetricsPage
+    speculation: SchedulePins | None = None
+    """Standalone only (the service's own speculation control); None answers 403."""

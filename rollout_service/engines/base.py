@@ -14,12 +14,13 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal, Protocol
+from typing import Any, Literal, Protocol, runtime_checkable
 
 from rollout_service.engines.speculative import MTPSettings
 from rollout_service.protocol.acceptance import InvalidSpecDecodeStats, SpecDecodeStats
 from rollout_service.protocol.messages import PauseMode, PushTarget, WeightVersionSpan
 from rollout_service.protocol.placement import TensorPlacement, Transport
+from rollout_service.speculation.cost import StepCostSample
 
 WeightsLoad = Literal["auto", "reload"]
 """How an engine loads a push: ``ServiceConfig.weights_load`` documents both."""
@@ -31,6 +32,11 @@ class InvalidRequestError(ValueError):
 
 class EngineUnavailableError(RuntimeError):
     """The engine is dead or shutting down (the HTTP layer answers 503)."""
+
+
+class ScheduleRefusedError(InvalidRequestError):
+    """The engine refused a K schedule (malformed, or a K above its maximum) and runs the one
+    it had (the HTTP layer answers 400)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -122,7 +128,7 @@ class EngineInfo:
     push of the checkpoint could load."""
     verify_cost_ratio: float | None = None
     """Time of a verify step with ``num_speculative_tokens`` drafts over a plain decode
-    step, measured by the engine when it started (vLLM: ``engines/vllm/step_cost.py``);
+    step, measured by the engine when it started (vLLM: ``engines/vllm/verify_cost.py``);
     None when speculation is off or the engine does not measure it."""
 
 
@@ -180,6 +186,10 @@ class EngineSpec:
     verify_cost_batch_size: int = 8
     """Sequences per dummy batch when the engine measures a verify step's cost; 0 skips
     the measurement (``TelemetryConfig.verify_cost_batch_size``)."""
+    runtime_spec_schedule: bool = False
+    """Start so that the number of draft tokens per batch size can change at run time
+    (:class:`SpecScheduleEngine`), and measure step costs; the speculation control
+    (``speculation_control.enabled``) needs it."""
 
 
 def check_prompt(info: EngineInfo, prompt_ids: Sequence[int], max_tokens: int) -> None:
@@ -272,6 +282,47 @@ class Engine(Protocol):
 
     async def shutdown(self) -> None:
         """Release the engine and its worker processes."""
+        ...
+
+
+StepCostSink = Callable[[StepCostSample], None]
+"""Takes one engine step's measured cost; called often, so it must be quick."""
+
+
+@runtime_checkable
+class SpecScheduleEngine(Protocol):
+    """An engine whose number of draft tokens K per batch size changes at run time (vLLM
+    0.32.0 started with :attr:`EngineSpec.runtime_spec_schedule`), for the speculation
+    control."""
+
+    info: EngineInfo
+
+    async def apply_spec_schedule(self, schedule: Mapping[int, int]) -> dict[int, int]:
+        """Run ``schedule`` (bucket upper edge -> K; past the last edge, the last K) from
+        the engine's next step on.
+
+        Returns:
+            The schedule in force, as the engine reads it back (merged runs).
+
+        Raises:
+            ScheduleRefusedError: malformed, or a K above ``info.num_speculative_tokens``;
+                the previous schedule stays in force.
+            EngineUnavailableError: the engine is dead.
+        """
+        ...
+
+    def subscribe_step_costs(self, sink: StepCostSink) -> None:
+        """Send the measured cost of every clean decode step to ``sink`` from now on."""
+        ...
+
+    @property
+    def batch_size(self) -> int:
+        """Requests in the engine's last step with outputs (0 before any)."""
+        ...
+
+    async def generate(self, prompt: str | list[int], sampling: SamplingOptions,
+                       request_id: str) -> GenerationResult:
+        """As :meth:`Engine.generate` (the start-up calibration runs synthetic batches)."""
         ...
 
 

@@ -42,7 +42,7 @@ Wasted work and net speed-up:
 - ``rejected_tokens = draft_tokens - accepted_tokens``: drafted tokens the target
   computed and threw away.
 - ``verify_cost_ratio``: measured by the engine adapter (vLLM: at start-up,
-  ``engines/vllm/step_cost.py``), the time of one verify step with ``k`` draft tokens
+  ``engines/vllm/verify_cost.py``), the time of one verify step with ``k`` draft tokens
   (drafting included) over the time of one plain decode step at the same batch size;
   None when the engine did not measure it.
 - ``net_speedup = accept_length / verify_cost_ratio``: tokens per verify step, each step

@@ -17,6 +17,7 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_valida
 from rollout_service.protocol.acceptance import BatchSummary, SpecDecodeStats
 from rollout_service.protocol.placement import TensorPlacement, Transport
 from rollout_service.protocol.shm import SEGMENT_NAME_PATTERN
+from rollout_service.protocol.speculation import SpeculationControlStatus
 from rollout_service.protocol.tensors import Dtype
 
 _STRICT = ConfigDict(extra="forbid", strict=True)
@@ -243,6 +244,9 @@ class HealthResponse(BaseModel):
     speculation: SpeculationInfo | None = Field(None, description=(
         "The engine's speculative decoding (Ray Serve: the first serving replica's; "
         "every replica's is in replicas)."))
+    speculation_control: SpeculationControlStatus | None = Field(None, description=(
+        "The speculation controller's K per batch-size bucket and why; null when it is off "
+        "(speculation_control.enabled) and under Ray Serve."))
     detail: str | None = None
     replicas: list[ReplicaHealth] | None = Field(None, description="Ray Serve only.")
 

@@ -83,6 +83,7 @@ class EngineReplica:
         await coordinator.announce.remote(await self._report())
         self._engine = await start_engine(config)
         self._service, registry = build_local_service(self._engine, config)
+        await self._service.start()
         self._completions = OpenAICompletions(self._service)
         self._weights = self._service.weights
         self._metrics_address = advertised_address(

@@ -36,6 +36,7 @@ Cost samples take effect at the next observation.
 from __future__ import annotations
 
 import bisect
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from rollout_service.protocol.acceptance import SpecDecodeStats
@@ -56,6 +57,13 @@ from rollout_service.speculation.decision import (
     Reason,
     throughputs,
 )
+
+
+def k_at(schedule: Mapping[int, int], batch_size: int) -> int:
+    """The K a schedule (bucket upper edge -> K) gives a batch of ``batch_size``: the first
+    edge at or above it; past the last edge, the last K."""
+    edges = sorted(schedule)
+    return schedule[edges[min(bisect.bisect_left(edges, batch_size), len(edges) - 1)]]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -182,6 +190,16 @@ class SpeculationController:
         """Blend one step-time measurement into the cost table (used from the next
         observation on)."""
         self._costs.record(sample)
+
+    def refresh(self) -> None:
+        """Decide again now, on the estimates as they are: after a batch of cost samples
+        (the service's start-up calibration), so the schedule need not wait for the first
+        finished sequence."""
+        self._decide()
+
+    def cost_points(self) -> dict[int, tuple[StepCostSample, ...]]:
+        """The step-cost table as measured (blended) points, per K."""
+        return self._costs.points()
 
     def schedule(self) -> dict[int, int]:
         """K in force per bucket upper edge: the engine's batch size -> K table."""

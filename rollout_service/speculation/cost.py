@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import bisect
 import math
+import statistics
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -120,3 +121,34 @@ class StepCostTable:
         return {k: tuple(StepCostSample(k=k, batch_size=b, step_s=c)
                          for b, c in zip(self._batch_sizes[k], self._step_s[k], strict=True))
                 for k in self.measured_ks()}
+
+
+class StepCostMedians:
+    """Folds single-step measurements into one sample per ``num_steps`` steps of the same
+    ``(K, B)``: their median.
+
+    One step's period carries the noise of everything else on the machine (a scheduler
+    hiccup, a garbage collection, a pause of the engine between two steps); the median of
+    a run of steps does not, and it keeps the table's blending (``blend_weight`` per
+    sample) at the pace of runs rather than of single steps.
+
+    Args:
+        num_steps: steps per sample (1 passes every step through).
+    """
+
+    def __init__(self, num_steps: int) -> None:
+        if num_steps < 1:
+            raise ValueError(f"num_steps must be >= 1, got {num_steps}")
+        self._num_steps = num_steps
+        self._pending: dict[tuple[int, int], list[float]] = {}
+
+    def add(self, step: StepCostSample) -> StepCostSample | None:
+        """Take one step; returns the median sample when its ``(K, B)`` has ``num_steps``."""
+        key = (step.k, step.batch_size)
+        pending = self._pending.setdefault(key, [])
+        pending.append(step.step_s)
+        if len(pending) < self._num_steps:
+            return None
+        del self._pending[key]
+        return StepCostSample(k=step.k, batch_size=step.batch_size,
+                              step_s=statistics.median(pending))

@@ -18,10 +18,11 @@ _count`` of the per-request histograms, counters too.
 
 Series read: the service's (``telemetry/acceptance.py``: ``rollout_requests_total``,
 ``rollout_spec_decode_*``, the gauge ``rollout_spec_decode_verify_cost_ratio``;
-``telemetry/weights.py``: ``rollout_weight_*``; labels ``model``, ``engine``, and
-``category`` on the acceptance series), vLLM's own (``vllm:*``, whose model label is
-``model_name``, so only ``instance`` selects them), and Prometheus's ``up``; every
-series has the ``instance`` label Prometheus adds.
+``telemetry/weights.py``: ``rollout_weight_*``; ``telemetry/drafter.py``:
+``rollout_trainer_mtp_accuracy``; ``telemetry/speculation.py``: ``rollout_speculation_*``;
+labels ``model``, ``engine``, and ``category`` on the acceptance series), vLLM's own
+(``vllm:*``, whose model label is ``model_name``, so only ``instance`` selects them), and
+Prometheus's ``up``; every series has the ``instance`` label Prometheus adds.
 """
 
 from __future__ import annotations
@@ -61,6 +62,11 @@ WEIGHT_VERSION = "rollout_weight_version"
 WEIGHT_PUSHES = "rollout_weight_pushes_total"
 PUSH_DURATION = "rollout_weight_push_duration_seconds"
 """Histogram: ``_sum``, ``_count``, ``_bucket``."""
+SPECULATION_K = "rollout_speculation_k"
+"""Gauge per ``bucket`` (a batch-size bucket's upper edge)."""
+SPECULATION_REASON = "rollout_speculation_reason"
+"""Gauge per ``bucket`` and ``reason``: 1 for the bucket's reason, 0 for the others."""
+SPECULATION_COLLAPSED = "rollout_speculation_collapsed"
 VLLM_GENERATION_TOKENS = "vllm:generation_tokens_total"
 VLLM_REQUEST_LATENCY = "vllm:e2e_request_latency_seconds"
 """vLLM's histogram; one engine request is one sequence."""
@@ -310,6 +316,32 @@ def unsuccessful_pushes(scope: Scope) -> str:
                       (*scope.by, "outcome"))
 
 
+# ---- speculation control --------------------------------------------------------------
+
+def speculation_k(scope: Scope) -> str:
+    """Draft tokens K the engine runs per batch-size ``bucket`` (its upper edge: the bucket
+    covers the batch sizes above the previous edge); the most of any replica in the group.
+
+    Without the speculation controller every bucket shows vLLM's fixed K.
+    """
+    return _aggregate("max", f"{SPECULATION_K}{_selector(scope)}", (*scope.by, "bucket"))
+
+
+def speculation_reason(scope: Scope) -> str:
+    """Why each batch-size ``bucket`` runs its K: one series per bucket and ``reason`` in
+    force (best expected throughput, hysteresis hold, acceptance collapsed, no cost data,
+    probing the drafter, pinned, controller off)."""
+    reasons = _aggregate("max", f"{SPECULATION_REASON}{_selector(scope)}",
+                         (*scope.by, "bucket", "reason"))
+    return f"{reasons} == 1"
+
+
+def speculation_collapsed(scope: Scope) -> str:
+    """1 while the drafter's acceptance has collapsed on some replica of the group (its
+    controller runs K = 0 at every batch size until a drafter push or a re-probe)."""
+    return _aggregate("max", f"{SPECULATION_COLLAPSED}{_selector(scope)}", scope.by)
+
+
 # ---- serving (vLLM's own series) ------------------------------------------------------
 
 def generated_tokens_per_s(scope: Scope) -> str:
@@ -456,6 +488,9 @@ FIGURES = (
     Figure(name="push outcomes", unit="pushes / min", query=push_outcomes_per_minute),
     Figure(name="loaded pushes", unit="pushes", query=loaded_pushes),
     Figure(name="unsuccessful pushes", unit="pushes", query=unsuccessful_pushes),
+    Figure(name="K in force per bucket", unit="draft tokens", query=speculation_k),
+    Figure(name="reason per bucket", unit="1", query=speculation_reason),
+    Figure(name="acceptance collapsed", unit="0/1", query=speculation_collapsed),
     Figure(name="generated tokens/s", unit="tokens / s", query=generated_tokens_per_s),
     Figure(name="p95 request latency", unit="s",
            query=functools.partial(request_latency_quantile, quantile=0.95)),

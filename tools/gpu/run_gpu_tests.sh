@@ -2,7 +2,7 @@
 # On the GPU machine, after `source tools/gpu/project_env.sh`: the service's
 # integration tests on vLLM's CUDA build, once per target given (ROLLOUT_TEST_TARGET of
 # tests/integration/conftest.py; default: cuda-shm cuda-ipc cuda-ipc-reload gpu-marked),
-# and the gpu-marked tests. Logs go to $OUT (or
+# the gpu-marked tests, and `trainer` (the megatron-core 0.19 tests, .whl/ carried). Logs go to $OUT (or
 # /tmp/gpu-tests); prints each run's summary. One target takes ~3-5 minutes.
 #
 #   source tools/gpu/project_env.sh && bash tools/gpu/run_gpu_tests.sh cuda-shm
@@ -13,7 +13,14 @@ service_tests="tests/integration/rollout_service/test_api.py tests/integration/r
 targets=("$@")
 [ ${#targets[@]} -eq 0 ] && targets=(cuda-shm cuda-ipc cuda-ipc-reload gpu-marked)
 for target in "${targets[@]}"; do
-  if [ "$target" = gpu-marked ]; then
+  if [ "$target" = trainer ]; then
+    # megatron-core travels as a wheel in .whl/ (carry it; see docs/what-ran-where.md)
+    if [ ! -d /tmp/megsite ]; then
+      python3 -m pip install -q --no-index --no-deps --target /tmp/megsite .whl/megatron_core-*.whl
+    fi
+    PYTHONPATH="/tmp/megsite:$PYTHONPATH" timeout 500 python3 -m pytest -q -p no:cacheprovider \
+      -m gpu -rA tests/integration/trainer_client/test_gpu.py > "$out/$target.log" 2>&1
+  elif [ "$target" = gpu-marked ]; then
     timeout 300 python3 -m pytest -q -p no:cacheprovider -m gpu --noconftest \
       tests/integration/rollout_service/test_cuda_ipc_gpu.py > "$out/$target.log" 2>&1
   else

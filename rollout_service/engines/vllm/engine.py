@@ -11,6 +11,12 @@ metrics, so none are asked for and sequences carry no stats.
 ``generate`` asks for the final output only; ``stream`` for deltas
 (``RequestOutputKind.DELTA``, detokenized as they come), and closing its iterator
 closes vLLM's, which aborts the request.
+
+Started with ``EngineSpec.runtime_spec_schedule`` (the speculation control), the engine
+starts with a K schedule holding every K (``spec_schedule.startup_ranges``), changes it
+at run time through the engine core's ``rollout_set_spec_schedule``
+(``patches/spec_schedule.py``), and measures its steps with a stat logger
+(``step_costs.py``).
 """
 
 from __future__ import annotations
@@ -40,6 +46,8 @@ from rollout_service.engines.base import (
     InvalidRequestError,
     LoadTimings,
     SamplingOptions,
+    ScheduleRefusedError,
+    StepCostSink,
     WeightsLoad,
     WeightUpdate,
     check_prompt,
@@ -50,6 +58,13 @@ from rollout_service.engines.speculative import (
     build_vllm_speculative_config,
     is_mtp_method,
 )
+from rollout_service.engines.vllm.patches import spec_schedule as schedule_rpc
+from rollout_service.engines.vllm.spec_schedule import (
+    lookup_to_schedule,
+    schedule_to_ranges,
+    with_startup_schedule,
+)
+from rollout_service.engines.vllm.step_costs import StepCostMonitor
 from rollout_service.engines.vllm.transfer import update_info
 from rollout_service.protocol.acceptance import InvalidSpecDecodeStats, SpecDecodeStats
 from rollout_service.protocol.messages import PauseMode, WeightVersionSpan
@@ -68,7 +83,7 @@ _SERVICE_ENGINE_DEFAULTS: dict[str, Any] = {
 # refuses them without one.
 _SPECULATIVE_ENGINE_DEFAULTS: dict[str, Any] = {"per_request_spec_decode_metrics": "summary"}
 _METRICS_FIELD = "per_request_spec_decode_metrics"
-_STEP_COST_REPEATS = 12
+_VERIFY_COST_REPEATS = 12
 """Runs of each dummy batch when measuring the verify cost; the fastest counts."""
 
 
@@ -118,9 +133,20 @@ async def start(spec: EngineSpec) -> VLLMEngine:
     args = build_engine_args(spec.model_path, spec.engine_kwargs, spec.mtp,
                              spec.checkpoint_config, served_model_name=spec.served_model_name,
                              weights_transport=spec.weights_transport)
-    engine = VLLMEngine.start(args, served_model_name=spec.served_model_name,
-                              weights_load=spec.weights_load)
-    await engine.measure_verify_cost(spec.verify_cost_batch_size)
+    if not spec.runtime_spec_schedule:
+        engine = VLLMEngine.start(args, served_model_name=spec.served_model_name,
+                                  weights_load=spec.weights_load)
+    else:
+        engine = VLLMEngine.start(with_startup_schedule(args),
+                                  served_model_name=spec.served_model_name,
+                                  weights_load=spec.weights_load, step_costs=StepCostMonitor())
+    try:
+        if spec.runtime_spec_schedule:
+            await engine.check_spec_schedule()
+        await engine.measure_verify_cost(spec.verify_cost_batch_size)
+    except BaseException:
+        await engine.shutdown()
+        raise
     return engine
 
 
@@ -130,19 +156,23 @@ class VLLMEngine:
     Create it with :func:`start` inside the event loop that will serve it.
     """
 
-    def __init__(self, llm: AsyncLLM, info: EngineInfo, *, loads_in_place: bool = False
-                 ) -> None:
+    def __init__(self, llm: AsyncLLM, info: EngineInfo, *, loads_in_place: bool = False,
+                 step_costs: StepCostMonitor | None = None) -> None:
         self._llm = llm
         self.info = info
         self.loads_in_place = loads_in_place
         """Whether pushes are copied into the served parameters instead of reloaded."""
         self._tokenizer = llm.get_tokenizer()
+        self._step_costs = step_costs
 
     @classmethod
     def start(cls, engine_args: AsyncEngineArgs, served_model_name: str,
-              weights_load: WeightsLoad = "auto") -> VLLMEngine:
-        """Start the engine (spawns vLLM's engine-core process)."""
-        llm = AsyncLLM.from_engine_args(engine_args)
+              weights_load: WeightsLoad = "auto",
+              step_costs: StepCostMonitor | None = None) -> VLLMEngine:
+        """Start the engine (spawns vLLM's engine-core process); ``step_costs`` measures
+        its steps (a stat logger beside vLLM's own)."""
+        loggers = None if step_costs is None else [step_costs.logger_factory()]
+        llm = AsyncLLM.from_engine_args(engine_args, stat_loggers=loggers)
         _cache_vllm_environment()
         model_config = llm.model_config
         spec = llm.vllm_config.speculative_config
@@ -159,17 +189,17 @@ class VLLMEngine:
         in_place = loads_in_place(weights_load, model_config)
         logger.info("weight pushes load %s (weights_load: %s)",
                     "in place" if in_place else "by layerwise reload", weights_load)
-        return cls(llm, info, loads_in_place=in_place)
+        return cls(llm, info, loads_in_place=in_place, step_costs=step_costs)
 
     async def measure_verify_cost(self, batch_size: int) -> None:
-        """Measure a verify step's cost over a plain decode step (``step_cost.py``, in
+        """Measure a verify step's cost over a plain decode step (``verify_cost.py``, in
         the workers, before anything is served) into ``info.verify_cost_ratio``."""
         k = self.info.num_speculative_tokens
         if k == 0 or batch_size == 0:
             return
         start = time.perf_counter()
         measured = await self._llm.collective_rpc(
-            "rollout_step_cost", args=(batch_size, k, _STEP_COST_REPEATS))
+            "rollout_verify_cost", args=(batch_size, k, _VERIFY_COST_REPEATS))
         if not measured or measured[0] is None:
             return
         cost = measured[0]
@@ -256,7 +286,16 @@ class VLLMEngine:
         return chat_prompt_ids(self._tokenizer, turns)
 
     async def pause(self, mode: PauseMode = "wait") -> None:
-        await self._llm.pause_generation(mode=mode)
+        """``AsyncLLM.pause_generation`` without its closing ``asyncio.sleep(0.02)``.
+
+        vLLM sleeps there only so that the last outputs of drained requests reach their
+        callers before the call returns ("not required for correctness", its comment
+        says). Nothing here depends on that order: the version spans of every token come
+        from the engine core, not from when the outputs arrive. On an H200 the sleep
+        was 20 of a 1.14B push's 133 ms.
+        """
+        await self._llm.renderer.clear_mm_cache_async()
+        await self._llm.engine_core.pause_scheduler_async(mode=mode, clear_cache=True)
 
     async def resume(self) -> None:
         await self._llm.resume_generation()
@@ -282,6 +321,64 @@ class VLLMEngine:
     async def weight_checksums(self) -> dict[str, str]:
         """SHA-256 of the main model's and the drafter's parameters (worker 0)."""
         return (await self._llm.collective_rpc("rollout_weight_checksums"))[0]
+
+    # ---- run-time K schedule (EngineSpec.runtime_spec_schedule) ---------------------
+
+    async def apply_spec_schedule(self, schedule: Mapping[int, int]) -> dict[int, int]:
+        """Run ``schedule`` (bucket upper edge -> K) from the engine core's next step on.
+
+        Raises:
+            ScheduleRefusedError: malformed, a K above ``num_speculative_tokens``, or an
+                engine that cannot change K (started without a schedule, or the engine-core
+                patch is not installed); the previous schedule stays in force.
+            EngineUnavailableError: the engine is dead.
+        """
+        try:
+            ranges = schedule_to_ranges(schedule)
+        except ValueError as exc:
+            raise ScheduleRefusedError(str(exc)) from exc
+        lookup = await self._call_core(schedule_rpc.SET_METHOD, ranges)
+        return lookup_to_schedule(lookup)
+
+    async def check_spec_schedule(self) -> dict[str, Any]:
+        """The engine core's schedule facts (``rollout_get_spec_schedule``), after checking
+        that its lookup runs every K in ``0..num_speculative_tokens``.
+
+        Raises:
+            ScheduleRefusedError: no lookup, or a K missing from it.
+        """
+        facts = await self._call_core(schedule_rpc.GET_METHOD)
+        lookup, k_max = facts["lookup"], self.info.num_speculative_tokens
+        missing = set(range(k_max + 1)) - set(lookup or ())
+        if lookup is None or missing:
+            raise ScheduleRefusedError(f"the engine's start-up K schedule {lookup} lacks K "
+                                       f"{sorted(missing)}: those would run without graphs")
+        logger.info("run-time K schedule: model runner %s, K 0..%d, max_num_seqs %d%s",
+                    "V2" if facts["use_v2_model_runner"] else "V1", k_max,
+                    facts["max_num_seqs"], "" if facts["use_v2_model_runner"] else
+                    " (V1 follows the scheduler's K every step; on CPU every K runs eager)")
+        return facts
+
+    async def _call_core(self, method: str, *args: Any) -> Any:
+        try:
+            return await self._llm.engine_core.call_utility_async(method, *args)
+        except EngineDeadError as exc:
+            raise EngineUnavailableError(f"vLLM engine died: {exc}") from exc
+        except Exception as exc:
+            # vLLM sends the engine core's exception back as text; the core serves on.
+            unsupported = " (is the rollout_weight_transfer plugin loaded?)" \
+                if "has no attribute" in str(exc) else ""
+            raise ScheduleRefusedError(f"{exc}{unsupported}") from exc
+
+    def subscribe_step_costs(self, sink: StepCostSink) -> None:
+        if self._step_costs is None:
+            raise RuntimeError("the engine was started without step-cost measurement "
+                               "(EngineSpec.runtime_spec_schedule)")
+        self._step_costs.subscribe(sink)
+
+    @property
+    def batch_size(self) -> int:
+        return 0 if self._step_costs is None else self._step_costs.batch_size
 
     async def health(self) -> None:
         try:

@@ -18,10 +18,12 @@ from __future__ import annotations
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from vllm.distributed.weight_transfer.base import WeightTransferEngine, WeightTransferInitInfo
 
+from rollout_service.engines.vllm.copy_plan import CopyPlan
 from rollout_service.engines.vllm.transfer import LoadSession, PushUpdateInfo
 from rollout_service.protocol.placement import ShmLocation, TensorPlacement
 from rollout_service.protocol.shm import Segment, segment_path
@@ -44,8 +46,13 @@ class ShmWeightTransferEngine(WeightTransferEngine[ShmInitInfo, PushUpdateInfo])
 
     _session: LoadSession | None = None
 
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._plans: dict[int, CopyPlan] = {}
+        """In-place pushes' copy plans, by ``id`` of the main model and of the drafter."""
+
     def start_weight_update(self) -> None:
-        self._session = LoadSession(self.model, self.model_config)
+        self._session = LoadSession(self.model, self.model_config, self._plans)
 
     def finish_weight_update(self) -> None:
         assert self._session is not None, "finish_weight_update without start"
@@ -76,8 +83,7 @@ class ShmWeightTransferEngine(WeightTransferEngine[ShmInitInfo, PushUpdateInfo])
     def receive_weights(self, update_info: PushUpdateInfo) -> None:
         update_info.check_transport("shm")
         assert self._session is not None, "receive_weights without start_weight_update"
-        self._session.before_load(update_info)
-        self.model.load_weights(self._tensors(update_info.placements))
+        self._session.load(update_info, self._tensors(update_info.placements))
 
     def _tensors(self, placements: list[TensorPlacement]) -> Iterator[tuple[str, torch.Tensor]]:
         """Zero-copy views of the segment's bytes, one per placement."""

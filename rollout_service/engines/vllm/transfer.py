@@ -18,6 +18,7 @@ load the same two ways (:class:`LoadSession`):
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -77,23 +78,34 @@ class LoadSession:
     """One model's load inside a backend, reload or in place (module docstring).
 
     vLLM calls ``start_weight_update`` before the backend sees any update info, so the
-    choice is made at the first ``receive``: a layerwise reload begins there unless the
-    update is ``in_place``, and ``finish`` ends whichever began.
+    choice is made at the first :meth:`load`: a layerwise reload begins there unless the
+    update is ``in_place``, and :meth:`finish` ends whichever began. In place, the
+    model's copy plan (:mod:`~rollout_service.engines.vllm.copy_plan`) is recorded by the
+    first push and replayed by the next ones; ``plans`` outlives the session (the
+    backend keeps it, one plan per model).
     """
 
-    def __init__(self, model: Any, model_config: Any) -> None:
+    def __init__(self, model: Any, model_config: Any, plans: dict[int, Any]) -> None:
         self._model = model
         self._model_config = model_config
+        self._plans = plans
         self._is_reloading = False
 
-    def before_load(self, info: PushUpdateInfo) -> None:
-        if not info.in_place and not self._is_reloading:
+    def load(self, info: PushUpdateInfo, tensors: Iterable[tuple[str, Any]]) -> None:
+        """Load one update's tensors into the session's model."""
+        if info.in_place:
+            from rollout_service.engines.vllm.copy_plan import load_in_place
+
+            load_in_place(self._model, tensors, self._plans)
+            return
+        if not self._is_reloading:
             from vllm.model_executor.model_loader.reload.layerwise import (
                 initialize_layerwise_reload,
             )
 
             initialize_layerwise_reload(self._model)
             self._is_reloading = True
+        self._model.load_weights(iter(tensors))
 
     def finish(self) -> None:
         if self._is_reloading:

@@ -12,18 +12,18 @@ from collections.abc import Iterable
 
 import torch
 
-from rollout_service.engines.vllm.step_cost import measure_step_cost
+from rollout_service.engines.vllm.verify_cost import measure_verify_cost
 
 
 class RolloutWorkerExtension:
     """Parameter checksums of the main model and the drafter (``GET /weights/checksums``),
-    and the measured cost of a verify step (``step_cost.py``)."""
+    and the measured cost of a verify step (``verify_cost.py``)."""
 
-    def rollout_step_cost(self, batch_size: int, num_speculative_tokens: int,
+    def rollout_verify_cost(self, batch_size: int, num_speculative_tokens: int,
                           repeats: int) -> dict[str, float] | None:
         """A verify step's time over a plain decode step's, measured on this worker's
-        model runner (``step_cost.measure_step_cost``); None when not measurable."""
-        return measure_step_cost(self.model_runner,  # type: ignore[attr-defined]
+        model runner (``verify_cost.measure_verify_cost``); None when not measurable."""
+        return measure_verify_cost(self.model_runner,  # type: ignore[attr-defined]
                                  batch_size=batch_size,
                                  num_speculative_tokens=num_speculative_tokens,
                                  repeats=repeats)

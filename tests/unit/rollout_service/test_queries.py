@@ -15,6 +15,7 @@ from rollout_service.protocol.messages import TrainingStats
 from rollout_service.telemetry import queries
 from rollout_service.telemetry.acceptance import SpecDecodeMetrics
 from rollout_service.telemetry.drafter import DrafterHealth
+from rollout_service.telemetry.speculation import SpeculationMetrics
 from rollout_service.telemetry.weights import WeightMetrics
 
 DOCS = Path(__file__).resolve().parents[3] / "docs" / "telemetry.md"
@@ -73,6 +74,8 @@ def test_every_rollout_series_read_is_exported() -> None:
     drafter = DrafterHealth(registry=registry, model="m", engine="vllm",
                             num_speculative_tokens=2)
     drafter.loaded(1, TrainingStats(version=0, mtp_accuracy=[0.5], num_tokens=1))
+    SpeculationMetrics(registry=registry, model="m", engine="vllm", buckets=[1, 8],
+                       reasons=["pinned"])
     exported = {sample.name for family in registry.collect() for sample in family.samples}
     read = {name for expr in _every_expression()
             for name in re.findall(r"\brollout_\w+", expr)}

@@ -12,7 +12,11 @@ from hypothesis import strategies as st
 
 from rollout_service.protocol.acceptance import SpecDecodeStats
 from rollout_service.speculation.acceptance import WeightVersions
-from rollout_service.speculation.controller import ControllerConfig, SpeculationController
+from rollout_service.speculation.controller import (
+    ControllerConfig,
+    SpeculationController,
+    k_at,
+)
 from rollout_service.speculation.cost import CostConfig, StepCostSample, StepCostTable
 from rollout_service.speculation.decision import (
     CollapseConfig,
@@ -206,6 +210,29 @@ def test_a_good_drafter_speculates_alone_and_not_in_a_crowd() -> None:
     assert ctl.k_for(1) == K_MAX and bucket(ctl, 1).reason is Reason.BEST
     assert ctl.k_for(256) == 0 and ctl.k_for(1000) == 0
     assert len(bucket(ctl, 1).tokens_per_s) == K_MAX + 1
+
+
+def test_costs_measured_before_any_sequence_count_at_once_with_a_refresh() -> None:
+    """The service calibrates before serving: the schedule must not wait for a sequence."""
+    ctl = controller(StepCostTable(CostConfig()))
+    assert ctl.schedule() == dict.fromkeys(BUCKETS, 0)
+    assert bucket(ctl, 1).reason is Reason.NO_COST_DATA
+    for sample in roofline_table().points().values():
+        for point in sample:
+            ctl.record_cost(point)
+    assert bucket(ctl, 1).reason is Reason.NO_COST_DATA  # recorded, not yet decided
+    ctl.refresh()
+    assert bucket(ctl, 1).reason is Reason.PROBING and ctl.k_for(1) == 1
+    assert {p.k for points in ctl.cost_points().values() for p in points} == \
+        set(range(K_MAX + 1))
+
+
+def test_a_schedule_gives_each_batch_size_its_buckets_k() -> None:
+    schedule = {2: 3, 8: 1, 64: 0}
+    assert [k_at(schedule, b) for b in (1, 2, 3, 8, 9, 64, 65, 10_000)] == \
+        [3, 3, 1, 1, 0, 0, 0, 0]
+    ctl = controller()
+    assert all(ctl.k_for(b) == k_at(ctl.schedule(), b) for b in range(1, 600))
 
 
 def test_buckets_without_cost_data_run_without_speculation() -> None:

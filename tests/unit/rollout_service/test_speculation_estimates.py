@@ -15,7 +15,12 @@ from rollout_service.speculation.acceptance import (
     Observed,
     WeightVersions,
 )
-from rollout_service.speculation.cost import CostConfig, StepCostSample, StepCostTable
+from rollout_service.speculation.cost import (
+    CostConfig,
+    StepCostMedians,
+    StepCostSample,
+    StepCostTable,
+)
 
 CONFIG = AcceptanceConfig()
 
@@ -193,3 +198,16 @@ def test_interpolation_keeps_a_monotone_curve_monotone(
     if costs.covers(0, low) and costs.covers(0, high):
         assert costs.step_s(0, low) <= costs.step_s(0, high) * (1 + 1e-12)
         assert step_s[0] * (1 - 1e-12) <= costs.step_s(0, low) <= step_s[-1] * (1 + 1e-12)
+
+
+def test_steps_fold_into_one_median_sample_per_run_of_each_k_and_batch_size() -> None:
+    """Single steps are noisy (one hiccup, one pause between steps): a run's median is not."""
+    medians = StepCostMedians(num_steps=3)
+    folded = [medians.add(StepCostSample(k=k, batch_size=b, step_s=s)) for k, b, s in [
+        (1, 4, 0.020), (2, 4, 0.030), (1, 4, 5.0), (1, 4, 0.022),  # 5 s: a pause
+        (1, 4, 0.021)]]
+    assert folded[:3] == [None, None, None]
+    assert folded[3] == StepCostSample(k=1, batch_size=4, step_s=0.022)
+    assert folded[4] is None  # a new run of (1, 4) has begun
+    with pytest.raises(ValueError, match="num_steps"):
+        StepCostMedians(num_steps=0)

@@ -22,6 +22,7 @@ from rollout_service.engines.vllm.engine import (
     loads_in_place,
     to_stats,
 )
+from rollout_service.engines.vllm.spec_schedule import with_startup_schedule
 from rollout_service.protocol.acceptance import InvalidSpecDecodeStats, SpecDecodeStats
 
 MODEL = str(Path(ensure_model("tiny")))
@@ -109,3 +110,36 @@ def test_pushes_load_in_place_only_where_vllm_uses_weights_as_loaded(
 def test_the_cpu_engine_reloads() -> None:
     config = engine_config(MTPSettings())
     assert not loads_in_place("auto", config.model_config)
+
+
+def service_args(mtp: MTPSettings, **engine_kwargs: object):  # noqa: ANN201 - AsyncEngineArgs
+    return build_engine_args(MODEL, {**EMBEDDED_ENGINE_KWARGS, **engine_kwargs}, mtp,
+                             load_checkpoint_config(MODEL))
+
+
+def test_the_controlled_engine_starts_with_every_k_in_its_schedule() -> None:
+    """Without a start-up schedule vLLM has no lookup to change; with a K missing, model
+    runner V2 would capture no graphs for it."""
+    args = with_startup_schedule(service_args(MTPSettings(num_speculative_tokens=2),
+                                              max_num_seqs=64))
+    ranges = args.speculative_config["num_speculative_tokens_per_batch_size"]
+    assert ranges[0][0] == 1 and ranges[-1][1] == 64
+    assert {k for _, _, k in ranges} == {0, 1, 2}
+    config = args.create_engine_config()
+    assert config.speculative_config.uses_dynamic_speculative_decoding()
+    assert config.speculative_config.num_speculative_tokens == 2
+
+
+@pytest.mark.parametrize("mtp, engine_kwargs, message", [
+    (MTPSettings(enabled=False), {}, "speculation_control.enabled: needs speculative decoding"),
+    (MTPSettings(num_speculative_tokens=2),
+     {"speculative_config": {"num_speculative_tokens_per_batch_size": [[1, 8, 1]]}},
+     "engine_kwargs.speculative_config.num_speculative_tokens_per_batch_size: the "
+     "speculation control sets it"),
+    (MTPSettings(num_speculative_tokens=2), {"data_parallel_size": 2},
+     "vLLM drops a K schedule with data parallelism"),
+])
+def test_engines_the_controller_cannot_drive_are_refused_naming_the_field(
+        mtp: MTPSettings, engine_kwargs: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        with_startup_schedule(service_args(mtp, **engine_kwargs))

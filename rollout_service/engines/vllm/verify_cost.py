@@ -1,10 +1,16 @@
 """What a verify step costs next to a plain decode step, measured in vLLM's worker.
 
 Runs inside each vLLM worker process, called once through
-``RolloutWorkerExtension.rollout_step_cost`` (``AsyncLLM.collective_rpc``) right after
+``RolloutWorkerExtension.rollout_verify_cost`` (``AsyncLLM.collective_rpc``) right after
 the engine starts and before it serves anything. The service divides a sequence's
 tokens per verify step by the ratio measured here to estimate the net speed-up of
 speculation (``protocol/acceptance.py``).
+
+Why a second cost measurement beside ``step_costs.py``: that one times real engine steps
+per K and batch size for the speculation control, but has a K = 0 baseline only at the
+batch sizes where the controller ran speculation off or calibrated. The net speed-up
+needs a plain-step baseline whatever the controller does (and with the controller off),
+so this module measures one, once, before serving.
 
 What it times, with the model runner's own dummy batches (the passes vLLM runs to warm
 up and to profile memory), at ``B`` sequences and ``k`` draft tokens, each the fastest
@@ -67,7 +73,7 @@ def unsupported_reason(runner: Any, num_speculative_tokens: int) -> str | None:
     return None
 
 
-def measure_step_cost(runner: Any, *, batch_size: int, num_speculative_tokens: int,
+def measure_verify_cost(runner: Any, *, batch_size: int, num_speculative_tokens: int,
                       repeats: int) -> dict[str, float] | None:
     """Time a plain decode step and a verify step at ``batch_size`` (module docstring).
 
