@@ -339,13 +339,6 @@ class PushBeginRequest(BaseModel):
     training_stats: TrainingStats | None = Field(None, description=(
         "The trainer's MTP accuracy on its last batch; exported once the push loads."))
 
-    @model_validator(mode="after")
-    def _training_stats_version(self) -> PushBeginRequest:
-        stats = self.training_stats
-        if stats is not None and stats.version > self.version:
-            raise ValueError(f"training_stats.version: {stats.version} is newer than the pushed "
-                             f"version {self.version} (stats describe weights already trained)")
-        return self
 
     @model_validator(mode="after")
     def _transport_fields(self) -> PushBeginRequest:

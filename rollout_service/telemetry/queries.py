@@ -250,7 +250,7 @@ def acceptance_by_weights(scope: Scope) -> str:
     keep = (*scope.by, "weights", "version")
     accepted = _aggregate("sum", f"{WEIGHTS_ACCEPTED}{_selector(scope)}", (*keep, "position"))
     drafts = _aggregate("sum", f"{WEIGHTS_DRAFTS}{_selector(scope)}", keep)
-    return f"{accepted} / ignoring (position) group_left ({drafts} > 0)"
+    return f"{accepted} / ignoring (position) group_left () ({drafts} > 0)"
 
 
 def trainer_mtp_accuracy(scope: Scope) -> str:

@@ -121,7 +121,7 @@ async def test_acceptance_per_weight_version_and_training_accuracy(
         with pytest.raises(ServiceError, match="training_stats.version") as refused:
             pusher.push(original.items(), version=version,
                         training_stats=stats.model_copy(update={"version": version + 1}))
-        assert refused.value.status == 400
+        assert refused.value.status == 409
         pusher.push(original.items(), version=version, target="both", training_stats=stats)
     batch = await client.generate_batch(messages.BatchGenerateRequest(requests=[
         messages.GenerateRequest(prompt=p, max_tokens=16, temperature=1.0, seed=i)

@@ -78,8 +78,9 @@ def test_training_stats_are_validated_naming_the_field() -> None:
     ok = messages.PushBeginRequest.model_validate(
         {**begin, "training_stats": {"version": 4, "mtp_accuracy": [0.7], "num_tokens": 9}})
     assert ok.training_stats == training(4, 0.7).model_copy(update={"num_tokens": 9})
-    for stats, field in (({"version": 6, "mtp_accuracy": [0.7], "num_tokens": 1}, "version"),
-                         ({"version": 4, "mtp_accuracy": [1.5], "num_tokens": 1},
+    # A version newer than the pushed one is schema-valid and refused by the service with a
+    # 409 (test_drafter_health.py of the integration tests): the schema cannot say it.
+    for stats, field in (({"version": 4, "mtp_accuracy": [1.5], "num_tokens": 1},
                           "mtp_accuracy"),
                          ({"version": 4, "mtp_accuracy": [], "num_tokens": 1}, "mtp_accuracy"),
                          ({"version": 4, "mtp_accuracy": [0.5]}, "num_tokens")):
