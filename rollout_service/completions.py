@@ -50,6 +50,8 @@ class Choice:
     """Its sampling (its own seed)."""
     request_id: str
     """The engine request id."""
+    category: str | None = None
+    """The request's ``category`` (its acceptance series' label), if it named one."""
 
 
 def completion_prompts(prompt: str | list[str] | list[int] | list[list[int]]
@@ -70,7 +72,7 @@ def fan_out(prompts: Sequence[str | list[int]], req: openai.CompletionRequest
     stop = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ())
     return [Choice(prompt=prompt, request_id=f"{request_id}-{p}-{i}", sampling=SamplingOptions(
         max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p, stop=stop,
-        seed=None if req.seed is None else req.seed + i))
+        seed=None if req.seed is None else req.seed + i), category=req.category)
         for p, prompt in enumerate(prompts) for i in range(req.n)]
 
 
@@ -170,7 +172,8 @@ class OpenAICompletions:
         return self._service.info.model
 
     async def _generate(self, choices: Sequence[Choice]) -> list[GenerationResult]:
-        return await gather_or_cancel([self._service.sequence(c.prompt, c.sampling, c.request_id)
+        return await gather_or_cancel([self._service.sequence(c.prompt, c.sampling, c.request_id,
+                                                              category=c.category)
                                        for c in choices])
 
     async def _stream(self, choices: Sequence[Choice], results: dict[int, GenerationResult]
@@ -178,7 +181,8 @@ class OpenAICompletions:
         """The deltas worth a chunk (with text, or the last of a choice), the first once every
         choice has started; each choice's result lands in ``results``."""
         streams = MergedStreams([self._service.stream_sequence(c.prompt, c.sampling,
-                                                               c.request_id) for c in choices])
+                                                               c.request_id, category=c.category)
+                                 for c in choices])
         async with aclosing(streams.deltas()) as deltas:
             async for index, delta in deltas:
                 if delta.result is not None:

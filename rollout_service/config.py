@@ -24,6 +24,7 @@ from pydantic import (
 
 from rollout_service.engines.base import WeightsLoad
 from rollout_service.engines.speculative import MTPSettings
+from rollout_service.telemetry.config import TelemetryConfig
 
 EMBEDDED_PREFIX = "embedded:"
 API_KEY_ENV = "ROLLOUT_API_KEY"
@@ -130,6 +131,9 @@ class ServiceConfig(BaseModel):
                      f"model, {EMBEDDED_ENGINE_KWARGS} are the defaults."))
     mtp: MTPSettings = Field(default_factory=MTPSettings,
                              description="MTP speculative decoding settings.")
+    telemetry: TelemetryConfig = Field(default_factory=TelemetryConfig, description=(
+        "Request categories on the acceptance series, the start-up measurement of a "
+        "verify step's cost, trainer-side accuracy kept (docs/telemetry.md)."))
     host: str = Field("127.0.0.1", description="Address the HTTP server binds.")
     port: int = Field(8000, ge=0, le=65535, description="HTTP port; 0 picks a free one.")
     api_key: SecretStr | None = Field(

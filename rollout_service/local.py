@@ -25,6 +25,8 @@ from rollout_service.spec_control import (
     show_fixed_k,
 )
 from rollout_service.telemetry.acceptance import SpecDecodeMetrics
+from rollout_service.telemetry.config import CategoryLabels
+from rollout_service.telemetry.drafter import DrafterHealth
 from rollout_service.telemetry.speculation import SpeculationMetrics
 from rollout_service.telemetry.weights import WeightMetrics
 from rollout_service.weights.manager import WeightPushManager
@@ -42,6 +44,7 @@ def engine_spec(config: ServiceConfig) -> EngineSpec:
                       checkpoint_config=load_checkpoint_config(model_path),
                       weights_transport=config.weights_transport,
                       weights_load=config.weights_load, engine_url=config.engine_url,
+                      verify_cost_batch_size=config.telemetry.verify_cost_batch_size,
                       runtime_spec_schedule=config.speculation_control.enabled)
 
 
@@ -65,11 +68,18 @@ def build_local_service(engine: Engine, config: ServiceConfig
     control too when configured (``await service.start()`` before serving)."""
     info = engine.info
     registry = CollectorRegistry()
+    drafter = DrafterHealth(registry=registry, model=info.model, engine=info.engine,
+                            num_speculative_tokens=info.num_speculative_tokens,
+                            versions_kept=config.telemetry.versions_kept)
     metrics = SpecDecodeMetrics(registry=registry, model=info.model, engine=info.engine,
-                                num_speculative_tokens=info.num_speculative_tokens)
+                                num_speculative_tokens=info.num_speculative_tokens,
+                                verify_cost_ratio=info.verify_cost_ratio,
+                                categories=CategoryLabels(config.telemetry),
+                                drafter=drafter)
     weights = WeightPushManager(
         engine, checkpoint_tensors(info.model_path),
-        WeightMetrics(registry=registry, model=info.model, engine=info.engine),
+        WeightMetrics(registry=registry, model=info.model, engine=info.engine,
+                      drafter=drafter),
         timeout_s=config.push_timeout_s, has_draft=info.has_pushable_drafter,
         transport=config.weights_transport)
     settings = config.speculation_control

@@ -29,7 +29,11 @@ from rollout_service.engines.base import (
     SamplingOptions,
 )
 from rollout_service.protocol import messages
-from rollout_service.protocol.acceptance import SpecDecodeStats, summarize
+from rollout_service.protocol.acceptance import (
+    SpecDecodeStats,
+    summarize,
+    summarize_by_category,
+)
 from rollout_service.protocol.speculation import SpeculationControlStatus
 from rollout_service.spec_control import SpeculationControl
 from rollout_service.telemetry.acceptance import SpecDecodeMetrics
@@ -80,7 +84,9 @@ def to_spec_info(stats: SpecDecodeStats | None) -> messages.SpecDecodeInfo | Non
         num_drafts=stats.num_drafts, num_draft_tokens=stats.num_draft_tokens,
         num_accepted_tokens=stats.num_accepted_tokens, num_verify_steps=stats.num_verify_steps,
         accepted_per_position=list(stats.accepted_per_position),
-        accept_rate=stats.accept_rate, accept_length=stats.accept_length)
+        accept_rate=stats.accept_rate, accept_length=stats.accept_length,
+        num_rejected_tokens=stats.num_rejected_tokens,
+        verify_cost_ratio=stats.verify_cost_ratio, net_speedup=stats.net_speedup)
 
 
 def to_summary(results: Sequence[GenerationResult]) -> messages.AcceptanceSummary:
@@ -101,7 +107,8 @@ def speculation_info(info: EngineInfo) -> messages.SpeculationInfo:
     return messages.SpeculationInfo(
         is_enabled=info.num_speculative_tokens > 0, method=info.speculative_method,
         num_speculative_tokens=info.num_speculative_tokens,
-        has_pushable_drafter=info.has_pushable_drafter)
+        has_pushable_drafter=info.has_pushable_drafter,
+        verify_cost_ratio=info.verify_cost_ratio)
 
 
 class RolloutService:
@@ -152,26 +159,28 @@ class RolloutService:
                                          "until a complete weight push succeeds")
 
     async def sequence(self, prompt: str | list[int], sampling: SamplingOptions,
-                       request_id: str) -> GenerationResult:
-        """One sequence, observed once finished."""
+                       request_id: str, *, category: str | None = None) -> GenerationResult:
+        """One sequence, observed once finished (under ``category``, if the request named
+        one)."""
         self._check_consistent()
         result = await self.engine.generate(prompt, sampling, request_id)
-        self._observe(result)
+        self._observe(result, category)
         return result
 
     async def stream_sequence(self, prompt: str | list[int], sampling: SamplingOptions,
-                              request_id: str) -> AsyncIterator[GenerationDelta]:
+                              request_id: str, *, category: str | None = None
+                              ) -> AsyncIterator[GenerationDelta]:
         """One sequence as it is produced, observed once when its last delta arrives (before
         it is passed on); closing the iterator earlier aborts it, and it is not observed."""
         self._check_consistent()
         async with aclosing(self.engine.stream(prompt, sampling, request_id)) as deltas:
             async for delta in deltas:
                 if delta.result is not None:
-                    self._observe(delta.result)
+                    self._observe(delta.result, category)
                 yield delta
 
-    def _observe(self, result: GenerationResult) -> None:
-        self.metrics.observe(result.spec_decode)
+    def _observe(self, result: GenerationResult, category: str | None) -> None:
+        self.metrics.observe(result.spec_decode, category)
         if self.speculation is not None:
             self.speculation.observe(result)
 
@@ -196,7 +205,8 @@ class RolloutService:
         prompt = req.prompt if req.prompt is not None else req.prompt_token_ids
         assert prompt is not None
         return await gather_or_cancel([
-            self.sequence(prompt, sampling_options(req, i), f"{request_id}-{i}")
+            self.sequence(prompt, sampling_options(req, i), f"{request_id}-{i}",
+                          category=req.category)
             for i in range(req.n)])
 
     async def generate(self, req: messages.GenerateRequest) -> messages.GenerateResponse:
@@ -213,7 +223,10 @@ class RolloutService:
             [self._sequences(req, rid) for req, rid in zip(batch.requests, ids)])
         return messages.BatchGenerateResponse(
             responses=[self._response(rid, results) for rid, results in zip(ids, per_request)],
-            acceptance=to_summary([r for results in per_request for r in results]))
+            acceptance=to_summary([r for results in per_request for r in results]),
+            acceptance_by_category=summarize_by_category(
+                (req.category, reported_stats(r))
+                for req, results in zip(batch.requests, per_request) for r in results))
 
     @staticmethod
     def _response(request_id: str, results: list[GenerationResult]) -> messages.GenerateResponse:

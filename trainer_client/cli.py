@@ -30,7 +30,9 @@ def fmt(value: float | None) -> str:
 def print_step(console: Console, entry: StepLog) -> None:
     """One line per step: losses, reward, acceptance, version, push and step time."""
     mtp = " ".join(f"{v:.3f}" for v in entry.mtp_losses)
+    accuracy = " ".join(f"{v:.3f}" for v in entry.mtp_accuracy)
     console.print(f"step {entry.step:3d} loss {entry.main_loss:+.3f} mtp [{mtp}] "
+                  f"mtp top-1 [{accuracy}] "
                   f"reward {entry.mean_reward:.2f} accept {fmt(entry.macro_accept_rate)} "
                   f"v{entry.weight_version} push {entry.push_s:.2f}s step {entry.step_s:.1f}s",
                   soft_wrap=True)

@@ -37,7 +37,7 @@ from rollout_service.client import RolloutClient
 from rollout_service.protocol import messages
 from trainer_client.batch import PaddedBatch, Rollout, pack_padded
 from trainer_client.push import PushReport, WeightPusher
-from trainer_client.task import PromptSource, reward
+from trainer_client.task import PromptSource, category_of, reward
 
 __all__ = ["LoopConfig", "PolicyLoss", "StepLog", "policy_gradient_loss", "run_loop"]
 
@@ -95,12 +95,17 @@ class StepLog:
     """The policy loss."""
     mtp_losses: list[float]
     """Per-depth MTP cross-entropy (unscaled), depth 1 first."""
+    mtp_accuracy: list[float]
+    """Per-depth top-1 agreement of the MTP head with the response tokens depth + 1 ahead,
+    measured with the weights that generated the batch; sent with the push."""
     mean_reward: float
     weight_version: int
     """The version pushed at the end of the step."""
     push_s: float
     macro_accept_rate: float | None
     """Service's mean per-sequence accept rate for this step's batch."""
+    macro_accept_rate_by_category: dict[str, float | None]
+    """The same per category the prompts named (empty without categories)."""
     step_s: float
     """Wall time of the whole step."""
 
@@ -109,6 +114,9 @@ class StepLog:
 class Losses:
     policy: float
     mtp: list[float]
+    mtp_accuracy: list[float]
+    num_tokens: int
+    """Response tokens the depth-1 figures count."""
 
 
 def policy_gradient_loss(per_token_ce: torch.Tensor, batch: PaddedBatch) -> torch.Tensor:
@@ -137,17 +145,26 @@ def run_loop(cfg: LoopConfig, prompts: PromptSource, *, log: Callable[[StepLog],
         for step in range(cfg.num_steps):
             start = time.perf_counter()
             batch_prompts = prompts(cfg.batch_size, cfg.seed * 100_003 + step)
-            response = asyncio.run(generate(cfg, [p for p, _ in batch_prompts], step=step))
-            rollouts = to_rollouts(response, [a for _, a in batch_prompts])
+            response = asyncio.run(generate(cfg, [item[0] for item in batch_prompts], step=step,
+                                            categories=[category_of(i) for i in batch_prompts]))
+            rollouts = to_rollouts(response, [item[1] for item in batch_prompts])
             batch = pack_padded(rollouts, tp=1, cp=1, pad_id=int(hf_config["eos_token_id"]))
             losses = train_step(model, optimizer, batch, hf_config, cfg, policy_loss)
+            # The forward ran with the weights that generated the batch: the served version.
+            stats = messages.TrainingStats(version=version, mtp_accuracy=losses.mtp_accuracy,
+                                           num_tokens=losses.num_tokens)
             version += 1
-            report = push(pusher, model, hf_config, version=version, target=target)
+            report = push(pusher, model, hf_config, version=version, target=target,
+                          training_stats=stats)
             assert report is not None  # this process holds the pusher
             entry = StepLog(step=step, main_loss=losses.policy, mtp_losses=losses.mtp,
+                            mtp_accuracy=losses.mtp_accuracy,
                             mean_reward=float(batch.rewards.mean()), weight_version=version,
                             push_s=report.total_s,
                             macro_accept_rate=response.acceptance.macro_accept_rate,
+                            macro_accept_rate_by_category={
+                                name: summary.macro_accept_rate
+                                for name, summary in response.acceptance_by_category.items()},
                             step_s=time.perf_counter() - start)
             log(entry)
             history.append(entry)
@@ -180,18 +197,21 @@ async def served_version(cfg: LoopConfig) -> int:
         return (await client.weight_status()).newest_version
 
 
-async def generate(cfg: LoopConfig, prompts: Sequence[str], *, step: int
+async def generate(cfg: LoopConfig, prompts: Sequence[str], *, step: int,
+                   categories: Sequence[str | None] | None = None
                    ) -> messages.BatchGenerateResponse:
-    """One sample per prompt, with its per-token log-probabilities.
+    """One sample per prompt (of its category, if given), with its per-token
+    log-probabilities.
 
     Each request is seeded from (seed, step, index): two runs from the same weights
     draw the same first batch.
     """
     first_seed = (cfg.seed * 1_000_003 + step) * cfg.batch_size
+    categories = categories or [None] * len(prompts)
     requests = [messages.GenerateRequest(prompt=prompt, max_tokens=cfg.max_tokens,
                                          temperature=cfg.temperature, logprobs=True,
-                                         seed=first_seed + i)
-                for i, prompt in enumerate(prompts)]
+                                         seed=first_seed + i, category=category)
+                for i, (prompt, category) in enumerate(zip(prompts, categories, strict=True))]
     async with RolloutClient(cfg.service_url, api_key=cfg.api_key) as client:
         return await client.generate_batch(messages.BatchGenerateRequest(requests=requests))
 
@@ -242,13 +262,16 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: 
     optimizer.step()
     logged = reduce_for_logging(depth_losses, groups=[], is_source_rank=True)
     assert logged is not None
-    return Losses(policy=float(loss.detach()),
-                  mtp=[logged[f"mtp_{k}_loss"] for k in range(1, mtp_cfg.num_layers + 1)])
+    depths = range(1, mtp_cfg.num_layers + 1)
+    return Losses(policy=float(loss.detach()), mtp=[logged[f"mtp_{k}_loss"] for k in depths],
+                  mtp_accuracy=[logged[f"mtp_{k}_accuracy"] for k in depths],
+                  num_tokens=int(logged["mtp_1_num_tokens"]))
 
 
 def push(pusher: WeightPusher | None, model: torch.nn.Module, hf_config: dict[str, Any], *,
          version: int, target: messages.PushTarget,
-         tp_group: torch.distributed.ProcessGroup | None = None) -> PushReport | None:
+         tp_group: torch.distributed.ProcessGroup | None = None,
+         training_stats: messages.TrainingStats | None = None) -> PushReport | None:
     """The trained weights, under checkpoint names and dtype, into the service.
 
     Every rank of ``tp_group`` calls: each tensor is one all-gather. The rank holding
@@ -268,7 +291,8 @@ def push(pusher: WeightPusher | None, model: torch.nn.Module, hf_config: dict[st
         dtype = str(export_dtype(model, hf_config)).removeprefix("torch.")
         specs = [messages.ParamSpec(name=name, shape=list(shape), dtype=dtype)
                  for name, shape in hf_tensor_shapes(model, hf_config, tp_size).items()]
-        return pusher.push(exported, version=version, target=target, specs=specs)
+        return pusher.push(exported, version=version, target=target, specs=specs,
+                           training_stats=training_stats)
     finally:
         for _ in exported:
             pass

@@ -215,7 +215,8 @@ class WeightPusher:
 
     def push(self, tensors: Iterable[tuple[str, torch.Tensor]], *, version: int,
              target: messages.PushTarget = "both", pause_mode: messages.PauseMode = "wait",
-             specs: Sequence[messages.ParamSpec] | None = None) -> PushReport:
+             specs: Sequence[messages.ParamSpec] | None = None,
+             training_stats: messages.TrainingStats | None = None) -> PushReport:
         """Push a full set of weights and wait until the service serves them.
 
         Args:
@@ -226,6 +227,9 @@ class WeightPusher:
             specs: the tensors' names, shapes and dtypes in iteration order; lets a
                 streaming exporter (Megatron gather) avoid holding the whole model.
                 Without it, ``tensors`` is materialized first to learn them.
+            training_stats: the MTP head's accuracy on the last training batch; the
+                service exports it once the push loads (beside the rollout acceptance of
+                the version it was measured with).
 
         Raises:
             ServiceError: the service refused it; the served weights are unchanged.
@@ -243,7 +247,7 @@ class WeightPusher:
                                       segment=segment.name if segment else None,
                                       segment_bytes=segment.nbytes if segment else None,
                                       total_bytes=total, params=list(specs),
-                                      pause_mode=pause_mode)))
+                                      pause_mode=pause_mode, training_stats=training_stats)))
         # cuda_ipc: the engine maps these tensors' memory until finish returns; a
         # handle does not keep its tensor alive, so this list does.
         exported: list[torch.Tensor] = []

@@ -2,8 +2,9 @@
 
 Runs in the trainer process. The loop asks a :data:`PromptSource` for each
 step's batch; the trainer CLI reads one from a JSONL file of
-``{"prompt": ..., "answer": ...}`` lines, the demo passes the embedded model's
-arithmetic questions. The reward is the toy verifiable one the demo needs.
+``{"prompt": ..., "answer": ..., "category": ...}`` lines (category optional), the
+demo passes the embedded model's arithmetic questions. The reward is the toy
+verifiable one the demo needs.
 """
 
 from __future__ import annotations
@@ -13,8 +14,14 @@ import random
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-PromptSource = Callable[[int, int], Sequence[tuple[str, str]]]
-"""``(num_prompts, seed) -> [(prompt, answer), ...]``; the same seed, the same batch."""
+PromptSource = Callable[[int, int], Sequence[tuple[str, str] | tuple[str, str, str | None]]]
+"""``(num_prompts, seed) -> [(prompt, answer), ...]``, or ``(prompt, answer, category)``
+triples (the service labels acceptance by category); the same seed, the same batch."""
+
+
+def category_of(item: tuple[str, str] | tuple[str, str, str | None]) -> str | None:
+    """The category of a prompt source's item; None for a ``(prompt, answer)`` pair."""
+    return item[2] if len(item) > 2 else None
 
 
 def reward(text: str, answer: str) -> float:
@@ -30,8 +37,9 @@ def reward(text: str, answer: str) -> float:
 
 
 def jsonl_prompts(path: Path) -> PromptSource:
-    """Prompts from a JSONL file, ``{"prompt": str, "answer": str}`` per line, drawn
-    with replacement by a generator seeded with the batch's seed.
+    """Prompts from a JSONL file, ``{"prompt": str, "answer": str, "category": str}`` per
+    line (``category`` optional), drawn with replacement by a generator seeded with the
+    batch's seed.
 
     Raises:
         ValueError: naming the file and line of a malformed entry, or an empty file.
@@ -42,14 +50,16 @@ def jsonl_prompts(path: Path) -> PromptSource:
             continue
         try:
             entry = json.loads(line)
-            pairs.append((str(entry["prompt"]), str(entry["answer"])))
+            category = entry.get("category")
+            pairs.append((str(entry["prompt"]), str(entry["answer"]),
+                          None if category is None else str(category)))
         except (ValueError, KeyError, TypeError) as exc:
             raise ValueError(f"prompts: {path}:{number} is not a JSON object with 'prompt' "
                              f"and 'answer' ({exc})") from exc
     if not pairs:
         raise ValueError(f"prompts: {path} holds no prompt")
 
-    def draw(num_prompts: int, seed: int) -> list[tuple[str, str]]:
+    def draw(num_prompts: int, seed: int) -> list[tuple[str, str, str | None]]:
         rng = random.Random(seed)
         return [rng.choice(pairs) for _ in range(num_prompts)]
 

@@ -112,6 +112,16 @@ def _acceptance_panels() -> list[Builder[Panel]]:
                .scheme("Oranges").scale(heatmap_models.HeatmapColorScale.EXPONENTIAL)
                .exponent(0.5).steps(64).fill("dark-orange"))
         .cell_values(heatmap.CellValues().unit("short")).show_tooltip().show_legend(),
+        _timeseries(8, "Accept rate per request category",
+                    "Macro and micro accept rate of each request category (the request's "
+                    "'category' field: the service's allow-list or its first categories, the "
+                    "rest 'other', requests without one 'none'). A drafter that fails on one "
+                    "task shows here while the overall rate looks fine.", "percentunit", [
+                        _query("A", queries.macro_accept_rate_by_category(SCOPE),
+                               "macro {{category}}"),
+                        _query("B", queries.micro_accept_rate_by_category(SCOPE),
+                               "micro {{category}}"),
+                    ]).min(0).max(1),
         _timeseries(5, "Requests without drafts / without stats / with invalid stats",
                     "Without drafts: finished with stats but no drafted token (e.g. "
                     "max_tokens=1); left out of the accept rate, accept length 1. Without "
@@ -123,6 +133,45 @@ def _acceptance_panels() -> list[Builder[Panel]]:
                         _query("B", queries.share_without_stats(SCOPE), "without stats"),
                         _query("C", queries.share_with_invalid_stats(SCOPE), "invalid stats"),
                     ]).min(0).max(1),
+    ]
+
+
+def _cost_panels() -> list[Builder[Panel]]:
+    return [
+        _timeseries(6, "Speculation: net speed-up",
+                    "Estimated speed-up of decoding with drafts over decoding without: tokens "
+                    "per verify step (micro accept length) over the verify cost ratio each "
+                    "engine measured at start-up (a verify step's time over a plain decode "
+                    "step's). Below 1, speculation is a slow-down (alerted after 10m).",
+                    "none", [
+                        _query("A", queries.net_speedup(PER_INSTANCE), "net speed-up {{instance}}"),
+                        _query("B", queries.verify_cost_ratio(PER_INSTANCE),
+                               "verify cost ratio {{instance}}"),
+                    ]).min(0),
+        _timeseries(7, "Draft tokens: accepted vs rejected",
+                    "Drafted tokens per second the target accepted, and those it rejected: "
+                    "the rejected ones are work computed and thrown away.", "short", [
+                        _query("A", queries.accepted_tokens_per_s(SCOPE), "accepted"),
+                        _query("B", queries.rejected_tokens_per_s(SCOPE), "rejected"),
+                    ]).axis_label("tokens / s").min(0),
+    ]
+
+
+def _drafter_panels() -> list[Builder[Panel]]:
+    return [
+        _timeseries(9, "Drafter: rollout acceptance vs training accuracy, by weight version",
+                    "Share of drafts accepted per draft position on the weights served now "
+                    "(current) and before the last push (previous), each a total over that "
+                    "version's sequences, beside the trainer's top-1 accuracy of the MTP head "
+                    "on its batch for the same version (depth = position + 1). They estimate "
+                    "the same thing: acceptance far below the trainer's accuracy means the "
+                    "engine runs another drafter than the trainer trained; acceptance halved "
+                    "by a push means the push broke it (both alerted).", "percentunit", [
+                        _query("A", queries.acceptance_by_weights(SCOPE),
+                               "rollout {{weights}} v{{version}} position {{position}}"),
+                        _query("B", queries.trainer_mtp_accuracy(SCOPE),
+                               "trainer v{{version}} position {{position}}"),
+                    ], width=24).min(0).max(1),
     ]
 
 
@@ -221,7 +270,8 @@ def build() -> dashboard.Dashboard:
              .time("now-1h", "now").refresh("30s").timezone("browser"))
     for variable in _variables():
         board = board.with_variable(variable)
-    sections = [("Acceptance", _acceptance_panels()), ("Weights", _weight_panels()),
+    sections = [("Acceptance", _acceptance_panels()), ("What speculation costs", _cost_panels()),
+                ("Drafter health", _drafter_panels()), ("Weights", _weight_panels()),
                 ("Speculation control", _speculation_panels()),
                 ("Serving (vLLM)", _serving_panels())]
     for row_id, (title, panels) in enumerate(sections, start=100):

@@ -15,7 +15,8 @@ from __future__ import annotations
 import json
 import re
 import textwrap
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from rollout_service.telemetry import queries
@@ -53,15 +54,28 @@ class Alert:
 
 ALERTS = (
     Alert(name="RolloutAcceptRateDroppedAfterWeightPush",
-          expr=queries.alert_accept_rate_dropped_after_push(), for_s="5m", severity="critical",
-          summary="Macro accept rate of {{ $labels.model }} halved after a weight push",
+          expr=queries.alert_accept_rate_dropped_after_push(), for_s="2m", severity="critical",
+          summary="Drafter acceptance of {{ $labels.model }} halved by a weight push",
           description=(
-              "The macro accept rate of {{ $labels.model }} over 5m is {{ $value | "
-              "humanizePercentage }}, less than half its value an hour ago, and weights were "
-              "loaded in the last 15m. The drafter likely no longer matches the main model "
-              "(pushed without the MTP layers, or from a diverged checkpoint): compare "
-              "rollout_weight_version by role and the checksums at GET /weights/checksums; "
-              "rollouts are slower but their tokens are unaffected.")),
+              "The drafts of {{ $labels.model }} on recently pushed weights are accepted at "
+              "the first position {{ $value | humanizePercentage }} of the time, less than "
+              "half the best level of the last 15 minutes. A push broke the drafter (zeroed "
+              "or mis-converted MTP weights) or left it behind a moving policy: compare "
+              "rollout_weight_version by role and GET /weights/checksums; rollouts are "
+              "slower but their tokens are unaffected.")),
+    Alert(name="RolloutAcceptanceBelowTrainingAccuracy",
+          expr=queries.alert_acceptance_below_training_accuracy(), for_s="2m",
+          severity="critical",
+          summary="Rollout acceptance of {{ $labels.model }} far below its training accuracy",
+          description=(
+              "A recent weight version of {{ $labels.model }} has its drafts accepted at the "
+              "first position only {{ $value | humanizePercentage }} as often as the "
+              "trainer's top-1 accuracy of the MTP head for the same version "
+              "(rollout_trainer_mtp_accuracy; the dashboard's drafter panel shows which "
+              "version). The two estimate the same quantity on "
+              "the same policy's samples: the drafter the engine runs is not the drafter the "
+              "trainer trained. Check the trainer's export of the MTP layers (names, the "
+              "order of the input projection's halves) and that pushes target both.")),
     Alert(name="RolloutDrafterVersionBehindMain",
           expr=queries.alert_drafter_behind_main(), for_s="5m", severity="warning",
           summary="MTP drafter of {{ $labels.model }} on {{ $labels.instance }} is behind main",
@@ -96,6 +110,17 @@ ALERTS = (
               "per-request speculative-decoding stats, so acceptance figures leave them out. "
               "The engine likely runs with per_request_spec_decode_metrics=\"none\" or a "
               "version without per-request stats; see the service log's warning.")),
+    Alert(name="RolloutSpeculationSlowdown",
+          expr=queries.alert_speculation_slowdown(), for_s="10m", severity="warning",
+          summary="Speculation slows {{ $labels.model }} on {{ $labels.instance }} down",
+          description=(
+              "On {{ $labels.instance }} the estimated net speed-up of speculative decoding "
+              "has been {{ $value | humanize }} for 10m: tokens per verify step over the "
+              "measured cost of a verify step (rollout_spec_decode_verify_cost_ratio) is "
+              "below 1, so decoding without drafts would be faster. Either acceptance fell "
+              "(see the acceptance alerts) or the batch is large enough that verifying "
+              "drafts costs more than it saves: lower num_speculative_tokens, or turn "
+              "speculation off for this load.")),
     Alert(name="RolloutServiceDown",
           expr=queries.alert_service_down(), for_s="2m", severity="critical",
           summary="Rollout service {{ $labels.instance }} is not scraped",
@@ -123,12 +148,26 @@ def _alert(alert: Alert) -> dict[str, object]:
     return rule
 
 
-def rule_groups() -> dict[str, object]:
-    """The rule file's content, as Prometheus reads it."""
+def rule_groups(for_overrides: Mapping[str, str] | None = None) -> dict[str, object]:
+    """The rule file's content, as Prometheus reads it.
+
+    Args:
+        for_overrides: test-time only: alert name -> the ``for`` duration to use instead
+            (``bench/chaos.py`` shortens them so a run of a minute can fire them); the
+            expressions are never changed. The committed ``rules.yml`` has none.
+
+    Raises:
+        ValueError: an override names no alert.
+    """
+    overrides = dict(for_overrides or {})
+    unknown = set(overrides) - {alert.name for alert in ALERTS}
+    if unknown:
+        raise ValueError(f"for_overrides: no alert named {sorted(unknown)}")
+    alerts = [replace(a, for_s=overrides.get(a.name, a.for_s)) for a in ALERTS]
     return {"groups": [
         {"name": "rollout_spec_decode",
          "rules": [{"record": name, "expr": expr} for name, expr in RECORDED.items()]},
-        {"name": "rollout_alerts", "rules": [_alert(alert) for alert in ALERTS]},
+        {"name": "rollout_alerts", "rules": [_alert(alert) for alert in alerts]},
     ]}
 
 
@@ -182,11 +221,12 @@ def _rule_lines(rule: dict[str, object]) -> list[str]:
     return lines
 
 
-def render() -> str:
+def render(for_overrides: Mapping[str, str] | None = None) -> str:
     """``rules.yml``: :func:`rule_groups` in block style, expressions and descriptions
-    as folded blocks (PyYAML's own folding breaks lines at odd places)."""
+    as folded blocks (PyYAML's own folding breaks lines at odd places); ``for_overrides``
+    as there (test-time only)."""
     lines = [HEADER.rstrip("\n"), "groups:"]
-    for i, group in enumerate(rule_groups()["groups"]):
+    for i, group in enumerate(rule_groups(for_overrides)["groups"]):
         lines += [""] * (i > 0) + [f"  - name: {group['name']}", "    rules:"]
         for j, rule in enumerate(group["rules"]):
             lines += [""] * ("alert" in rule and j > 0) + _rule_lines(rule)

@@ -126,6 +126,10 @@ class EngineInfo:
     MTP drafter read from the served checkpoint, so the pushed checkpoint tensors are
     its tensors. Another drafter (n-gram, suffix, a separate EAGLE model) has nothing a
     push of the checkpoint could load."""
+    verify_cost_ratio: float | None = None
+    """Time of a verify step with ``num_speculative_tokens`` drafts over a plain decode
+    step, measured by the engine when it started (vLLM: ``engines/vllm/verify_cost.py``);
+    None when speculation is off or the engine does not measure it."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -179,6 +183,9 @@ class EngineSpec:
     """How a push is loaded (``ServiceConfig.weights_load``)."""
     engine_url: str | None = None
     """SGLang: a running server to drive instead of launching one."""
+    verify_cost_batch_size: int = 8
+    """Sequences per dummy batch when the engine measures a verify step's cost; 0 skips
+    the measurement (``TelemetryConfig.verify_cost_batch_size``)."""
     runtime_spec_schedule: bool = False
     """Start so that the number of draft tokens per batch size can change at run time
     (:class:`SpecScheduleEngine`), and measure step costs; the speculation control

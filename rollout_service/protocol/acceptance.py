@@ -36,6 +36,19 @@ count) are refused by :class:`SpecDecodeStats`; an engine's conversion turns the
 
 Micro-averages weigh every token equally (long answers dominate); macro-averages
 weigh every request equally (what a trainer means by "the batch's accept rate").
+
+Wasted work and net speed-up:
+
+- ``rejected_tokens = draft_tokens - accepted_tokens``: drafted tokens the target
+  computed and threw away.
+- ``verify_cost_ratio``: measured by the engine adapter (vLLM: at start-up,
+  ``engines/vllm/verify_cost.py``), the time of one verify step with ``k`` draft tokens
+  (drafting included) over the time of one plain decode step at the same batch size;
+  None when the engine did not measure it.
+- ``net_speedup = accept_length / verify_cost_ratio``: tokens per verify step, each step
+  weighed by what it costs in plain decode steps. Below 1, speculation slows the
+  sequence down. A batch's figure is a micro-average: all tokens emitted by verify steps
+  over all verify steps, each counted at its sequence's ratio.
 """
 
 from __future__ import annotations
@@ -59,6 +72,9 @@ class SpecDecodeStats:
     """Target forward passes that verified a draft."""
     accepted_per_position: tuple[int, ...] = ()
     """Drafts whose token at position ``i`` was accepted; length ``k`` when known."""
+    verify_cost_ratio: float | None = None
+    """Cost of a verify step over a plain decode step, as the engine measured it (see the
+    module docstring); None when not measured."""
 
     def __post_init__(self) -> None:
         # The engines' conversions catch this and report InvalidSpecDecodeStats.
@@ -68,9 +84,12 @@ class SpecDecodeStats:
             raise ValueError(f"spec-decode counts must be >= 0, got {self}")
         if self.num_accepted_tokens > self.num_draft_tokens:
             raise ValueError(f"num_accepted_tokens > num_draft_tokens in {self}")
+        if self.verify_cost_ratio is not None and not self.verify_cost_ratio > 0:
+            raise ValueError(f"verify_cost_ratio must be > 0, got {self.verify_cost_ratio}")
 
     @classmethod
-    def from_histogram(cls, histogram: Sequence[int], num_draft_tokens: int) -> SpecDecodeStats:
+    def from_histogram(cls, histogram: Sequence[int], num_draft_tokens: int, *,
+                       verify_cost_ratio: float | None = None) -> SpecDecodeStats:
         """Build from an acceptance histogram (``histogram[j]``: steps accepting ``j``).
 
         This is the shape vLLM reports per request; every step drafts, so drafts
@@ -81,7 +100,7 @@ class SpecDecodeStats:
         per_position = tuple(sum(histogram[i + 1:]) for i in range(len(histogram) - 1))
         return cls(num_drafts=num_steps, num_draft_tokens=num_draft_tokens,
                    num_accepted_tokens=num_accepted, num_verify_steps=num_steps,
-                   accepted_per_position=per_position)
+                   accepted_per_position=per_position, verify_cost_ratio=verify_cost_ratio)
 
     @property
     def has_per_position(self) -> bool:
@@ -106,6 +125,19 @@ class SpecDecodeStats:
         if self.num_drafts == 0:
             return 1.0
         return 1.0 + self.num_accepted_tokens / self.num_drafts
+
+    @property
+    def num_rejected_tokens(self) -> int:
+        """Drafted tokens the target rejected (computed, then thrown away)."""
+        return self.num_draft_tokens - self.num_accepted_tokens
+
+    @property
+    def net_speedup(self) -> float | None:
+        """Accept length over the verify cost ratio; None without drafts or without a
+        measured ratio."""
+        if self.num_drafts == 0 or self.verify_cost_ratio is None:
+            return None
+        return self.accept_length / self.verify_cost_ratio
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -145,6 +177,11 @@ class BatchSummary:
     micro_accept_rate_per_position: tuple[float, ...] = field(default=())
     """Per draft position: drafts accepting that position / drafts of the sequences that
     reported per-position acceptance."""
+    num_rejected_tokens: int = 0
+    """Drafted tokens the target rejected, over every sequence with stats."""
+    net_speedup: float | None = None
+    """Tokens emitted by verify steps over the verify steps' cost in plain decode steps,
+    over the sequences with drafts and a measured cost ratio; None without any."""
 
 
 def summarize(stats: Iterable[SpecDecodeStats | None]) -> BatchSummary:
@@ -175,4 +212,25 @@ def summarize(stats: Iterable[SpecDecodeStats | None]) -> BatchSummary:
         micro_accept_length=(1.0 + num_accepted / num_drafts if num_drafts else 1.0)
         if known else None,
         micro_accept_rate_per_position=per_position,
+        num_rejected_tokens=sum(s.num_rejected_tokens for s in known),
+        net_speedup=_net_speedup(known),
     )
+
+
+def summarize_by_category(items: Iterable[tuple[str | None, SpecDecodeStats | None]]
+                          ) -> dict[str, BatchSummary]:
+    """:func:`summarize` per category of ``(category, stats)`` pairs; sequences without a
+    category are left out."""
+    grouped: dict[str, list[SpecDecodeStats | None]] = {}
+    for category, stats in items:
+        if category is not None:
+            grouped.setdefault(category, []).append(stats)
+    return {category: summarize(stats) for category, stats in sorted(grouped.items())}
+
+
+def _net_speedup(stats: Sequence[SpecDecodeStats]) -> float | None:
+    costed = [s for s in stats if s.net_speedup is not None]
+    cost = sum(s.num_drafts * s.verify_cost_ratio for s in costed)  # type: ignore[operator]
+    if not cost:
+        return None
+    return sum(s.num_drafts + s.num_accepted_tokens for s in costed) / cost

@@ -31,6 +31,8 @@ MAX_STOP = 16
 MAX_TOP_K = 2**31 - 1
 """Far past any vocabulary (top-k past it keeps all); integers past 64 bits fail inside
 vLLM, whose processes exchange requests as msgpack."""
+CATEGORY_PATTERN = r"^[A-Za-z0-9_.:/-]{1,64}$"
+"""A request's ``category``: a short name, safe as a Prometheus label value."""
 MAX_SEED = 2**53 - 1
 """The largest integer a JSON number holds exactly (an IEEE double: the OpenAPI document's
 bounds are doubles, and so are many clients' numbers)."""
@@ -54,6 +56,12 @@ Seed = Annotated[int, Field(ge=0, le=MAX_SEED), BeforeValidator(integral)]
 """A sampling seed."""
 StopString = Annotated[str, Field(min_length=1)]
 """A string that ends a sequence; the engines refuse an empty one."""
+Category = Annotated[str, Field(pattern=CATEGORY_PATTERN, description=(
+    "Where the prompt comes from (task, data source: 'code', 'math', ...): the acceptance "
+    "series get it as their 'category' label (the service's allow-list or its first "
+    "categories; the rest as 'other'), and a batch's acceptance is summarized per "
+    "category. 1-64 characters of letters, digits and _.:/-."))]
+"""A request's category (``telemetry.categories`` bounds the labels it becomes)."""
 
 
 class SamplingFields(BaseModel):
@@ -93,6 +101,7 @@ class GenerateRequest(SamplingFields):
         = Field(None, description="Prompt as token ids (each below the vocabulary size).")
     n: Int = Field(1, ge=1, le=MAX_N, description=(
         "Sequences to sample; each runs as its own engine request so each has exact stats."))
+    category: Category | None = None
 
     @model_validator(mode="after")
     def _one_prompt(self) -> GenerateRequest:
@@ -121,13 +130,22 @@ class SpecDecodeInfo(BaseModel):
     accepted_per_position: list[int]
     accept_rate: float | None = Field(description="None when nothing was drafted.")
     accept_length: float = Field(description="1 + accepted / drafts; 1.0 without drafts.")
+    num_rejected_tokens: int = Field(0, description=(
+        "Drafted tokens the target rejected: work computed and thrown away."))
+    verify_cost_ratio: float | None = Field(None, description=(
+        "Time of a verify step with the drafts over a plain decode step, as the engine "
+        "measured it (docs/telemetry.md); None when not measured."))
+    net_speedup: float | None = Field(None, description=(
+        "accept_length / verify_cost_ratio: below 1, speculation slowed this sequence down; "
+        "None without drafts or without a measured cost ratio."))
 
     def to_stats(self) -> SpecDecodeStats:
         """The counts, for ``protocol.acceptance.summarize`` on the client side."""
         return SpecDecodeStats(
             num_drafts=self.num_drafts, num_draft_tokens=self.num_draft_tokens,
             num_accepted_tokens=self.num_accepted_tokens, num_verify_steps=self.num_verify_steps,
-            accepted_per_position=tuple(self.accepted_per_position))
+            accepted_per_position=tuple(self.accepted_per_position),
+            verify_cost_ratio=self.verify_cost_ratio)
 
 
 AcceptanceSummary = BatchSummary
@@ -171,6 +189,9 @@ class BatchGenerateResponse(BaseModel):
 
     responses: list[GenerateResponse]
     acceptance: AcceptanceSummary
+    acceptance_by_category: dict[str, AcceptanceSummary] = Field(default_factory=dict, description=(
+        "The same summary over the sequences of each category the requests named (as named: "
+        "not bounded like the metric labels); requests without one are left out here."))
 
 
 ReplicaStatus = Literal["starting", "ok", "lagging", "unavailable", "gone"]
@@ -189,6 +210,9 @@ class SpeculationInfo(BaseModel):
     has_pushable_drafter: bool = Field(description=(
         "Whether pushes with target 'draft' or 'both' are accepted: only an MTP drafter read "
         "from the served checkpoint can load a push (docs/weight-pushes.md)."))
+    verify_cost_ratio: float | None = Field(None, description=(
+        "A verify step's time over a plain decode step's, measured when the engine started "
+        "(docs/telemetry.md); None when off or not measured."))
 
 
 class ReplicaHealth(BaseModel):
@@ -269,6 +293,28 @@ _TRANSPORT_FIELDS = {"oneOf": [
 """Transport 'shm' (the default) needs the segment; 'cuda_ipc' leaves it out, in JSON Schema."""
 
 
+MAX_MTP_DEPTHS = 16
+"""MTP depths a push's training stats may report."""
+Accuracy = Annotated[float, Field(ge=0.0, le=1.0)]
+
+
+class TrainingStats(BaseModel):
+    """What the trainer measured of the MTP head on its training batch, sent with a push;
+    the service exports it beside the rollout acceptance of the same weight version
+    (docs/telemetry.md)."""
+
+    model_config = _STRICT
+
+    version: Int = Field(ge=0, description=(
+        "The weight version the stats were measured with: the version that generated the "
+        "batch (the trainer's forward before its optimizer step), at most the pushed one."))
+    mtp_accuracy: list[Accuracy] = Field(min_length=1, max_length=MAX_MTP_DEPTHS, description=(
+        "Per MTP depth (depth 1 first): the share of response tokens where the head's top-1 "
+        "token is the token depth + 1 ahead (what the engine's acceptance at draft position "
+        "depth - 1 estimates on the same samples)."))
+    num_tokens: Int = Field(ge=0, description="Response tokens the depth-1 accuracy counts.")
+
+
 class PushBeginRequest(BaseModel):
     """Announce a push: everything is validated before any byte is loaded."""
 
@@ -290,6 +336,9 @@ class PushBeginRequest(BaseModel):
     pause_mode: PauseMode = Field("wait", description=(
         "How generation is paused while the engine loads: 'wait' lets running requests "
         "finish, 'abort' aborts them, 'keep' freezes them until the load is done."))
+    training_stats: TrainingStats | None = Field(None, description=(
+        "The trainer's MTP accuracy on its last batch; exported once the push loads."))
+
 
     @model_validator(mode="after")
     def _transport_fields(self) -> PushBeginRequest:

@@ -25,6 +25,7 @@ from rollout_service.protocol.messages import (
     MAX_N,
     MAX_STOP,
     AcceptanceSummary,
+    Category,
     Count,
     Int,
     Seed,
@@ -86,6 +87,9 @@ class _OpenAISampling(BaseModel):
     stream: bool = Field(False, description="Answer as server-sent events of chunks.")
     stream_options: StreamOptions | None = None
     user: str | None = None
+    category: Category | None = Field(None, description=(
+        "Not OpenAI's: an extra field (the openai client's extra_body) naming where the "
+        "prompt comes from; the acceptance series get it as their 'category' label."))
 
 
 class CompletionRequest(_OpenAISampling):

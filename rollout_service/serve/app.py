@@ -44,7 +44,7 @@ from rollout_service.api.app import create_app
 from rollout_service.api.ports import AppState
 from rollout_service.engines.base import EngineUnavailableError
 from rollout_service.protocol import messages, openai
-from rollout_service.protocol.acceptance import summarize
+from rollout_service.protocol.acceptance import summarize, summarize_by_category
 from rollout_service.serve.config import RayServeConfig, parse_serve_config
 from rollout_service.serve.coordinator import WeightsCoordinator
 from rollout_service.serve.metrics import fetch_pages, merge_pages
@@ -144,9 +144,12 @@ class ReplicatedService:
                              ) -> messages.BatchGenerateResponse:
         """Each request goes to a replica of its own; one failure fails the batch."""
         responses = await gather_or_cancel([self.generate(r) for r in batch.requests])
-        stats = [o.spec_decode.to_stats() if o.spec_decode else None
-                 for response in responses for o in response.outputs]
-        return messages.BatchGenerateResponse(responses=responses, acceptance=summarize(stats))
+        stats = [[o.spec_decode.to_stats() if o.spec_decode else None for o in response.outputs]
+                 for response in responses]
+        return messages.BatchGenerateResponse(
+            responses=responses, acceptance=summarize(s for seqs in stats for s in seqs),
+            acceptance_by_category=summarize_by_category(
+                (req.category, s) for req, seqs in zip(batch.requests, stats) for s in seqs))
 
     async def weight_checksums(self) -> dict[str, dict[str, str]]:
         """Per replica: SHA-256 of its main model's and drafter's parameters."""

@@ -17,10 +17,12 @@ replicas (a mean of per-replica ratios is not). Macro averages are ``_sum /
 _count`` of the per-request histograms, counters too.
 
 Series read: the service's (``telemetry/acceptance.py``: ``rollout_requests_total``,
-``rollout_spec_decode_*``; ``telemetry/weights.py``: ``rollout_weight_*``;
-``telemetry/speculation.py``: ``rollout_speculation_*``; labels ``model``, ``engine``),
-vLLM's own (``vllm:*``, whose model label is ``model_name``, so only ``instance`` selects
-them), and Prometheus's ``up``; every series has the ``instance`` label Prometheus adds.
+``rollout_spec_decode_*``, the gauge ``rollout_spec_decode_verify_cost_ratio``;
+``telemetry/weights.py``: ``rollout_weight_*``; ``telemetry/drafter.py``:
+``rollout_trainer_mtp_accuracy``; ``telemetry/speculation.py``: ``rollout_speculation_*``;
+labels ``model``, ``engine``, and ``category`` on the acceptance series), vLLM's own
+(``vllm:*``, whose model label is ``model_name``, so only ``instance`` selects them), and
+Prometheus's ``up``; every series has the ``instance`` label Prometheus adds.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ import functools
 import inspect
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
 REQUESTS = "rollout_requests_total"
@@ -41,11 +43,21 @@ DRAFTS_WITH_POSITIONS = "rollout_spec_decode_drafts_with_positions_total"
 """Drafts of the requests that reported per-position acceptance."""
 DRAFT_TOKENS = "rollout_spec_decode_draft_tokens_total"
 ACCEPTED_TOKENS = "rollout_spec_decode_accepted_tokens_total"
+REJECTED_TOKENS = "rollout_spec_decode_rejected_tokens_total"
+VERIFY_COST_RATIO = "rollout_spec_decode_verify_cost_ratio"
+"""Gauge, set once per engine when it starts (absent when not measured)."""
 ACCEPTED_PER_POSITION = "rollout_spec_decode_accepted_per_position_total"
 REQUEST_ACCEPT_RATE = "rollout_spec_decode_request_accept_rate"
 """Histogram: ``_sum``, ``_count``, ``_bucket``."""
 REQUEST_ACCEPT_LENGTH = "rollout_spec_decode_request_accept_length"
 """Histogram: ``_sum``, ``_count``, ``_bucket``."""
+WEIGHTS_DRAFTS = "rollout_spec_decode_weights_drafts"
+"""Gauge: drafts on the ``current`` weights (since the last push) and the ``previous`` ones,
+each labelled with its ``version``."""
+WEIGHTS_ACCEPTED = "rollout_spec_decode_weights_accepted_per_position"
+"""Gauge: per ``position``, beside :data:`WEIGHTS_DRAFTS`."""
+TRAINER_ACCURACY = "rollout_trainer_mtp_accuracy"
+"""Gauge: the trainer's top-1 accuracy of the MTP head, per ``version`` and ``position``."""
 WEIGHT_VERSION = "rollout_weight_version"
 WEIGHT_PUSHES = "rollout_weight_pushes_total"
 PUSH_DURATION = "rollout_weight_push_duration_seconds"
@@ -146,6 +158,25 @@ def micro_accept_length(scope: Scope) -> str:
     return f"1 + {_ratio(ACCEPTED_TOKENS, DRAFTS, scope)}"
 
 
+def macro_accept_rate_by_category(scope: Scope) -> str:
+    """Macro accept rate per request ``category`` (bounded: the allow-list or the first
+    categories seen, the rest ``other``, requests without one ``none``).
+
+    A category without requests with drafts in the window has no value (not NaN).
+    """
+    rate = f"{REQUEST_ACCEPT_RATE}_sum"
+    count = f"{REQUEST_ACCEPT_RATE}_count"
+    return (f"{_sum_rate(rate, scope, keep=('category',))}"
+            f" / ({_sum_rate(count, scope, keep=('category',))} > 0)")
+
+
+def micro_accept_rate_by_category(scope: Scope) -> str:
+    """Micro accept rate (accepted / drafted tokens) per request ``category``; a category
+    without drafted tokens in the window has no value."""
+    return (f"{_sum_rate(ACCEPTED_TOKENS, scope, keep=('category',))}"
+            f" / ({_sum_rate(DRAFT_TOKENS, scope, keep=('category',))} > 0)")
+
+
 def accept_rate_per_position(scope: Scope) -> str:
     """Share of drafts whose token at 0-based draft position ``position`` was accepted.
 
@@ -175,6 +206,66 @@ def share_without_stats(scope: Scope) -> str:
 def share_with_invalid_stats(scope: Scope) -> str:
     """Share of finished requests whose engine returned counts that contradict themselves."""
     return _ratio(INVALID_STATS_REQUESTS, REQUESTS, scope)
+
+
+# ---- what speculation costs ------------------------------------------------------------
+
+def accepted_tokens_per_s(scope: Scope) -> str:
+    """Drafted tokens the target accepted, per second (work that paid off)."""
+    return _sum_rate(ACCEPTED_TOKENS, scope)
+
+
+def rejected_tokens_per_s(scope: Scope) -> str:
+    """Drafted tokens the target rejected, per second (work computed and thrown away)."""
+    return _sum_rate(REJECTED_TOKENS, scope)
+
+
+def verify_cost_ratio(scope: Scope) -> str:
+    """Time of a verify step over a plain decode step, as each engine measured it at
+    start-up (the highest of the group's replicas)."""
+    return _aggregate("max", f"{VERIFY_COST_RATIO}{_selector(scope)}", scope.by)
+
+
+def net_speedup(scope: Scope) -> str:
+    """Estimated net speed-up of speculation: tokens per verify step (micro accept length)
+    over the measured verify cost ratio; below 1, speculation slows decoding down.
+
+    Per step, not per request: the micro accept length weighs every verify step alike,
+    which is what the engine's time is spent on. The cost ratio is the replicas' highest,
+    so a group of replicas is estimated at its slowest.
+    """
+    return f"({micro_accept_length(scope)}) / {verify_cost_ratio(scope)}"
+
+
+# ---- drafter health per weight version ------------------------------------------------
+
+def acceptance_by_weights(scope: Scope) -> str:
+    """Share of drafts accepted at each draft ``position`` on the weights served now
+    (``weights="current"``) and before the last push (``previous``), each with its
+    ``version``; no value before the weights have drafted.
+
+    Totals of each version's sequences, not rates: the ratio is that version's acceptance,
+    however long ago it was served.
+    """
+    keep = (*scope.by, "weights", "version")
+    accepted = _aggregate("sum", f"{WEIGHTS_ACCEPTED}{_selector(scope)}", (*keep, "position"))
+    drafts = _aggregate("sum", f"{WEIGHTS_DRAFTS}{_selector(scope)}", keep)
+    return f"{accepted} / ignoring (position) group_left () ({drafts} > 0)"
+
+
+def trainer_mtp_accuracy(scope: Scope) -> str:
+    """The trainer's top-1 accuracy of the MTP head per weight ``version`` and draft
+    ``position`` (depth ``position + 1``), on its training batch."""
+    return _aggregate("max", f"{TRAINER_ACCURACY}{_selector(scope)}",
+                      (*scope.by, "version", "position"))
+
+
+def _position_zero_acceptance(scope: Scope) -> str:
+    """Acceptance at draft position 0 per ``scope.by``, where those weights have at least
+    :data:`MIN_DRAFTS` drafts (fewer: no value)."""
+    accepted = _aggregate("sum", WEIGHTS_ACCEPTED + _selector(scope, 'position="0"'), scope.by)
+    drafts = _aggregate("sum", WEIGHTS_DRAFTS + _selector(scope), scope.by)
+    return f"{accepted} / ({drafts} >= {MIN_DRAFTS})"
 
 
 # ---- weights --------------------------------------------------------------------------
@@ -277,20 +368,46 @@ PUSH_WINDOW = "15m"
 """Weight pushes come once per training step, minutes apart: a window of a few
 scrapes would mostly hold none."""
 ACCEPT_RATE_DROP_FACTOR = 0.5
-ACCEPT_RATE_BASELINE_OFFSET = "1h"
+"""The drop alert: acceptance after a push below this fraction of the one before."""
+TRAINING_GAP_FACTOR = 0.5
+"""Rollout acceptance below this fraction of the trainer's accuracy for the same version."""
+MIN_DRAFTS = 64
+"""Drafts a weight version needs before its acceptance is compared (a few requests)."""
+BASELINE_WINDOW = "15m"
+BASELINE_STEP = "15s"
+"""The drop alert's memory of the level before the push: a subquery over this window."""
 SLOW_PUSH_S = 30
 PER_MODEL = ("model",)
 PER_INSTANCE = ("model", "instance")
 
 
 def alert_accept_rate_dropped_after_push() -> str:
-    """The macro accept rate of a model fell below half its value an hour ago, and weights
-    were loaded in the last 15m (the drafter likely no longer matches the main model)."""
-    now = Scope(window=ALERT_WINDOW, by=PER_MODEL)
-    before = replace(now, offset=ACCEPT_RATE_BASELINE_OFFSET)
-    pushes = Scope(window=PUSH_WINDOW, by=PER_MODEL)
-    return (f"({macro_accept_rate(now)}) < {ACCEPT_RATE_DROP_FACTOR} * "
-            f"({macro_accept_rate(before)}) and on (model) {loaded_pushes(pushes)} > 0")
+    """Acceptance at the first draft position of the weights served now or before the last
+    push (each over at least 64 drafts) fell below half the best such level of the last 15
+    minutes: a push broke the drafter, or left it behind the policy.
+
+    Both weights and a 15-minute memory: pushes come every step, so the weights before the
+    last push are often already broken ones, and the weights just pushed have not drafted
+    yet; the condition holds for as long as the broken drafter is served (15 minutes at
+    most: then the rollout-versus-training alert, and the slow-down one, still hold).
+    """
+    per_weights = Scope(window=ALERT_WINDOW, by=(*PER_MODEL, "weights"))
+    recent = _aggregate("min", _position_zero_acceptance(per_weights), PER_MODEL)
+    best = _aggregate("max", _position_zero_acceptance(per_weights), PER_MODEL)
+    baseline = f"max_over_time(({best})[{BASELINE_WINDOW}:{BASELINE_STEP}])"
+    return f"{recent} < {ACCEPT_RATE_DROP_FACTOR} * {baseline}"
+
+
+def alert_acceptance_below_training_accuracy() -> str:
+    """Rollout acceptance at the first draft position of a weight version (over at least 64
+    drafts) is below half the trainer's top-1 accuracy of the MTP head for the same version:
+    the drafter the engine runs is not the drafter the trainer trained. The value is the
+    lowest ratio of the two over the versions exported (the weights now and before the
+    last push)."""
+    per_version = Scope(window=ALERT_WINDOW, by=(*PER_MODEL, "version"))
+    accuracy = _aggregate("max", f'{TRAINER_ACCURACY}{{position="0"}}', per_version.by)
+    ratio = f"{_position_zero_acceptance(per_version)} / on (model, version) {accuracy}"
+    return f"{_aggregate('min', ratio, PER_MODEL)} < {TRAINING_GAP_FACTOR}"
 
 
 def alert_drafter_behind_main() -> str:
@@ -311,6 +428,12 @@ def alert_push_slow() -> str:
 def alert_stats_missing() -> str:
     """Requests finish without per-request speculative-decoding stats."""
     return f"{share_without_stats(Scope(window=ALERT_WINDOW, by=PER_INSTANCE))} > 0"
+
+
+def alert_speculation_slowdown() -> str:
+    """The estimated net speed-up of speculation is below 1: drafting and verifying cost
+    more than the accepted tokens save."""
+    return f"{net_speedup(Scope(window=ALERT_WINDOW, by=PER_INSTANCE))} < 1"
 
 
 def alert_service_down() -> str:
@@ -342,11 +465,21 @@ FIGURES = (
     Figure(name="macro accept length", unit="tokens / verify step", query=macro_accept_length),
     Figure(name="micro accept length", unit="tokens / verify step", query=micro_accept_length),
     Figure(name="per-position acceptance", unit="ratio", query=accept_rate_per_position),
+    Figure(name="macro accept rate by category", unit="ratio",
+           query=macro_accept_rate_by_category),
+    Figure(name="micro accept rate by category", unit="ratio",
+           query=micro_accept_rate_by_category),
     Figure(name="accept-rate distribution", unit="requests",
            query=accept_rate_distribution),
     Figure(name="share without drafts", unit="ratio", query=share_without_drafts),
     Figure(name="share without stats", unit="ratio", query=share_without_stats),
     Figure(name="share with invalid stats", unit="ratio", query=share_with_invalid_stats),
+    Figure(name="accepted draft tokens/s", unit="tokens / s", query=accepted_tokens_per_s),
+    Figure(name="rejected draft tokens/s", unit="tokens / s", query=rejected_tokens_per_s),
+    Figure(name="verify cost ratio", unit="plain decode steps", query=verify_cost_ratio),
+    Figure(name="net speed-up", unit="ratio", query=net_speedup),
+    Figure(name="acceptance by weights", unit="ratio", query=acceptance_by_weights),
+    Figure(name="trainer MTP accuracy", unit="ratio", query=trainer_mtp_accuracy),
     Figure(name="weight version", unit="version", query=weight_version),
     Figure(name="drafter version lag", unit="versions", query=drafter_version_lag),
     Figure(name="mean push duration", unit="s", query=push_duration_mean),
@@ -364,8 +497,10 @@ FIGURES = (
 )
 """Every figure; the docs table lists them and the integration tests evaluate each."""
 
-ALERTS = (alert_accept_rate_dropped_after_push, alert_drafter_behind_main,
-          alert_push_unsuccessful, alert_push_slow, alert_stats_missing, alert_service_down)
+ALERTS = (alert_accept_rate_dropped_after_push, alert_acceptance_below_training_accuracy,
+          alert_drafter_behind_main,
+          alert_push_unsuccessful, alert_push_slow, alert_stats_missing,
+          alert_speculation_slowdown, alert_service_down)
 """Every alert condition (``deploy/prometheus/rules.py`` names and annotates them)."""
 
 DOCS_SCOPE = Scope(window="5m")

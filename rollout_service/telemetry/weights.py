@@ -11,6 +11,9 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from rollout_service.protocol.messages import TrainingStats
+from rollout_service.telemetry.drafter import DrafterHealth
+
 ROLES = ("main", "draft")
 PUSH_OUTCOMES = ("loaded", "aborted", "rejected", "failed")
 PUSH_SECONDS_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
@@ -23,9 +26,13 @@ class WeightMetrics:
         registry: where to register (the service's registry; tests pass a fresh one).
         model: value of the ``model`` label.
         engine: value of the ``engine`` label.
+        drafter: per-version acceptance and the trainer's accuracy
+            (``telemetry/drafter.py``), told of every loaded push; None leaves it out.
     """
 
-    def __init__(self, *, registry: CollectorRegistry, model: str, engine: str) -> None:
+    def __init__(self, *, registry: CollectorRegistry, model: str, engine: str,
+                 drafter: DrafterHealth | None = None) -> None:
+        self._drafter = drafter
         names = ("model", "engine")
         labels = {"model": model, "engine": engine}
         # Children bound once: observations only set and increment, and every
@@ -67,6 +74,12 @@ class WeightMetrics:
         if outcome not in self._pushes:
             raise ValueError(f"outcome must be one of {PUSH_OUTCOMES}, got {outcome!r}")
         self._pushes[outcome].inc()
+
+    def loaded(self, main_version: int, training: TrainingStats | None) -> None:
+        """A push loaded (the main model now serves ``main_version``), with the trainer's
+        stats when it carried them: the per-version acceptance starts a new version."""
+        if self._drafter is not None:
+            self._drafter.loaded(main_version, training)
 
     def observe_push(self, num_bytes: int, seconds: float) -> None:
         """Record one completed push: its size and its pause-to-resume time."""

@@ -125,16 +125,19 @@ class ServiceProcess:
         env: extra environment variables for the child.
         command: the CLI command, ``serve`` or ``serve-ray``.
         extra_args: more arguments for it.
+        module: the module run with ``python -m`` (a test's wrapper of the CLI, e.g.
+            ``tests.support.fake_stats_outage``); default the CLI itself.
     """
 
     def __init__(self, log_path: Path, *, config: Path | None = None, model: str | None = None,
                  env: dict[str, str] | None = None, command: str = "serve",
-                 extra_args: tuple[str, ...] = ()) -> None:
+                 extra_args: tuple[str, ...] = (),
+                 module: str = "rollout_service.cli") -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
         self._command = command
-        self._args = [sys.executable, "-m", "rollout_service.cli", command,
+        self._args = [sys.executable, "-m", module, command,
                       "--host", "127.0.0.1", "--port", str(self.port), *extra_args]
         if config is not None:
             self._args += ["--config", str(config)]

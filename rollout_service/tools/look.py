@@ -44,6 +44,15 @@ PANELS = (
           lines={"macro": queries.macro_accept_length, "micro": queries.micro_accept_length}),
     Panel(title="weight version: main model vs MTP drafter", ylabel="weight version",
           lines={"{role}": queries.weight_version}, integer_y=True),
+    Panel(title="net speed-up of speculation (below 1: a slow-down)", ylabel="speed-up (ratio)",
+          lines={"net speed-up": queries.net_speedup,
+                 "verify cost ratio": queries.verify_cost_ratio}),
+    Panel(title="macro accept rate by request category", ylabel="accept rate (ratio)",
+          y_range=(0.0, 1.05), lines={"{category}": queries.macro_accept_rate_by_category}),
+    Panel(title="drafter: rollout acceptance vs training accuracy by version",
+          ylabel="acceptance, top-1 accuracy (ratio)", y_range=(0.0, 1.05),
+          lines={"rollout {weights} v{version} pos {position}": queries.acceptance_by_weights,
+                 "trainer v{version} pos {position}": queries.trainer_mtp_accuracy}),
 )
 
 

@@ -228,7 +228,8 @@ class PushIntake:
         version per role); the push becomes :attr:`active`.
 
         Raises:
-            PushError: 409 for a concurrent push or an old version, 400 for a bad
+            PushError: 409 for a concurrent push, an old version or training stats newer
+                than the pushed version (the JSON schema cannot say it), 400 for a bad
                 announcement or a drafter target without a pushable drafter (recorded as
                 rejected).
         """
@@ -245,6 +246,11 @@ class PushIntake:
             if current is not None and req.version <= current:
                 raise PushError(409, f"version: {req.version} is not newer than the {role} "
                                      f"model's version {current}")
+        stats = req.training_stats
+        if stats is not None and stats.version > req.version:
+            raise PushError(409, f"training_stats.version: {stats.version} is newer than the "
+                                 f"pushed version {req.version} (stats describe weights "
+                                 "already trained)")
         try:
             expected = validate_announcement(req, self._checkpoint, transport=self._transport)
         except PushError as exc:

@@ -140,6 +140,7 @@ class WeightPushManager:
         for role in roles(req.target):
             setattr(self, f"{role}_version", req.version)
             self._metrics.set_version(role, req.version)
+        self._metrics.loaded(self.main_version or 0, req.training_stats)
         self._metrics.observe_push(req.total_bytes, timings.total_s)
         return messages.PushFinishResponse(version=req.version, target=req.target,
                                            num_bytes=req.total_bytes, timings=timings)

@@ -36,6 +36,8 @@ API_KEY = "test-generation-key"
 WEIGHTS_TOKEN = "test-weights-token"
 PUSH_TIMEOUT_S = 3.0
 NUM_SPECULATIVE_TOKENS = 2
+CATEGORIES = ["math", "code"]
+"""The session service's allow-list of request categories (the fuzzer's land in 'other')."""
 T = TypeVar("T")
 
 
@@ -91,6 +93,7 @@ def run_service(workdir: Path, **changes: Any) -> Iterator[ServiceProcess]:
         "push_timeout_s": PUSH_TIMEOUT_S,
         "weights_transport": TARGET.transport,
         "weights_load": TARGET.weights_load,
+        "telemetry": {"categories": CATEGORIES},
         **changes,
     }))
     with ServiceProcess(workdir / "service.log", config=config) as proc:

@@ -182,22 +182,47 @@ def _series(name: str, values: str, model: str = "m", instance: str = "a",
     return {"series": f"{name}{{{labels}}}", "values": values}
 
 
-RATE_SUM = "rollout_spec_decode_request_accept_rate_sum"
-RATE_COUNT = "rollout_spec_decode_request_accept_rate_count"
 PUSHES = "rollout_weight_pushes_total"
+W_DRAFTS = "rollout_spec_decode_weights_drafts"
+W_ACCEPTED = "rollout_spec_decode_weights_accepted_per_position"
 PUSH_S = "rollout_weight_push_duration_seconds"
+
+def _drop_after_push() -> list[dict[str, str]]:
+    """Three models served version 1 (accepted 0.7 at position 0) for 10m, then a push:
+    version 1 moves to 'previous' and version 2 is served. m: version 2 accepts 0.1;
+    n: 0.5 (less, not halved); o: 0.1, but over 30 drafts only."""
+    series = []
+    for model, accepted, drafts in (("m", 10, 100), ("n", 50, 100), ("o", 3, 30)):
+        series += [
+            _series(W_DRAFTS, "100x10 stale", model=model, weights="current", version="1"),
+            _series(W_ACCEPTED, "70x10 stale", model=model, weights="current", version="1",
+                    position="0"),
+            _series(W_DRAFTS, "_x10 100x10", model=model, weights="previous", version="1"),
+            _series(W_ACCEPTED, "_x10 70x10", model=model, weights="previous", version="1",
+                    position="0"),
+            _series(W_DRAFTS, f"_x10 {drafts}x10", model=model, weights="current",
+                    version="2"),
+            _series(W_ACCEPTED, f"_x10 {accepted}x10", model=model, weights="current",
+                    version="2", position="0"),
+        ]
+    return series
+
 
 ALERT_CASES: dict[str, tuple[list[dict[str, str]], str, str, str]] = {
     # alert: (input series at 1m steps, eval time, grouping label, the one value firing)
-    "RolloutAcceptRateDroppedAfterWeightPush": ([
-        # m: rate 0.6 for 100m, a push at 100m, then 0.1; n: same drop, no push;
-        # o: a push, no drop.
-        *(_series(RATE_SUM, "0+0.6x100 60.1+0.1x30", model=x) for x in "mn"),
-        _series(RATE_SUM, "0+0.6x130", model="o"),
-        *(_series(RATE_COUNT, "0+1x130", model=x) for x in "mno"),
-        *(_series(PUSHES, "0x100 1x30", model=x, outcome="loaded") for x in "mo"),
-        _series(PUSHES, "0x130", model="n", outcome="loaded"),
-    ], "115m", "model", "m"),
+    "RolloutAcceptRateDroppedAfterWeightPush": (_drop_after_push(), "15m", "model", "m"),
+    "RolloutAcceptanceBelowTrainingAccuracy": ([
+        # m: version 3 accepted 0.2 where the trainer measured 0.8; n: 0.6 vs 0.8;
+        # o: 0.1 vs 0.8 over 10 drafts only
+        *(_series(W_DRAFTS, f"{d}x10", model=m, weights="previous", version="3")
+          for m, d in (("m", 100), ("n", 100), ("o", 10))),
+        *(_series(W_ACCEPTED, f"{a}x10", model=m, weights="previous", version="3", position="0")
+          for m, a in (("m", 20), ("n", 60), ("o", 1))),
+        _series(W_DRAFTS, "100x10", weights="current", version="4"),
+        _series(W_ACCEPTED, "20x10", weights="current", version="4", position="0"),
+        *(_series("rollout_trainer_mtp_accuracy", "0.8x10", model=m, version="3", position="0")
+          for m in "mno"),
+    ], "5m", "model", "m"),
     "RolloutDrafterVersionBehindMain": ([
         _series("rollout_weight_version", "3x10", role="main"),
         _series("rollout_weight_version", "2x10", role="draft"),
@@ -220,6 +245,15 @@ ALERT_CASES: dict[str, tuple[list[dict[str, str]], str, str, str]] = {
         _series("rollout_requests_total", "0+2x10"),
         _series("rollout_spec_decode_missing_stats_requests_total", "0x10", instance="b"),
         _series("rollout_requests_total", "0+2x10", instance="b"),
+    ], "10m", "instance", "a"),
+    "RolloutSpeculationSlowdown": ([
+        # a: 1.25 tokens per verify step at a cost of 2 decode steps; b: 3 at the same cost
+        _series("rollout_spec_decode_accepted_tokens_total", "0+1x15"),
+        _series("rollout_spec_decode_drafts_total", "0+4x15"),
+        _series("rollout_spec_decode_verify_cost_ratio", "2x15"),
+        _series("rollout_spec_decode_accepted_tokens_total", "0+8x15", instance="b"),
+        _series("rollout_spec_decode_drafts_total", "0+4x15", instance="b"),
+        _series("rollout_spec_decode_verify_cost_ratio", "2x15", instance="b"),
     ], "10m", "instance", "a"),
     "RolloutServiceDown": ([
         {"series": 'up{job="rollout", instance="a"}', "values": "0x5"},
@@ -265,6 +299,20 @@ def test_committed_rules_are_generated() -> None:
         "deploy/prometheus/rules.yml differs from deploy/prometheus/rules.py: "
         "run `python -m deploy.prometheus.rules` (never edit the YAML by hand)")
     assert yaml.safe_load(RULES_YML.read_text()) == rules.rule_groups()
+
+
+def test_test_time_override_changes_only_the_waiting() -> None:
+    """bench/chaos.py's rules: the committed expressions, another ``for``."""
+    overrides = {alert.name: "5s" for alert in rules.ALERTS}
+    shortened = yaml.safe_load(rules.render(overrides))["groups"]
+    committed = yaml.safe_load(RULES_YML.read_text())["groups"]
+    for short, long in zip(shortened, committed, strict=True):
+        for a, b in zip(short["rules"], long["rules"], strict=True):
+            assert a["expr"] == b["expr"]
+            assert a.get("for", "5s") == "5s" and {k: v for k, v in a.items() if k != "for"} \
+                == {k: v for k, v in b.items() if k != "for"}
+    with pytest.raises(ValueError, match="NoSuchAlert"):
+        rules.render({"NoSuchAlert": "1s"})
 
 
 def test_rules_alert_on_every_condition_of_queries() -> None:
@@ -348,14 +396,22 @@ async def _vllm_scraped(prometheus: str, client: RolloutClient, at_least: float)
 async def mix(service: ServiceProcess, prometheus: str) -> AsyncIterator[Mix]:
     original = load_file(str(Path(ensure_model("tiny")) / "model.safetensors"))
     async with RolloutClient(service.url, api_key=API_KEY) as client:
+        # The weights served before the push draft at least MIN_DRAFTS times, so the
+        # drafter-health alerts compare them (their operands have data).
+        await asyncio.gather(*(client.generate(messages.GenerateRequest(
+            prompt=p, max_tokens=24, temperature=1.0, seed=100 + i, ignore_eos=True))
+            for i, p in enumerate(PROMPTS)))
         await _prometheus_caught_up(prometheus, client)
         before = await _read_parts(prometheus, time.time())
         num_finished = sample_sum(await client.metrics_text(), VLLM_FINISHED)
         version = next_version(service)
         with WeightPusher(service.url, WEIGHTS_TOKEN, bucket_bytes=256 * 1024) as pusher:
             # the served checkpoint again: weight series move, outputs do not
+            # with the trainer's stats of the weights served before it
+            stats = messages.TrainingStats(version=version - 1, mtp_accuracy=[0.7],
+                                           num_tokens=100)
             await asyncio.to_thread(pusher.push, original.items(), version=version,
-                                    target="both")
+                                    target="both", training_stats=stats)
         short = [messages.GenerateRequest(prompt=p, max_tokens=1, temperature=1.0, seed=i)
                  for i, p in enumerate(PROMPTS[:4])]  # one token: no draft
         long = [messages.GenerateRequest(prompt=p, max_tokens=16 + 8 * (i % 3), temperature=1.0,
@@ -455,7 +511,11 @@ async def test_every_alert_runs_and_its_operands_have_data(mix: Mix, prometheus:
             if re.fullmatch(r"[\d.]+", operand):
                 continue
             query = re.sub(r"\s+offset\s+\w+", "", operand)
-            assert await _vector(prometheus, query, mix.at), (name, query)
+            # A subquery is evaluated at multiples of its resolution: the last one at or
+            # before mix.at may predate the data; the next one sees it.
+            step = re.search(r"\[\w+:(\d+)s\]", query)
+            at = mix.at + (int(step[1]) if step else 0)
+            assert await _vector(prometheus, query, at), (name, query)
 
 
 async def test_every_referenced_series_exists(mix: Mix, prometheus: str) -> None:
@@ -493,6 +553,13 @@ def test_look_renders_the_key_panels_from_prometheus(service: ServiceProcess, pr
 
     # A scrape before the traffic, so rate() sees it change.
     wait_for(lambda: scraped("rollout_requests_total"), bool, timeout_s=60, interval_s=0.5)
+    # A push carrying the trainer's accuracy (the served checkpoint again: outputs stay).
+    original = load_file(str(Path(ensure_model("tiny")) / "model.safetensors"))
+    version = next_version(service)
+    with WeightPusher(service.url, WEIGHTS_TOKEN, bucket_bytes=256 * 1024) as pusher:
+        pusher.push(original.items(), version=version, target="both",
+                    training_stats=messages.TrainingStats(version=version - 1,
+                                                          mtp_accuracy=[0.6], num_tokens=50))
     with httpx.Client(base_url=service.url, timeout=120,
                       headers={"authorization": f"Bearer {API_KEY}"}) as http:
         before = sample_sum(http.get("/metrics").text, VLLM_FINISHED)
@@ -503,7 +570,7 @@ def test_look_renders_the_key_panels_from_prometheus(service: ServiceProcess, pr
         # vLLM's once its logger has counted the four requests.
         page = wait_for(lambda: http.get("/metrics").text,
                         lambda text: sample_sum(text, VLLM_FINISHED) >= before + 4, timeout_s=60)
-    for name in ("rollout_requests_total", VLLM_FINISHED):
+    for name in ("rollout_requests_total", VLLM_FINISHED, "rollout_trainer_mtp_accuracy"):
         want = sample_sum(page, name)
         wait_for(lambda: value(f"sum({name})"), lambda got: got == want, timeout_s=60)
     out = tmp_path / "look.png"

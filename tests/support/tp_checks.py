@@ -74,9 +74,11 @@ def _tp_group() -> Any:
 
 
 def _losses_and_grads(model: torch.nn.Module, config: dict, data: dict[str, torch.Tensor],
-                      tp_group: Any) -> tuple[list[float], dict[str, torch.Tensor]]:
-    """[main loss, depth 1 loss, ...] and every parameter's gradient from the MTP loss
-    alone, gathered over ``tp_group`` and named as in the checkpoint (float32, CPU)."""
+                      tp_group: Any
+                      ) -> tuple[list[float], dict[str, torch.Tensor], list[float]]:
+    """[main loss, depth 1 loss, ...], every parameter's gradient from the MTP loss
+    alone, gathered over ``tp_group`` and named as in the checkpoint (float32, CPU), and
+    each depth's count of top-1 agreements."""
     import torch.distributed as dist
 
     from trainer_client.megatron.convert import megatron_to_hf
@@ -105,7 +107,7 @@ def _losses_and_grads(model: torch.nn.Module, config: dict, data: dict[str, torc
             per_rank[rank][name] = shard
     grads = {name: t.float().cpu() for name, t in megatron_to_hf(per_rank, config)}
     losses = [float(main_loss)] + [float(d.loss_sum / d.num_tokens) for d in depths]
-    return losses, grads
+    return losses, grads, [float(d.num_correct) for d in depths]
 
 
 def check_tp2_matches_tp1(rank: int, addresses: list[str], device_type: str,
@@ -126,19 +128,24 @@ def check_tp2_matches_tp1(rank: int, addresses: list[str], device_type: str,
         for tensor in weights.values():  # one set of weights, whatever each rank drew
             dist.broadcast(tensor, src=0)
         load_hf_state(model, weights, config)
-        ref_losses, ref_grads = _losses_and_grads(model, config, data, _tp_group())
+        ref_losses, ref_grads, ref_correct = _losses_and_grads(model, config, data,
+                                                               _tp_group())
         del model
 
     with megatron_parallel(device, 2, rank, 2, addresses[1]):
         tp_group = _tp_group()
         model = build_gpt_mtp_model(config, tp_size=2, params_dtype=dtype).to(device)
         load_hf_state(model, weights, config, tp_rank=rank, tp_size=2)
-        losses, grads = _losses_and_grads(model, config, data, tp_group)
+        losses, grads, correct = _losses_and_grads(model, config, data, tp_group)
         exported = list(export_hf_weights(model, config, tp_group, dtype=dtype))
 
     assert [name for name, _ in exported] == list(weights)
     not_identical = [name for name, t in exported if not torch.equal(t, weights[name])]
     assert not not_identical, f"TP 2 export differs from TP 1's: {not_identical}"
+    # The top-1 token from two vocabulary shards (max, then the smallest index holding it)
+    # is the full vocabulary's; a logit tie broken by rounding may move one count.
+    assert all(abs(a - b) <= 1 for a, b in zip(correct, ref_correct, strict=True)), \
+        (correct, ref_correct)
     assert grads.keys() == ref_grads.keys()
     grad_errors = {}
     for name, ref in ref_grads.items():

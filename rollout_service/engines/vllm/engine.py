@@ -25,6 +25,7 @@ import logging
 import time
 from collections.abc import AsyncIterator, Mapping, Sequence
 from contextlib import aclosing
+from dataclasses import replace
 from typing import Any
 
 from vllm import SamplingParams
@@ -82,6 +83,8 @@ _SERVICE_ENGINE_DEFAULTS: dict[str, Any] = {
 # refuses them without one.
 _SPECULATIVE_ENGINE_DEFAULTS: dict[str, Any] = {"per_request_spec_decode_metrics": "summary"}
 _METRICS_FIELD = "per_request_spec_decode_metrics"
+_VERIFY_COST_REPEATS = 12
+"""Runs of each dummy batch when measuring the verify cost; the fastest counts."""
 
 
 def build_engine_args(model: str, engine_kwargs: Mapping[str, Any], mtp: MTPSettings,
@@ -131,12 +134,16 @@ async def start(spec: EngineSpec) -> VLLMEngine:
                              spec.checkpoint_config, served_model_name=spec.served_model_name,
                              weights_transport=spec.weights_transport)
     if not spec.runtime_spec_schedule:
-        return VLLMEngine.start(args, served_model_name=spec.served_model_name,
-                                weights_load=spec.weights_load)
-    engine = VLLMEngine.start(with_startup_schedule(args), served_model_name=spec.served_model_name,
-                              weights_load=spec.weights_load, step_costs=StepCostMonitor())
+        engine = VLLMEngine.start(args, served_model_name=spec.served_model_name,
+                                  weights_load=spec.weights_load)
+    else:
+        engine = VLLMEngine.start(with_startup_schedule(args),
+                                  served_model_name=spec.served_model_name,
+                                  weights_load=spec.weights_load, step_costs=StepCostMonitor())
     try:
-        await engine.check_spec_schedule()
+        if spec.runtime_spec_schedule:
+            await engine.check_spec_schedule()
+        await engine.measure_verify_cost(spec.verify_cost_batch_size)
     except BaseException:
         await engine.shutdown()
         raise
@@ -184,6 +191,24 @@ class VLLMEngine:
                     "in place" if in_place else "by layerwise reload", weights_load)
         return cls(llm, info, loads_in_place=in_place, step_costs=step_costs)
 
+    async def measure_verify_cost(self, batch_size: int) -> None:
+        """Measure a verify step's cost over a plain decode step (``verify_cost.py``, in
+        the workers, before anything is served) into ``info.verify_cost_ratio``."""
+        k = self.info.num_speculative_tokens
+        if k == 0 or batch_size == 0:
+            return
+        start = time.perf_counter()
+        measured = await self._llm.collective_rpc(
+            "rollout_verify_cost", args=(batch_size, k, _VERIFY_COST_REPEATS))
+        if not measured or measured[0] is None:
+            return
+        cost = measured[0]
+        self.info = replace(self.info, verify_cost_ratio=cost["verify_cost_ratio"])
+        logger.info("verify step with %d drafts at batch size %d: %.2f ms, plain decode step "
+                    "%.2f ms: verify cost ratio %.2f (measured in %.1f s)", k,
+                    int(cost["batch_size"]), 1e3 * cost["verify_s"], 1e3 * cost["plain_s"],
+                    cost["verify_cost_ratio"], time.perf_counter() - start)
+
     def tokenize(self, text: str) -> list[int]:
         """Token ids of ``text`` as the engine would see them."""
         return list(self._tokenizer.encode(text))
@@ -209,7 +234,8 @@ class VLLMEngine:
         # of the whole sequence here instead of one incremental step per token there.
         text = completion.text if params.detokenize else self._tokenizer.decode(
             completion.token_ids, skip_special_tokens=params.skip_special_tokens)
-        return _to_result(prompt_ids, completion, text)
+        return _to_result(prompt_ids, completion, text,
+                          verify_cost_ratio=self.info.verify_cost_ratio)
 
     async def stream(self, prompt: str | list[int], sampling: SamplingOptions,
                      request_id: str) -> AsyncIterator[GenerationDelta]:
@@ -233,7 +259,8 @@ class VLLMEngine:
                         new_text = self._last_text("".join(text), new_text, token_ids, params)
                         result = _to_result(prompt_ids, completion, "".join(text) + new_text,
                                             token_ids=token_ids,
-                                            logprobs=logprobs if sampling.logprobs else None)
+                                            logprobs=logprobs if sampling.logprobs else None,
+                                            verify_cost_ratio=self.info.verify_cost_ratio)
                     text.append(new_text)
                     yield GenerationDelta(text=new_text, token_ids=tuple(completion.token_ids),
                                           result=result)
@@ -444,7 +471,8 @@ def _logprobs(completion: Any) -> tuple[float, ...] | None:
 
 def _to_result(prompt_ids: list[int], completion: Any, text: str, *,
                token_ids: Sequence[int] | None = None,
-               logprobs: Sequence[float] | None = None) -> GenerationResult:
+               logprobs: Sequence[float] | None = None,
+               verify_cost_ratio: float | None = None) -> GenerationResult:
     """Convert a finished ``CompletionOutput`` (and its text) to the engine-neutral result;
     a stream's last delta gives the sequence's ``token_ids`` and ``logprobs`` apart."""
     spans = tuple(WeightVersionSpan(version=s.version, start=s.start, end=s.end)
@@ -458,17 +486,21 @@ def _to_result(prompt_ids: list[int], completion: Any, text: str, *,
         logprobs=(None if logprobs is None else tuple(logprobs)) if is_delta
         else _logprobs(completion),
         weight_versions=spans,
-        spec_decode=to_stats(completion.spec_decode_metrics),
+        spec_decode=to_stats(completion.spec_decode_metrics,
+                             verify_cost_ratio=verify_cost_ratio),
     )
 
 
-def to_stats(metrics: Any) -> SpecDecodeStats | InvalidSpecDecodeStats | None:
-    """vLLM's ``RequestSpecDecodeMetrics`` -> :class:`SpecDecodeStats` (None passes);
-    counts that contradict themselves are :class:`InvalidSpecDecodeStats`, never raised."""
+def to_stats(metrics: Any, *, verify_cost_ratio: float | None = None
+             ) -> SpecDecodeStats | InvalidSpecDecodeStats | None:
+    """vLLM's ``RequestSpecDecodeMetrics`` -> :class:`SpecDecodeStats` (None passes), with
+    the engine's measured verify cost ratio; counts that contradict themselves are
+    :class:`InvalidSpecDecodeStats`, never raised."""
     if metrics is None:
         return None
     try:
-        return SpecDecodeStats.from_histogram(metrics.histogram, metrics.num_draft_tokens)
+        return SpecDecodeStats.from_histogram(metrics.histogram, metrics.num_draft_tokens,
+                                              verify_cost_ratio=verify_cost_ratio)
     except ValueError as exc:
         return InvalidSpecDecodeStats(
             detail=f"vLLM histogram {list(metrics.histogram)} with "

@@ -1,8 +1,8 @@
 """Methods mixed into vLLM's worker processes (``worker_extension_cls``).
 
 The service process calls them through ``AsyncLLM.collective_rpc``; they run in
-every worker and read the worker's own models. Only checks live here: nothing
-in this module changes a weight.
+every worker and read the worker's own models. Only checks and measurements live
+here: nothing in this module changes a weight.
 """
 
 from __future__ import annotations
@@ -12,9 +12,21 @@ from collections.abc import Iterable
 
 import torch
 
+from rollout_service.engines.vllm.verify_cost import measure_verify_cost
+
 
 class RolloutWorkerExtension:
-    """Parameter checksums of the main model and the drafter (``GET /weights/checksums``)."""
+    """Parameter checksums of the main model and the drafter (``GET /weights/checksums``),
+    and the measured cost of a verify step (``verify_cost.py``)."""
+
+    def rollout_verify_cost(self, batch_size: int, num_speculative_tokens: int,
+                          repeats: int) -> dict[str, float] | None:
+        """A verify step's time over a plain decode step's, measured on this worker's
+        model runner (``verify_cost.measure_verify_cost``); None when not measurable."""
+        return measure_verify_cost(self.model_runner,  # type: ignore[attr-defined]
+                                 batch_size=batch_size,
+                                 num_speculative_tokens=num_speculative_tokens,
+                                 repeats=repeats)
 
     def rollout_weight_checksums(self) -> dict[str, str]:
         """SHA-256 over the main model's parameters and over the drafter's own ones.

@@ -196,9 +196,12 @@ async def test_health_reports_model_and_engine(client: RolloutClient) -> None:
     health = await client.health()
     assert health.status == "ok" and health.engine == "vllm"
     assert health.model == "embedded:tiny"
-    assert health.speculation == messages.SpeculationInfo(
-        is_enabled=True, method="mtp", num_speculative_tokens=NUM_SPECULATIVE_TOKENS,
-        has_pushable_drafter=True)
+    assert health.speculation is not None
+    assert health.speculation.verify_cost_ratio is not None  # test_drafter_health checks it
+    assert health.speculation.model_copy(update={"verify_cost_ratio": None}) == \
+        messages.SpeculationInfo(is_enabled=True, method="mtp",
+                                 num_speculative_tokens=NUM_SPECULATIVE_TOKENS,
+                                 has_pushable_drafter=True)
 
 
 async def test_openai_client_completions(service: ServiceProcess) -> None:

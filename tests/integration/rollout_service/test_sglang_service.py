@@ -74,7 +74,7 @@ def test_service_serves_and_exports_on_sglang(fake_server: tuple[FakeSGLang, str
         assert body["acceptance"]["num_sequences"] == 3
         assert "/generate" in fake.routes_called()
         metrics = client.get("/metrics").text
-        assert 'rollout_requests_total{engine="sglang",model="tiny"} 3.0' in metrics
+        assert 'rollout_requests_total{category="none",engine="sglang",model="tiny"} 3.0' in metrics
         health = client.get("/health").json()
         assert health["status"] == "ok" and health["engine"] == "sglang"
         bad = client.post("/generate", json={"prompt_token_ids": [1], "temperature": 9})

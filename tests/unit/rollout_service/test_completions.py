@@ -37,7 +37,7 @@ INFO = EngineInfo(model="tiny", engine="vllm", model_path=str(Path(ensure_model(
                   speculative_method="mtp", has_pushable_drafter=True)
 STATS = SpecDecodeStats(num_drafts=2, num_draft_tokens=4, num_accepted_tokens=1,
                         num_verify_steps=2, accepted_per_position=(1, 0))
-LABELS = {"model": "tiny", "engine": "vllm"}
+LABELS = {"model": "tiny", "engine": "vllm", "category": "none"}
 
 
 class FakeStreamingEngine:

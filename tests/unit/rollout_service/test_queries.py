@@ -11,8 +11,10 @@ from pathlib import Path
 import pytest
 from prometheus_client import CollectorRegistry
 
+from rollout_service.protocol.messages import TrainingStats
 from rollout_service.telemetry import queries
 from rollout_service.telemetry.acceptance import SpecDecodeMetrics
+from rollout_service.telemetry.drafter import DrafterHealth
 from rollout_service.telemetry.speculation import SpeculationMetrics
 from rollout_service.telemetry.weights import WeightMetrics
 
@@ -66,8 +68,12 @@ def test_offset_applies_to_every_range() -> None:
 
 def test_every_rollout_series_read_is_exported() -> None:
     registry = CollectorRegistry()
-    SpecDecodeMetrics(registry=registry, model="m", engine="vllm", num_speculative_tokens=2)
+    SpecDecodeMetrics(registry=registry, model="m", engine="vllm", num_speculative_tokens=2,
+                      verify_cost_ratio=1.5)
     WeightMetrics(registry=registry, model="m", engine="vllm")
+    drafter = DrafterHealth(registry=registry, model="m", engine="vllm",
+                            num_speculative_tokens=2)
+    drafter.loaded(1, TrainingStats(version=0, mtp_accuracy=[0.5], num_tokens=1))
     SpeculationMetrics(registry=registry, model="m", engine="vllm", buckets=[1, 8],
                        reasons=["pinned"])
     exported = {sample.name for family in registry.collect() for sample in family.samples}

@@ -153,7 +153,7 @@ async def test_contradictory_stats_never_fail_a_batch() -> None:
     batch = await service.generate_batch(messages.BatchGenerateRequest(requests=[request] * 2))
     assert [o.spec_decode for r in batch.responses for o in r.outputs] == [None] * 4
     assert batch.acceptance.num_missing_stats == 4 and batch.acceptance.num_sequences == 4
-    labels = {"model": "tiny", "engine": "vllm"}
+    labels = {"model": "tiny", "engine": "vllm", "category": "none"}
     assert registry.get_sample_value(
         "rollout_spec_decode_invalid_stats_requests_total", labels) == 4
     assert registry.get_sample_value(

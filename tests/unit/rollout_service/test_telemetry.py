@@ -104,7 +104,9 @@ def test_summary_matches_plain_means(items: list[tuple[int, list[int]]]) -> None
 
 
 def metric(registry: CollectorRegistry, name: str, **labels: str) -> float:
-    value = registry.get_sample_value(name, {**LABELS, **labels})
+    """A sample; acceptance series of requests without a category (label ``none``)."""
+    category = {} if name.startswith("rollout_weight") else {"category": "none"}
+    value = registry.get_sample_value(name, {**LABELS, **category, **labels})
     assert value is not None, name
     return value
 

@@ -109,6 +109,8 @@ def _expected_log(data: dict, cfg: MTPLossConfig) -> dict[str, float]:
                                   data["bias"], cfg):
         out[f"mtp_{depth.depth}_loss"] = float(depth.loss_sum) / max(float(depth.num_tokens), 1)
         out[f"mtp_{depth.depth}_num_tokens"] = float(depth.num_tokens)
+        out[f"mtp_{depth.depth}_accuracy"] = float(depth.num_correct) / max(
+            float(depth.num_tokens), 1)
     return out
 
 
