@@ -57,7 +57,7 @@ from rich.table import Table
 
 from deploy.prometheus import rules
 from rollout_service.embedded.corpus import arithmetic_prompts
-from rollout_service.embedded.tiny_mimo import TINY, WeightInit, default_cache_root, write_model
+from rollout_service.embedded.tiny_mimo import WeightInit, ensure_model
 from rollout_service.protocol import messages
 from rollout_service.tools.launch import ChildProcess, ServiceProcess, free_port, wait_until
 from tests.support.fake_stats_outage import SWITCH_ENV
@@ -187,23 +187,6 @@ class CaseResult:
 
 
 # ---- the pieces: checkpoint, Prometheus, the trainer ------------------------------------
-
-def chaos_checkpoint(draft_noise: float) -> Path:
-    """The tiny MiMo checkpoint with this drafter noise, generated once and cached."""
-    path = default_cache_root() / "models" / f"mimo-tiny-chaos-noise{draft_noise:g}"
-    if not (path / "config.json").is_file():
-        tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}-", dir=path.parent.parent))
-        try:
-            write_model(TINY, tmp, WeightInit(draft_noise=draft_noise))
-            path.parent.mkdir(parents=True, exist_ok=True)
-            tmp.rename(path)
-        except OSError:
-            if not (path / "config.json").is_file():
-                raise
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
-    return path
-
 
 @contextlib.contextmanager
 def prometheus(workdir: Path, target: str, overrides: dict[str, str]) -> Iterator[str]:
@@ -397,7 +380,7 @@ def _unix(timestamp: str) -> float:
 
 def run_chaos(config: ChaosConfig, cases: tuple[Case, ...] = CASES) -> list[CaseResult]:
     """Start everything, run ``cases`` in order (the stats outage last), stop everything."""
-    checkpoint = chaos_checkpoint(config.draft_noise)
+    checkpoint = ensure_model("tiny", init=WeightInit(draft_noise=config.draft_noise))
     hf_config = json.loads((checkpoint / "config.json").read_text())
     switch = config.workdir / "stats-outage"
     switch.unlink(missing_ok=True)

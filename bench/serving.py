@@ -159,7 +159,11 @@ class HttpMode:
         self._http = httpx.AsyncClient(base_url=url, limits=limits, timeout=HTTP_TIMEOUT_S)
 
     async def _one(self, i: int) -> int:
-        response = await self._http.post(self._path, json=self._body(i))
+        return await self.send(self._body(i))
+
+    async def send(self, body: dict[str, Any]) -> int:
+        """One request with this ``body``; the tokens it generated."""
+        response = await self._http.post(self._path, json=body)
         if response.is_error:
             raise RuntimeError(f"{self._path}: HTTP {response.status_code}: {response.text}")
         return self._count(response.json())

@@ -296,29 +296,32 @@ def default_cache_root() -> Path:
     return Path(os.environ.get(CACHE_ENV_VAR) or Path.home() / ".cache" / "mtp-rollout")
 
 
-def ensure_model(size: str = "tiny", cache_dir: Path | None = None) -> Path:
+def ensure_model(size: str = "tiny", cache_dir: Path | None = None,
+                 init: WeightInit = WeightInit()) -> Path:
     """Returns the directory of the `size` model, generating it on first use.
 
-    The directory is `<cache_dir>/models/mimo-<size>-<recipe hash>`. It is built
+    The directory is `<cache_dir>/models/mimo-<size>-<recipe hash>` (the hash covers
+    `init`, so a drafter of another `draft_noise` is another directory). It is built
     in a temporary sibling and renamed into place, so a reader never sees a
     half-written model; when two processes race, the loser discards its copy.
 
     Args:
         size: a key of `MODEL_SIZES`.
         cache_dir: cache root; defaults to `default_cache_root()`.
+        init: the weights' recipe (seed, drafter noise); the embedded default otherwise.
 
     Raises:
         ValueError: for an unknown size.
     """
     model = model_size(size)
     models_dir = (cache_dir or default_cache_root()) / "models"
-    final_dir = models_dir / f"mimo-{size}-{recipe_hash(model)}"
+    final_dir = models_dir / f"mimo-{size}-{recipe_hash(model, init)}"
     if final_dir.is_dir():
         return final_dir
     models_dir.mkdir(parents=True, exist_ok=True)
     tmp_dir = Path(tempfile.mkdtemp(prefix=f".{final_dir.name}-", dir=models_dir))
     try:
-        write_model(model, tmp_dir)
+        write_model(model, tmp_dir, init)
         os.rename(tmp_dir, final_dir)
     except OSError:
         if not final_dir.is_dir():

@@ -117,6 +117,18 @@ def test_generation_is_bit_identical(tiny_dir: Path, tmp_path: Path) -> None:
         assert (tiny_dir / name).read_bytes() == (other / name).read_bytes(), name
 
 
+def test_ensure_model_keeps_each_drafter_noise_apart(tiny_dir: Path, tmp_path: Path) -> None:
+    """Another ``draft_noise`` is another directory whose drafter differs and whose main
+    model does not (the same trunk, a worse or better drafter)."""
+    init = tiny_mimo.WeightInit(draft_noise=0.6)
+    noisy = ensure_model("tiny", cache_dir=tmp_path, init=init)
+    assert noisy.name == f"mimo-tiny-{tiny_mimo.recipe_hash(tiny_mimo.TINY, init)}"
+    base, other = (load_file(str(d / "model.safetensors")) for d in (tiny_dir, noisy))
+    drafter = [n for n in base if n.startswith("model.mtp_layers.")]
+    assert drafter and any(not torch.equal(base[n], other[n]) for n in drafter)
+    assert all(torch.equal(base[n], other[n]) for n in base if n not in drafter)
+
+
 def test_ensure_model_reuses_the_cached_directory(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -140,10 +152,11 @@ def test_ensure_model_survives_losing_a_race(
     write_model = tiny_mimo.write_model
     final_dir = tmp_path / "models" / f"mimo-tiny-{tiny_mimo.recipe_hash(tiny_mimo.TINY)}"
 
-    def write_while_other_process_wins(size: ModelSize, out_dir: Path) -> int:
-        write_model(size, final_dir)
+    def write_while_other_process_wins(size: ModelSize, out_dir: Path,
+                                       init: tiny_mimo.WeightInit) -> int:
+        write_model(size, final_dir, init)
         (final_dir / "winner").touch()
-        return write_model(size, out_dir)
+        return write_model(size, out_dir, init)
 
     monkeypatch.setattr(tiny_mimo, "write_model", write_while_other_process_wins)
     assert ensure_model("tiny", cache_dir=tmp_path) == final_dir

@@ -1,0 +1,272 @@
+"""The speculation control against static K and no speculation: does it ever slow rollout?
+
+Runs in the caller's terminal process. Per drafter (one generated checkpoint per
+``--draft-noise``: the embedded generator's knob for the drafter's accuracy), two
+services run at once as child processes (``rollout-service serve``):
+
+- ``off``: the same checkpoint with ``mtp.enabled: false``, an engine without a drafter;
+- ``spec``: ``--k-max`` draft tokens with the speculation control on
+  (``speculation_control.enabled``), calibrated at start as configured.
+
+The modes, all on those two engines:
+
+- ``spec-off``: the ``off`` service;
+- ``k=1`` .. ``k=<k-max>``: the ``spec`` service pinned to one K at every batch size
+  (``POST /speculation/schedule``), so a static K costs no engine of its own;
+- ``controller``: the ``spec`` service unpinned, K chosen by the controller.
+
+Two workloads, each measured round by round with the modes' order rotated (drift of the
+machine hits every mode alike; a pin is applied before its mode's round and is in force
+when the pin call returns):
+
+- fixed concurrency (``--concurrency``): c requests in flight, each exactly
+  ``--max-tokens`` tokens (``ignore_eos``); tokens/s;
+- a decaying rollout (``--rollout-prompts``, 0 skips it): every prompt sent at once, each
+  with its own length from a long-tailed (Pareto) distribution capped at
+  ``--rollout-max-tokens``, so concurrency decays from all prompts to one; the wall time
+  to finish all, as tokens/s.
+
+Ratios printed: the controller over spec-off (target >= 0.98 at every concurrency), and on
+the decaying rollout the controller over the best static K of that run (target >= 1.10).
+
+    python -m bench.speculation --model embedded:tiny --draft-noise 0.25 --k-max 2 \\
+        --concurrency 1,8 --max-tokens 32 --rounds 2 --rollout-prompts 32
+    python -m bench.speculation --model embedded:1b --draft-noise 0.1,0.3,0.6 --k-max 3 \\
+        --concurrency 1,4,16,64,256,512 --max-tokens 256 --rollout-prompts 512
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import functools
+import os
+import statistics
+import tempfile
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from rich.console import Console
+from rich.table import Table
+
+from bench.serving import HttpMode, Workload, spread, start_http
+from rollout_service.client import RolloutClient
+from rollout_service.config import (
+    EMBEDDED_ENGINE_KWARGS,
+    WEIGHTS_TOKEN_ENV,
+    ServiceConfig,
+    load_config,
+)
+from rollout_service.embedded.corpus import arithmetic_prompts
+from rollout_service.embedded.tiny_mimo import WeightInit, ensure_model
+from rollout_service.protocol import messages
+
+WEIGHTS_TOKEN = "bench-speculation"
+CONTROLLER_OVER_OFF = 0.98
+CONTROLLER_OVER_BEST_STATIC = 1.10
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class Rollout:
+    """The decaying rollout: one request per prompt, each with its own length."""
+
+    prompts: tuple[str, ...]
+    lengths: tuple[int, ...]
+
+
+def rollout_lengths(num: int, max_tokens: int, *, seed: int = 0, shape: float = 1.2,
+                    min_tokens: int = 8) -> tuple[int, ...]:
+    """Long-tailed response lengths: ``min_tokens * (1 + Pareto(shape))``, capped at
+    ``max_tokens`` (most responses short, a few long: concurrency decays to 1)."""
+    rng = np.random.default_rng(seed)
+    raw = min_tokens * (1.0 + rng.pareto(shape, size=num))
+    return tuple(int(min(max_tokens, max(1, round(x)))) for x in raw)
+
+
+def service_config(opts: argparse.Namespace, model: Path, *, speculation: bool) -> ServiceConfig:
+    """The ``spec`` or ``off`` service's config (same engine kwargs for both)."""
+    overrides: dict[str, Any] = {
+        "mtp": ({"num_speculative_tokens": opts.k_max} if speculation
+                else {"enabled": False}),
+    }
+    if speculation:
+        overrides["speculation_control"] = {
+            "enabled": True,
+            "calibration": {"max_batch_size": opts.calibration_max_batch_size}}
+    if opts.device == "cuda":
+        overrides["engine_kwargs"] = {"dtype": "bfloat16", "enforce_eager": opts.eager,
+                                      "gpu_memory_utilization": opts.gpu_memory_utilization}
+    else:  # what "embedded:<size>" would get; the checkpoint here is a generated directory
+        overrides["engine_kwargs"] = dict(EMBEDDED_ENGINE_KWARGS)
+    return load_config(model=str(model), **overrides)
+
+
+Round = Callable[[], Awaitable[int]]
+"""One timed unit of work: ``await round() -> tokens generated``."""
+
+
+def with_pin(client: RolloutClient, schedule: dict[int, int] | None, run: Round) -> Round:
+    """``run`` with ``schedule`` pinned first (None: the controller decides); the pin is in
+    force when the call returns."""
+
+    async def pinned_run() -> int:
+        await client.pin_schedule(schedule)
+        return await run()
+
+    return pinned_run
+
+
+def rollout_round(http: HttpMode, rollout: Rollout, temperature: float) -> Round:
+    """Every prompt of ``rollout`` at once, each to its own length."""
+
+    def body(i: int) -> dict[str, Any]:
+        return messages.GenerateRequest(
+            prompt=rollout.prompts[i], max_tokens=rollout.lengths[i], temperature=temperature,
+            seed=i, ignore_eos=True).model_dump(exclude_none=True)
+
+    async def run() -> int:
+        return sum(await asyncio.gather(*(http.send(body(i))
+                                          for i in range(len(rollout.prompts)))))
+
+    return run
+
+
+async def interleaved(rounds: dict[str, Round], num_rounds: int, label: str,
+                      console: Console) -> dict[str, list[float]]:
+    """One warm-up per mode, then ``num_rounds`` rotated rounds; tokens/s per round."""
+    modes = list(rounds)
+    for mode in modes:
+        await rounds[mode]()
+    rates: dict[str, list[float]] = {m: [] for m in modes}
+    for r in range(num_rounds):
+        for mode in modes[r % len(modes):] + modes[:r % len(modes)]:
+            start = time.perf_counter()
+            tokens = await rounds[mode]()
+            rates[mode].append(tokens / (time.perf_counter() - start))
+        console.print(f"  {label} round {r + 1}: " + ", ".join(
+            f"{m} {rates[m][-1]:.0f}" for m in modes) + " tok/s")
+    return rates
+
+
+async def run_drafter(opts: argparse.Namespace, noise: float, console: Console
+                      ) -> dict[str, dict[str, list[float]]]:
+    """Every workload on one drafter: ``{workload label: {mode: tokens/s per round}}``."""
+    model = ensure_model(opts.model.removeprefix("embedded:"),
+                         init=WeightInit(draft_noise=noise))
+    levels = [int(c) for c in opts.concurrency.split(",")]
+    max_level = max([*levels, opts.rollout_prompts])
+    prompts = tuple(p for p, _ in arithmetic_prompts(max_level))
+    workload = Workload(prompts=prompts, max_tokens=opts.max_tokens,
+                        temperature=opts.temperature)
+    scratch = Path(opts.logs or tempfile.mkdtemp(prefix="bench-speculation-")) / f"noise{noise:g}"
+    scratch.mkdir(parents=True, exist_ok=True)
+    spec_cfg = service_config(opts, model, speculation=True)
+    buckets = spec_cfg.speculation_control.batch_size_buckets
+    servers: list[HttpMode] = []
+    try:
+        for name, speculation in (("off", False), ("spec", True)):
+            console.print(f"draft_noise {noise:g}: starting the {name} service ...")
+            (scratch / name).mkdir(exist_ok=True)
+            servers.append(await start_http(
+                "service", service_config(opts, model, speculation=speculation),
+                workload, scratch / name, max_level))
+        off, spec = servers
+        schedules: dict[str, dict[int, int] | None] = {
+            f"k={k}": dict.fromkeys(buckets, k) for k in range(1, opts.k_max + 1)}
+        schedules["controller"] = None
+        async with RolloutClient(spec.url, weights_token=WEIGHTS_TOKEN) as client:
+
+            def modes(on_off: Round, on_spec: Round) -> dict[str, Round]:
+                return {"spec-off": on_off, **{name: with_pin(client, schedule, on_spec)
+                                               for name, schedule in schedules.items()}}
+
+            results: dict[str, dict[str, list[float]]] = {}
+            for c in levels:
+                results[f"c={c}"] = await interleaved(
+                    modes(functools.partial(off.run_round, c),
+                          functools.partial(spec.run_round, c)),
+                    opts.rounds, f"noise {noise:g} c={c}", console)
+            if opts.rollout_prompts:
+                rollout = Rollout(prompts=prompts[:opts.rollout_prompts],
+                                  lengths=rollout_lengths(opts.rollout_prompts,
+                                                          opts.rollout_max_tokens))
+                results[f"rollout {opts.rollout_prompts}"] = await interleaved(
+                    modes(rollout_round(off, rollout, opts.temperature),
+                          rollout_round(spec, rollout, opts.temperature)),
+                    opts.rounds, f"noise {noise:g} rollout", console)
+            await client.pin_schedule(None)
+        return results
+    finally:
+        for server in servers:
+            await server.close()
+
+
+def print_report(console: Console, noise: float,
+                 results: dict[str, dict[str, list[float]]]) -> None:
+    table = Table("workload", "mode", "median tok/s", "range", title=f"draft_noise {noise:g}")
+    ratios = Table("workload", "ratio", "median", "range", "target", "met",
+                   title=f"draft_noise {noise:g}: ratios (per round)")
+    for label, rates in results.items():
+        for mode, values in rates.items():
+            table.add_row(label, mode, f"{statistics.median(values):.0f}", spread(values))
+        controller = rates["controller"]
+        pairs = [("spec-off", rates["spec-off"], CONTROLLER_OVER_OFF)]
+        if label.startswith("rollout"):
+            static = {m: v for m, v in rates.items() if m.startswith("k=")}
+            best = max(static, key=lambda m: statistics.median(static[m]))
+            pairs.append((f"best static ({best})", static[best], CONTROLLER_OVER_BEST_STATIC))
+        for name, values, target in pairs:
+            per_round = [a / b for a, b in zip(controller, values)]
+            median = statistics.median(per_round)
+            ratios.add_row(label, f"controller / {name}", f"{median:.3f}", spread(per_round),
+                           f">= {target}", "yes" if median >= target else "NO")
+    console.print(table)
+    console.print(ratios)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="embedded:small",
+                        help="embedded:<size> (tiny, small, 1b, 7b)")
+    parser.add_argument("--draft-noise", default="0.25",
+                        help="comma-separated drafter noises, one checkpoint (and run) each")
+    parser.add_argument("--k-max", type=int, default=3, help="the spec engine's largest K")
+    parser.add_argument("--concurrency", default="1,4,16,64",
+                        help="comma-separated levels of requests in flight")
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--rollout-prompts", type=int, default=512,
+                        help="prompts of the decaying rollout (0: no rollout)")
+    parser.add_argument("--rollout-max-tokens", type=int, default=1024)
+    parser.add_argument("--rounds", type=int, default=3, help="timed rounds per mode")
+    parser.add_argument("--temperature", type=float, default=1.0)
+    parser.add_argument("--calibration-max-batch-size", type=int, default=32,
+                        help="the controller's start-up calibration grid goes up to this")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default=None,
+                        help="default: cuda when vLLM sees a GPU")
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.4,
+                        help="per engine, on the GPU (two engines run at once)")
+    parser.add_argument("--eager", action="store_true",
+                        help="on the GPU: no torch.compile or CUDA graphs (faster start)")
+    parser.add_argument("--logs", default=None, help="directory for server logs")
+    opts = parser.parse_args()
+    if not opts.model.startswith("embedded:"):
+        parser.error("--model: embedded:<size> only (each drafter noise is generated)")
+    if opts.rounds < 1 or opts.k_max < 1:
+        parser.error("--rounds and --k-max must be >= 1")
+    if opts.device is None:  # NVML only: CUDA initialized here would break vLLM's fork
+        from vllm.platforms import current_platform
+
+        opts.device = "cuda" if current_platform.is_cuda() else "cpu"
+    # The services read it from the environment (a config file would carry it masked).
+    os.environ[WEIGHTS_TOKEN_ENV] = WEIGHTS_TOKEN
+    console = Console()
+    for noise in (float(x) for x in opts.draft_noise.split(",")):
+        print_report(console, noise, asyncio.run(run_drafter(opts, noise, console)))
+
+
+if __name__ == "__main__":
+    main()
