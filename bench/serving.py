@@ -342,6 +342,27 @@ def start_profiler(pid: int, out_dir: Path) -> subprocess.Popen[bytes]:
         stdout=(out_dir / "py-spy.log").open("wb"), stderr=subprocess.STDOUT)
 
 
+def add_device_arguments(parser: argparse.ArgumentParser, *, gpu_memory_utilization: float,
+                         engines: str) -> None:
+    """``--device``, ``--gpu-memory-utilization``, ``--eager`` and ``--logs``, shared by the
+    benchmarks that start engines (``engines`` says how many share the GPU)."""
+    parser.add_argument("--device", choices=("cpu", "cuda"), default=None,
+                        help="default: cuda when vLLM sees a GPU")
+    parser.add_argument("--gpu-memory-utilization", type=float,
+                        default=gpu_memory_utilization, help=f"per engine, on the GPU ({engines})")
+    parser.add_argument("--eager", action="store_true",
+                        help="on the GPU: no torch.compile or CUDA graphs (faster start)")
+    parser.add_argument("--logs", default=None, help="directory for server logs")
+
+
+def resolve_device(opts: argparse.Namespace) -> None:
+    """Fill ``opts.device`` when not given: cuda when vLLM sees a GPU."""
+    if opts.device is None:  # NVML only: CUDA initialized here would break vLLM's fork
+        from vllm.platforms import current_platform
+
+        opts.device = "cuda" if current_platform.is_cuda() else "cpu"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="embedded:small",
@@ -354,23 +375,14 @@ def main() -> None:
     parser.add_argument("--temperature", type=float, default=1.0, help="0 decodes greedily")
     parser.add_argument("--modes", default=",".join(DEFAULT_MODES),
                         help=f"comma-separated subset of {','.join(MODES)}")
-    parser.add_argument("--device", choices=("cpu", "cuda"), default=None,
-                        help="default: cuda when torch sees a GPU")
-    parser.add_argument("--gpu-memory-utilization", type=float, default=0.25,
-                        help="per engine, on the GPU (all modes run at once)")
-    parser.add_argument("--eager", action="store_true",
-                        help="on the GPU: no torch.compile or CUDA graphs (faster start)")
-    parser.add_argument("--logs", default=None, help="directory for server logs")
+    add_device_arguments(parser, gpu_memory_utilization=0.25, engines="all modes run at once")
     parser.add_argument("--profile-service", default=None,
                         help="directory for a py-spy profile of the service process")
     opts = parser.parse_args()
     unknown = sorted(set(opts.modes.split(",")) - set(MODES))
     if unknown or opts.rounds < 1:
         parser.error(f"bad --modes {unknown}" if unknown else "--rounds must be >= 1")
-    if opts.device is None:  # NVML only: CUDA initialized here would break vLLM's fork
-        from vllm.platforms import current_platform
-
-        opts.device = "cuda" if current_platform.is_cuda() else "cpu"
+    resolve_device(opts)
     console = Console()
     results = asyncio.run(run(opts, console))
     print_report(console, results, Workload(prompts=(), max_tokens=opts.max_tokens,

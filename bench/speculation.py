@@ -53,7 +53,14 @@ import numpy as np
 from rich.console import Console
 from rich.table import Table
 
-from bench.serving import HttpMode, Workload, spread, start_http
+from bench.serving import (
+    HttpMode,
+    Workload,
+    add_device_arguments,
+    resolve_device,
+    spread,
+    start_http,
+)
 from rollout_service.client import RolloutClient
 from rollout_service.config import (
     EMBEDDED_ENGINE_KWARGS,
@@ -245,22 +252,13 @@ def main() -> None:
     parser.add_argument("--temperature", type=float, default=1.0)
     parser.add_argument("--calibration-max-batch-size", type=int, default=32,
                         help="the controller's start-up calibration grid goes up to this")
-    parser.add_argument("--device", choices=("cpu", "cuda"), default=None,
-                        help="default: cuda when vLLM sees a GPU")
-    parser.add_argument("--gpu-memory-utilization", type=float, default=0.4,
-                        help="per engine, on the GPU (two engines run at once)")
-    parser.add_argument("--eager", action="store_true",
-                        help="on the GPU: no torch.compile or CUDA graphs (faster start)")
-    parser.add_argument("--logs", default=None, help="directory for server logs")
+    add_device_arguments(parser, gpu_memory_utilization=0.4, engines="two engines at once")
     opts = parser.parse_args()
     if not opts.model.startswith("embedded:"):
         parser.error("--model: embedded:<size> only (each drafter noise is generated)")
     if opts.rounds < 1 or opts.k_max < 1:
         parser.error("--rounds and --k-max must be >= 1")
-    if opts.device is None:  # NVML only: CUDA initialized here would break vLLM's fork
-        from vllm.platforms import current_platform
-
-        opts.device = "cuda" if current_platform.is_cuda() else "cpu"
+    resolve_device(opts)
     # The services read it from the environment (a config file would carry it masked).
     os.environ[WEIGHTS_TOKEN_ENV] = WEIGHTS_TOKEN
     console = Console()
