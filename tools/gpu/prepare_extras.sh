@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Run on the CPU machine, in the project root, before a GPU session. Fetches what the
-# project's GPU tests and benchmarks need beyond ../shared/tools/gpu-vllm (vLLM CUDA):
+# project's GPU tests and benchmarks need beyond the vllm bundle (tools/gpu/bundle, vLLM CUDA):
 # the test and CLI dependencies as CPython 3.12 wheels, py-spy and uvloop, and the
 # Prometheus server binary (the GPU machine has no registry). Everything goes into
 # .gpuextra/ (git-ignored through .git/info/exclude), ~30 MB: carry it in the call

@@ -1,4 +1,4 @@
-# Source on the GPU machine, in the project root, after ../shared/tools/gpu-vllm has
+# Source on the GPU machine, in the project root, after the vllm bundle (tools/gpu/bundle) has
 # installed vLLM into /tmp/site (carry .gpuextra/ from prepare_extras.sh in the call):
 #
 #   source tools/gpu/project_env.sh && python3 -m pytest -m gpu ...
