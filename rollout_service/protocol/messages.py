@@ -231,6 +231,9 @@ class ReplicaHealth(BaseModel):
     metrics_address: str | None = Field(None, description="host:port of its /metrics.")
     speculation: SpeculationInfo | None = Field(None, description=(
         "Its engine's speculative decoding; None while the engine starts."))
+    speculation_control: SpeculationControlStatus | None = Field(None, description=(
+        "Its own speculation controller (each replica decides K from its own batches and "
+        "acceptance); None when the control is off or the engine starts."))
 
 
 class HealthResponse(BaseModel):
@@ -246,7 +249,8 @@ class HealthResponse(BaseModel):
         "every replica's is in replicas)."))
     speculation_control: SpeculationControlStatus | None = Field(None, description=(
         "The speculation controller's K per batch-size bucket and why; null when it is off "
-        "(speculation_control.enabled) and under Ray Serve."))
+        "(speculation_control.enabled). Ray Serve: the first serving replica's; every "
+        "replica's is in replicas."))
     detail: str | None = None
     replicas: list[ReplicaHealth] | None = Field(None, description="Ray Serve only.")
 

@@ -159,22 +159,36 @@ class ReplicatedService:
         """Every replica's state; 200 while at least one serves, "ok" when all wanted do."""
         replicas = await _call(self._coordinator.replicas.remote())
         weights = await _call(self._coordinator.status.remote())
-        current = [r for r in replicas if r.status != "gone"]
-        serving = [r for r in current if r.status == "ok"]
-        if serving and len(serving) == len(current) and len(serving) >= self._num_wanted:
-            status = "ok"
-        else:
-            status = "degraded" if serving else "unavailable"
-        problems = [f"replica {r.replica}: {r.status}" + (f" ({r.detail})" if r.detail else "")
-                    for r in current if r.status != "ok"]
-        if len(serving) < self._num_wanted:
-            problems.append(f"{len(serving)} of {self._num_wanted} replicas serve")
-        speculation = next((r.speculation for r in serving if r.speculation), None)
-        body = messages.HealthResponse(
-            status=status, model=self._config.model_name, engine=self._config.engine,
-            weights=weights, speculation=speculation, detail="; ".join(problems) or None,
-            replicas=replicas)
-        return body, 200 if serving else 503
+        return deployment_health(self._config, replicas, weights, num_wanted=self._num_wanted)
+
+
+def deployment_health(config: RayServeConfig, replicas: list[messages.ReplicaHealth],
+                      weights: messages.WeightStatus, *, num_wanted: int
+                      ) -> tuple[messages.HealthResponse, int]:
+    """The deployment's ``/health`` from its replicas' own reports.
+
+    200 while at least one replica serves, status "ok" when every current one does and at
+    least ``num_wanted`` serve. The top-level ``speculation`` and ``speculation_control``
+    are the first serving replica's (each replica runs its own controller on its own
+    batches); every replica's own is in ``replicas``.
+    """
+    current = [r for r in replicas if r.status != "gone"]
+    serving = [r for r in current if r.status == "ok"]
+    if serving and len(serving) == len(current) and len(serving) >= num_wanted:
+        status = "ok"
+    else:
+        status = "degraded" if serving else "unavailable"
+    problems = [f"replica {r.replica}: {r.status}" + (f" ({r.detail})" if r.detail else "")
+                for r in current if r.status != "ok"]
+    if len(serving) < num_wanted:
+        problems.append(f"{len(serving)} of {num_wanted} replicas serve")
+    speculation = next((r.speculation for r in serving if r.speculation), None)
+    control = next((r.speculation_control for r in serving if r.speculation_control), None)
+    body = messages.HealthResponse(
+        status=status, model=config.model_name, engine=config.engine, weights=weights,
+        speculation=speculation, speculation_control=control,
+        detail="; ".join(problems) or None, replicas=replicas)
+    return body, 200 if serving else 503
 
 
 class ReplicatedCompletions:

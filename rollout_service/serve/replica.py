@@ -36,7 +36,7 @@ from rollout_service.engines.base import Engine, EngineUnavailableError
 from rollout_service.protocol import messages, openai
 from rollout_service.serve.config import RayServeConfig
 from rollout_service.serve.coordinator import Command, CommandResult, StoredPush
-from rollout_service.service import speculation_info
+from rollout_service.service import RolloutService, speculation_info
 from rollout_service.telemetry.exposition import serve_metrics
 from rollout_service.weights.intake import PushError
 
@@ -80,6 +80,7 @@ class EngineReplica:
         self._is_ready = False
         self._metrics_address: str | None = None
         self._engine: Engine | None = None
+        self._service: RolloutService | None = None
         await coordinator.announce.remote(await self._report())
         self._engine = await start_engine(config)
         self._service, registry = build_local_service(self._engine, config)
@@ -173,10 +174,12 @@ class EngineReplica:
                 status, detail = "unavailable", str(exc)
         main, draft = self._versions() if self._engine is not None else (None, None)
         speculation = None if self._engine is None else speculation_info(self._engine.info)
-        return messages.ReplicaHealth(replica=self._id, status=status, main_version=main,
-                                      draft_version=draft, detail=detail, pid=os.getpid(),
-                                      metrics_address=self._metrics_address,
-                                      speculation=speculation)
+        controller = None if self._service is None else self._service.speculation
+        return messages.ReplicaHealth(
+            replica=self._id, status=status, main_version=main, draft_version=draft,
+            detail=detail, pid=os.getpid(), metrics_address=self._metrics_address,
+            speculation=speculation,
+            speculation_control=None if controller is None else controller.status())
 
     async def _poll_forever(self) -> None:
         while True:

@@ -357,10 +357,12 @@ async def test_keep_mode_freezes_requests_and_spans_show_the_switch(
         original: dict[str, torch.Tensor], restore: None) -> None:
     version = next_version(service)
     num_tokens = 1000
+    # Sixteen long requests, not four: on the 2-core CI machine the test process was seen
+    # frozen for 6 s while the engine generated, and four requests finished unseen.
     pending = asyncio.gather(*(client.generate(messages.GenerateRequest(
         prompt_token_ids=[4 + i, 11], max_tokens=num_tokens, temperature=1.0, seed=i,
-        ignore_eos=True)) for i in range(4)))
-    await running_requests_reach(client, 4)  # mid-generation now
+        ignore_eos=True)) for i in range(16)))
+    await running_requests_reach(client, 4, pending)  # mid-generation now
     await asyncio.to_thread(pusher.push, original.items(), version=version, pause_mode="keep")
     responses = await pending
     spans = [r.outputs[0].weight_versions for r in responses]
@@ -376,11 +378,22 @@ async def running_requests(client: RolloutClient) -> float:
     return sample_sum(await client.metrics_text(), "vllm:num_requests_running")
 
 
-async def running_requests_reach(client: RolloutClient, count: int,
+async def running_requests_reach(client: RolloutClient, count: int, pending: asyncio.Future,
                                  timeout_s: float = 120.0) -> None:
-    """Wait until vLLM reports ``count`` requests running."""
-    await until(lambda: running_requests(client), lambda running: running >= count,
-                timeout_s=timeout_s, interval_s=0.05)
+    """Wait until vLLM reports ``count`` requests running.
+
+    Raises:
+        AssertionError: when ``pending`` (the requests) ended first, with its outcome, so a
+            request that failed shows its error instead of a timeout.
+    """
+    async def probe() -> tuple[bool, float]:
+        return pending.done(), await running_requests(client)
+
+    done, _ = await until(probe, lambda state: state[0] or state[1] >= count,
+                          timeout_s=timeout_s, interval_s=0.05)
+    if done:
+        outcome = pending.exception() or "all finished"
+        raise AssertionError(f"the requests ended before {count} ran at once: {outcome!r}")
 
 
 async def _running_or_done(client: RolloutClient, pending: asyncio.Future) -> bool:
