@@ -26,13 +26,19 @@ when the pin call returns):
   ``--rollout-max-tokens``, so concurrency decays from all prompts to one; the wall time
   to finish all, as tokens/s.
 
+A stale drafter (``--stale-drafter``): one more run on the checkpoint of the first
+``--draft-noise``, whose main model is then replaced on both services by another seed's
+(a ``main`` push; the drafter stays), so the drafter predicts a policy that is gone, as
+when a trainer stops syncing it. The controller must fall back to K = 0 and stay at
+spec-off's speed.
+
 Ratios printed: the controller over spec-off (target >= 0.98 at every concurrency), and on
 the decaying rollout the controller over the best static K of that run (target >= 1.10).
 
     python -m bench.speculation --model embedded:tiny --draft-noise 0.25 --k-max 2 \\
         --concurrency 1,8 --max-tokens 32 --rounds 2 --rollout-prompts 32
     python -m bench.speculation --model embedded:1b --draft-noise 0.1,0.3,0.6 --k-max 3 \\
-        --concurrency 1,4,16,64,256,512 --max-tokens 256 --rollout-prompts 512
+        --concurrency 1,4,16,64,256,512 --max-tokens 256 --rollout-prompts 512 --stale-drafter
 """
 
 from __future__ import annotations
@@ -52,6 +58,7 @@ from typing import Any
 import numpy as np
 from rich.console import Console
 from rich.table import Table
+from safetensors.torch import load_file
 
 from bench.serving import (
     HttpMode,
@@ -71,10 +78,13 @@ from rollout_service.config import (
 from rollout_service.embedded.corpus import arithmetic_prompts
 from rollout_service.embedded.tiny_mimo import WeightInit, ensure_model
 from rollout_service.protocol import messages
+from trainer_client.push import WeightPusher
 
 WEIGHTS_TOKEN = "bench-speculation"
 CONTROLLER_OVER_OFF = 0.98
 CONTROLLER_OVER_BEST_STATIC = 1.10
+MOVED_POLICY_SEED = 1
+"""Seed of the main model that makes a drafter stale (the checkpoints' own seed is 0)."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -159,17 +169,28 @@ async def interleaved(rounds: dict[str, Round], num_rounds: int, label: str,
     return rates
 
 
-async def run_drafter(opts: argparse.Namespace, noise: float, console: Console
-                      ) -> dict[str, dict[str, list[float]]]:
-    """Every workload on one drafter: ``{workload label: {mode: tokens/s per round}}``."""
-    model = ensure_model(opts.model.removeprefix("embedded:"),
-                         init=WeightInit(draft_noise=noise))
+def move_the_policy(urls: list[str], size: str, noise: float) -> None:
+    """Push another seed's main model to every service at ``urls``, drafter untouched."""
+    moved = ensure_model(size, init=WeightInit(seed=MOVED_POLICY_SEED, draft_noise=noise))
+    tensors = load_file(str(moved / "model.safetensors"))
+    for url in urls:
+        with WeightPusher(url, WEIGHTS_TOKEN) as pusher:
+            pusher.push(tensors.items(), version=1, target="main")
+
+
+async def run_drafter(opts: argparse.Namespace, noise: float, console: Console, *,
+                      stale: bool = False) -> dict[str, dict[str, list[float]]]:
+    """Every workload on one drafter: ``{workload label: {mode: tokens/s per round}}``;
+    ``stale``: after the main model moved away from it (:func:`move_the_policy`)."""
+    size = opts.model.removeprefix("embedded:")
+    model = ensure_model(size, init=WeightInit(draft_noise=noise))
     levels = [int(c) for c in opts.concurrency.split(",")]
     max_level = max([*levels, opts.rollout_prompts])
     prompts = tuple(p for p, _ in arithmetic_prompts(max_level))
     workload = Workload(prompts=prompts, max_tokens=opts.max_tokens,
                         temperature=opts.temperature)
-    scratch = Path(opts.logs or tempfile.mkdtemp(prefix="bench-speculation-")) / f"noise{noise:g}"
+    scratch = (Path(opts.logs or tempfile.mkdtemp(prefix="bench-speculation-"))
+               / f"noise{noise:g}{'-stale' if stale else ''}")
     scratch.mkdir(parents=True, exist_ok=True)
     spec_cfg = service_config(opts, model, speculation=True)
     buckets = spec_cfg.speculation_control.batch_size_buckets
@@ -182,6 +203,9 @@ async def run_drafter(opts: argparse.Namespace, noise: float, console: Console
                 "service", service_config(opts, model, speculation=speculation),
                 workload, scratch / name, max_level))
         off, spec = servers
+        if stale:
+            console.print(f"draft_noise {noise:g}: moving the policy away from the drafter ...")
+            await asyncio.to_thread(move_the_policy, [off.url, spec.url], size, noise)
         schedules: dict[str, dict[int, int] | None] = {
             f"k={k}": dict.fromkeys(buckets, k) for k in range(1, opts.k_max + 1)}
         schedules["controller"] = None
@@ -206,17 +230,23 @@ async def run_drafter(opts: argparse.Namespace, noise: float, console: Console
                           rollout_round(spec, rollout, opts.temperature)),
                     opts.rounds, f"noise {noise:g} rollout", console)
             await client.pin_schedule(None)
+            control = (await client.health()).speculation_control
+            if control is not None:  # what the controller ended on, and why
+                console.print(f"  noise {noise:g}{' stale' if stale else ''}: controller K "
+                              + ", ".join(f"B<={b.batch_size}: {b.k} ({b.reason})"
+                                          for b in control.buckets)
+                              + f"; first-position acceptance {control.acceptance[:1]}")
         return results
     finally:
         for server in servers:
             await server.close()
 
 
-def print_report(console: Console, noise: float,
+def print_report(console: Console, drafter: str,
                  results: dict[str, dict[str, list[float]]]) -> None:
-    table = Table("workload", "mode", "median tok/s", "range", title=f"draft_noise {noise:g}")
+    table = Table("workload", "mode", "median tok/s", "range", title=drafter)
     ratios = Table("workload", "ratio", "median", "range", "target", "met",
-                   title=f"draft_noise {noise:g}: ratios (per round)")
+                   title=f"{drafter}: ratios (per round)")
     for label, rates in results.items():
         for mode, values in rates.items():
             table.add_row(label, mode, f"{statistics.median(values):.0f}", spread(values))
@@ -242,6 +272,9 @@ def main() -> None:
     parser.add_argument("--draft-noise", default="0.25",
                         help="comma-separated drafter noises, one checkpoint (and run) each")
     parser.add_argument("--k-max", type=int, default=3, help="the spec engine's largest K")
+    parser.add_argument("--stale-drafter", action="store_true",
+                        help="one more run: the first noise's drafter after a main push of "
+                             "another seed's model")
     parser.add_argument("--concurrency", default="1,4,16,64",
                         help="comma-separated levels of requests in flight")
     parser.add_argument("--max-tokens", type=int, default=128)
@@ -262,8 +295,14 @@ def main() -> None:
     # The services read it from the environment (a config file would carry it masked).
     os.environ[WEIGHTS_TOKEN_ENV] = WEIGHTS_TOKEN
     console = Console()
-    for noise in (float(x) for x in opts.draft_noise.split(",")):
-        print_report(console, noise, asyncio.run(run_drafter(opts, noise, console)))
+    noises = [float(x) for x in opts.draft_noise.split(",")]
+    for noise in noises:
+        print_report(console, f"draft_noise {noise:g}",
+                     asyncio.run(run_drafter(opts, noise, console)))
+    if opts.stale_drafter:
+        print_report(console, f"draft_noise {noises[0]:g}, stale (main pushed from seed "
+                     f"{MOVED_POLICY_SEED})",
+                     asyncio.run(run_drafter(opts, noises[0], console, stale=True)))
 
 
 if __name__ == "__main__":
