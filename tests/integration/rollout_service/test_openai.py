@@ -108,14 +108,16 @@ async def _num_running(client: RolloutClient) -> float:
 async def test_a_client_gone_mid_stream_leaves_nothing_running(
         service: ServiceProcess, client: RolloutClient) -> None:
     before = await counters(client)
-    body = {"model": MODEL, "prompt": PROMPTS[3], "max_tokens": 900, "stream": True}
+    # Sixteen 900-token choices, not one: the test process was seen held off the CPU for
+    # seconds on the 2-core CI machine while the engine ran, and a lone sequence finished
+    # before the client's leaving reached the service.
+    body = {"model": MODEL, "prompt": PROMPTS[3], "max_tokens": 900, "n": 16, "stream": True}
     async with httpx.AsyncClient(base_url=service.url, timeout=60,
                                  headers={"authorization": f"Bearer {API_KEY}"}) as http:
         async with http.stream("POST", "/v1/completions", json=body) as response:
             assert response.headers["content-type"].startswith("text/event-stream")
             events = response.aiter_lines()
-            assert (await anext(events)).startswith("data: {")
-            await until(lambda: _num_running(client), lambda n: n == 1, timeout_s=30)
+            assert (await anext(events)).startswith("data: {")  # the engine runs them
         # Leaving the block closed the connection mid-stream.
     await until(lambda: _num_running(client), lambda n: n == 0, timeout_s=30)
     assert await grown(client, before) == dict.fromkeys(SEQUENCE_COUNTERS, 0)  # not finished
