@@ -101,6 +101,23 @@ def run_service(workdir: Path, **changes: Any) -> Iterator[ServiceProcess]:
         yield proc
 
 
+RAY_REPLICA_OPTIONS = {"num_cpus": 1, "runtime_env": {"env_vars": {
+    "VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1"}}}
+"""CPU engine replicas sharing the 2-core host: one OpenMP thread each, no core binding."""
+
+
+@contextmanager
+def run_ray_service(workdir: Path, config: dict[str, Any]) -> Iterator[ServiceProcess]:
+    """``rollout-service serve-ray`` (a local Ray with 2 CPUs) with ``config``, every
+    replica serving, as a user starts it."""
+    path = workdir / "serve.json"
+    path.write_text(json.dumps(config))
+    with ServiceProcess(workdir / "serve.log", config=path, command="serve-ray",
+                        extra_args=("--num-cpus", "2")) as proc:
+        proc.wait_healthy(timeout_s=600)
+        yield proc
+
+
 @pytest.fixture(scope="session")
 def service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServiceProcess]:
     """The rollout service on the embedded tiny model, up and healthy."""

@@ -11,7 +11,6 @@ the tests run in order: metrics, pushes, then a replica's engine is killed.
 from __future__ import annotations
 
 import asyncio
-import json
 import signal
 import time
 from collections.abc import Iterator
@@ -34,8 +33,10 @@ from rollout_service.tools.scrape import sample_sum
 from tests.integration.conftest import (
     API_KEY,
     NUM_SPECULATIVE_TOKENS,
+    RAY_REPLICA_OPTIONS,
     WEIGHTS_TOKEN,
     run_prometheus,
+    run_ray_service,
 )
 from trainer_client.push import WeightPusher
 
@@ -52,9 +53,7 @@ CONFIG = {
     "retry_timeout_s": 60.0,
     "push_ack_timeout_s": 120.0,
     "metrics_host": "127.0.0.1",
-    # Two CPU engines on one 2-core host: one OpenMP thread each, no core binding.
-    "ray_actor_options": {"num_cpus": 1, "runtime_env": {"env_vars": {
-        "VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1"}}},
+    "ray_actor_options": RAY_REPLICA_OPTIONS,
 }
 MACRO_PARTS = ("rollout_spec_decode_request_accept_rate_sum",
                "rollout_spec_decode_request_accept_rate_count",
@@ -72,12 +71,7 @@ def health(url: str) -> dict:
 @pytest.fixture(scope="module")
 def ray_service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServiceProcess]:
     """``rollout-service serve-ray`` with two engine replicas, both serving."""
-    workdir = tmp_path_factory.mktemp("ray_service")
-    config = workdir / "serve.json"
-    config.write_text(json.dumps(CONFIG))
-    with ServiceProcess(workdir / "serve.log", config=config, command="serve-ray",
-                        extra_args=("--num-cpus", "2")) as proc:
-        proc.wait_healthy(timeout_s=600)
+    with run_ray_service(tmp_path_factory.mktemp("ray_service"), CONFIG) as proc:
         yield proc
 
 

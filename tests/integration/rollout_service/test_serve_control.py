@@ -9,7 +9,6 @@ runs without the control, so that its acceptance tests keep a fixed K.
 from __future__ import annotations
 
 import asyncio
-import json
 from collections.abc import Iterator
 
 import pytest
@@ -17,7 +16,14 @@ import pytest
 from rollout_service.client import RolloutClient
 from rollout_service.protocol import messages
 from rollout_service.tools.launch import ServiceProcess
-from tests.integration.conftest import API_KEY, NUM_SPECULATIVE_TOKENS, WEIGHTS_TOKEN, until
+from tests.integration.conftest import (
+    API_KEY,
+    NUM_SPECULATIVE_TOKENS,
+    RAY_REPLICA_OPTIONS,
+    WEIGHTS_TOKEN,
+    run_ray_service,
+    until,
+)
 
 BUCKETS = [1, 2, 4]
 CONFIG = {
@@ -29,8 +35,7 @@ CONFIG = {
     "health_check_period_s": 1.0,
     "health_check_timeout_s": 10.0,
     "metrics_host": "127.0.0.1",
-    "ray_actor_options": {"num_cpus": 1, "runtime_env": {"env_vars": {
-        "VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1"}}},
+    "ray_actor_options": RAY_REPLICA_OPTIONS,
     "speculation_control": {
         "enabled": True, "batch_size_buckets": BUCKETS,
         "calibration": {"max_batch_size": 2, "num_steps": 4, "prompt_tokens": 16}},
@@ -40,12 +45,7 @@ CONFIG = {
 @pytest.fixture(scope="module")
 def ray_controlled(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServiceProcess]:
     """``rollout-service serve-ray``, one replica with the speculation control, serving."""
-    workdir = tmp_path_factory.mktemp("ray_controlled")
-    config = workdir / "serve.json"
-    config.write_text(json.dumps(CONFIG))
-    with ServiceProcess(workdir / "serve.log", config=config, command="serve-ray",
-                        extra_args=("--num-cpus", "2")) as proc:
-        proc.wait_healthy(timeout_s=600)
+    with run_ray_service(tmp_path_factory.mktemp("ray_controlled"), CONFIG) as proc:
         yield proc
 
 
