@@ -183,6 +183,7 @@ async def run_drafter(opts: argparse.Namespace, noise: float, console: Console, 
     """Every workload on one drafter: ``{workload label: {mode: tokens/s per round}}``;
     ``stale``: after the main model moved away from it (:func:`move_the_policy`)."""
     size = opts.model.removeprefix("embedded:")
+    label = f"noise {noise:g}{' stale' if stale else ''}"
     model = ensure_model(size, init=WeightInit(draft_noise=noise))
     levels = [int(c) for c in opts.concurrency.split(",")]
     max_level = max([*levels, opts.rollout_prompts])
@@ -190,21 +191,21 @@ async def run_drafter(opts: argparse.Namespace, noise: float, console: Console, 
     workload = Workload(prompts=prompts, max_tokens=opts.max_tokens,
                         temperature=opts.temperature)
     scratch = (Path(opts.logs or tempfile.mkdtemp(prefix="bench-speculation-"))
-               / f"noise{noise:g}{'-stale' if stale else ''}")
+               / label.replace(" ", "-"))
     scratch.mkdir(parents=True, exist_ok=True)
     spec_cfg = service_config(opts, model, speculation=True)
     buckets = spec_cfg.speculation_control.batch_size_buckets
     servers: list[HttpMode] = []
     try:
         for name, speculation in (("off", False), ("spec", True)):
-            console.print(f"draft_noise {noise:g}: starting the {name} service ...")
+            console.print(f"{label}: starting the {name} service ...")
             (scratch / name).mkdir(exist_ok=True)
             servers.append(await start_http(
                 "service", service_config(opts, model, speculation=speculation),
                 workload, scratch / name, max_level))
         off, spec = servers
         if stale:
-            console.print(f"draft_noise {noise:g}: moving the policy away from the drafter ...")
+            console.print(f"{label}: moving the policy away from the drafter ...")
             await asyncio.to_thread(move_the_policy, [off.url, spec.url], size, noise)
         schedules: dict[str, dict[int, int] | None] = {
             f"k={k}": dict.fromkeys(buckets, k) for k in range(1, opts.k_max + 1)}
@@ -220,7 +221,7 @@ async def run_drafter(opts: argparse.Namespace, noise: float, console: Console, 
                 results[f"c={c}"] = await interleaved(
                     modes(functools.partial(off.run_round, c),
                           functools.partial(spec.run_round, c)),
-                    opts.rounds, f"noise {noise:g} c={c}", console)
+                    opts.rounds, f"{label} c={c}", console)
             if opts.rollout_prompts:
                 rollout = Rollout(prompts=prompts[:opts.rollout_prompts],
                                   lengths=rollout_lengths(opts.rollout_prompts,
@@ -228,11 +229,11 @@ async def run_drafter(opts: argparse.Namespace, noise: float, console: Console, 
                 results[f"rollout {opts.rollout_prompts}"] = await interleaved(
                     modes(rollout_round(off, rollout, opts.temperature),
                           rollout_round(spec, rollout, opts.temperature)),
-                    opts.rounds, f"noise {noise:g} rollout", console)
+                    opts.rounds, f"{label} rollout", console)
             await client.pin_schedule(None)
             control = (await client.health()).speculation_control
             if control is not None:  # what the controller ended on, and why
-                console.print(f"  noise {noise:g}{' stale' if stale else ''}: controller K "
+                console.print(f"  {label}: controller K "
                               + ", ".join(f"B<={b.batch_size}: {b.k} ({b.reason})"
                                           for b in control.buckets)
                               + f"; first-position acceptance {control.acceptance[:1]}")
@@ -291,11 +292,14 @@ def main() -> None:
         parser.error("--model: embedded:<size> only (each drafter noise is generated)")
     if opts.rounds < 1 or opts.k_max < 1:
         parser.error("--rounds and --k-max must be >= 1")
+    try:
+        noises = [float(x) for x in opts.draft_noise.split(",")]
+    except ValueError:
+        parser.error(f"--draft-noise: comma-separated numbers, got {opts.draft_noise!r}")
     resolve_device(opts)
     # The services read it from the environment (a config file would carry it masked).
     os.environ[WEIGHTS_TOKEN_ENV] = WEIGHTS_TOKEN
     console = Console()
-    noises = [float(x) for x in opts.draft_noise.split(",")]
     for noise in noises:
         print_report(console, f"draft_noise {noise:g}",
                      asyncio.run(run_drafter(opts, noise, console)))
