@@ -320,13 +320,14 @@ async def test_generation_during_push_sees_only_complete_versions(
         original: dict[str, torch.Tensor], restore: None) -> None:
     old = str(status(service).main_version) if status(service).main_version else None
     version = next_version(service)
+    before = await generated_tokens(client)
     requests = [client.generate(messages.GenerateRequest(
         prompt_token_ids=[3 + i, 8, 13], max_tokens=48, temperature=1.0, seed=i))
         for i in range(12)]
     pending = asyncio.gather(*requests)
-    # The push must meet generation: wait until vLLM runs some of them (or, on a fast
+    # The push must meet generation: wait until vLLM generates some of them (or, on a fast
     # machine, they are already done: the spans must then hold the old version alone).
-    await until(lambda: _running_or_done(client, pending), bool, timeout_s=120,
+    await until(lambda: _generating_or_done(client, before, pending), bool, timeout_s=120,
                 interval_s=0.05)
     report = await asyncio.to_thread(
         pusher.push, with_change(original, MAIN_PARAM, seed=5).items(), version=version)
@@ -359,10 +360,14 @@ async def test_keep_mode_freezes_requests_and_spans_show_the_switch(
     num_tokens = 1000
     # Sixteen long requests, not four: on the 2-core CI machine the test process was seen
     # frozen for seconds while the engine generated, and four requests finished unseen.
+    # Requests of earlier tests still in the engine would generate the tokens counted
+    # below while these wait: start from an idle engine.
+    await until(lambda: requests_in_engine(client), lambda n: n == 0, timeout_s=120)
+    before = await generated_tokens(client)
     pending = asyncio.gather(*(client.generate(messages.GenerateRequest(
         prompt_token_ids=[4 + i, 11], max_tokens=num_tokens, temperature=1.0, seed=i,
         ignore_eos=True)) for i in range(16)))
-    await running_requests_reach(client, 4, pending)  # mid-generation now
+    await tokens_generated_reach(client, before + 32, pending)  # mid-generation now
     await asyncio.to_thread(pusher.push, original.items(), version=version, pause_mode="keep")
     responses = await pending
     spans = [r.outputs[0].weight_versions for r in responses]
@@ -373,31 +378,46 @@ async def test_keep_mode_freezes_requests_and_spans_show_the_switch(
         assert new.version == str(version) and old.end == new.start
 
 
-async def running_requests(client: RolloutClient) -> float:
-    """Requests vLLM runs now (its own gauge)."""
-    return sample_sum(await client.metrics_text(), "vllm:num_requests_running")
+async def generated_tokens(client: RolloutClient) -> float:
+    """Tokens vLLM has generated since it started (its own counter).
+
+    Waits use its rise since a reading taken before the requests were sent, not vLLM's
+    running-requests gauge: the keep-mode test once saw four requests running and yet
+    pushed before any of its own had a token (the gauge reports the engine's last step,
+    whoever's requests those were). vLLM counts a token after it has recorded the weight
+    version the token came from.
+    """
+    return sample_sum(await client.metrics_text(), "vllm:generation_tokens_total")
 
 
-async def running_requests_reach(client: RolloutClient, count: int, pending: asyncio.Future,
+async def requests_in_engine(client: RolloutClient) -> float:
+    """Requests vLLM runs or queues, as of its last step (its gauges)."""
+    text = await client.metrics_text()
+    return (sample_sum(text, "vllm:num_requests_running")
+            + sample_sum(text, "vllm:num_requests_waiting"))
+
+
+async def tokens_generated_reach(client: RolloutClient, count: float, pending: asyncio.Future,
                                  timeout_s: float = 120.0) -> None:
-    """Wait until vLLM reports ``count`` requests running.
+    """Wait until vLLM's generated-token counter reaches ``count``.
 
     Raises:
         AssertionError: when ``pending`` (the requests) ended first, with its outcome, so a
             request that failed shows its error instead of a timeout.
     """
     async def probe() -> tuple[bool, float]:
-        return pending.done(), await running_requests(client)
+        return pending.done(), await generated_tokens(client)
 
     done, _ = await until(probe, lambda state: state[0] or state[1] >= count,
                           timeout_s=timeout_s, interval_s=0.05)
     if done:
         outcome = pending.exception() or "all finished"
-        raise AssertionError(f"the requests ended before {count} ran at once: {outcome!r}")
+        raise AssertionError(f"the requests ended before vLLM counted {count:.0f} tokens: "
+                             f"{outcome!r}")
 
-
-async def _running_or_done(client: RolloutClient, pending: asyncio.Future) -> bool:
-    return pending.done() or await running_requests(client) > 0
+async def _generating_or_done(client: RolloutClient, before: float,
+                              pending: asyncio.Future) -> bool:
+    return pending.done() or await generated_tokens(client) > before
 
 
 @shm_only
