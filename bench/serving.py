@@ -67,6 +67,9 @@ RATIOS = (("service", "asyncllm", 0.90), ("service", "vllm-server", 1.0),
 """(numerator, denominator, target) of each printed ratio."""
 STARTUP_TIMEOUT_S = 900.0
 HTTP_TIMEOUT_S = 1800.0
+SERVER_KEEP_ALIVE_S = 90
+"""Idle seconds both HTTP servers keep a connection (the service's default
+``http_keep_alive_s``; vLLM's server is told through ``VLLM_HTTP_TIMEOUT_KEEP_ALIVE``)."""
 
 RoundFn = Callable[[int], Awaitable[int]]
 """``run_round(concurrency) -> tokens generated``."""
@@ -153,9 +156,13 @@ class HttpMode:
         self.server, self.url, self._path, self._body, self._count = (server, url, path, body,
                                                                        count)
         # One kept-alive connection per request in flight: no connection is opened
-        # during a timed round once the warm-up has opened them.
+        # during a timed round once the warm-up has opened them. They idle while the
+        # other modes run; both servers keep them for SERVER_KEEP_ALIVE_S and this
+        # client for less, so it never reuses one a server has just closed (an
+        # httpx.ReadError ended an H200 run when both sides used 5 s).
         limits = httpx.Limits(max_connections=max_concurrency,
-                              max_keepalive_connections=max_concurrency)
+                              max_keepalive_connections=max_concurrency,
+                              keepalive_expiry=SERVER_KEEP_ALIVE_S - 30)
         self._http = httpx.AsyncClient(base_url=url, limits=limits, timeout=HTTP_TIMEOUT_S)
 
     async def _one(self, i: int) -> int:
@@ -182,7 +189,8 @@ async def start_http(mode: str, cfg: ServiceConfig, workload: Workload, scratch:
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     address = ["--host", "127.0.0.1", "--port", str(port)]
-    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    env = {**os.environ, "HF_HUB_OFFLINE": "1",
+           "VLLM_HTTP_TIMEOUT_KEEP_ALIVE": str(SERVER_KEEP_ALIVE_S)}
     if mode == "service-no-preload":
         env["ROLLOUT_CPU_PRELOAD"] = "0"
         env.pop("LD_PRELOAD", None)  # this process's own preload, inherited otherwise
@@ -284,7 +292,8 @@ def print_report(console: Console, results: dict[int, Rates], workload: Workload
 
 
 def build_config(opts: argparse.Namespace) -> ServiceConfig:
-    overrides: dict[str, Any] = {"mtp": {"num_speculative_tokens": opts.num_speculative_tokens}}
+    overrides: dict[str, Any] = {"mtp": {"num_speculative_tokens": opts.num_speculative_tokens},
+                                 "http_keep_alive_s": SERVER_KEEP_ALIVE_S}
     if opts.device == "cuda":
         # vLLM's own GPU defaults (torch.compile, CUDA graphs, KV cache from the memory
         # fraction), not the embedded model's CPU ones (eager, a fixed 512 MiB cache).

@@ -43,7 +43,8 @@ def serve(
         app_ = create_app(cfg)
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from exc
-    uvicorn.run(app_, host=cfg.host, port=cfg.port, log_level="info")
+    uvicorn.run(app_, host=cfg.host, port=cfg.port, log_level="info",
+                timeout_keep_alive=cfg.http_keep_alive_s)
 
 
 @app.command("serve-ray")

@@ -136,6 +136,14 @@ class ServiceConfig(BaseModel):
         "verify step's cost, trainer-side accuracy kept (docs/telemetry.md)."))
     host: str = Field("127.0.0.1", description="Address the HTTP server binds.")
     port: int = Field(8000, ge=0, le=65535, description="HTTP port; 0 picks a free one.")
+    http_keep_alive_s: int = Field(90, ge=1, description=(
+        "Seconds an idle HTTP connection is kept open. Longer than the 5 s idle expiry of "
+        "common clients (httpx, aiohttp), so a client never reuses a connection the server "
+        "has just closed (a request lost to a ReadError); Ray Serve's default too."))
+    engine_start_timeout_s: float | None = Field(1800.0, gt=0, description=(
+        "The engine must be serving this many seconds after its start began, or its "
+        "processes are stopped and the service exits with an error naming this field "
+        "(vLLM waits for its engine process without a deadline). None: wait forever."))
     api_key: SecretStr | None = Field(
         None, description=(f"Bearer token required on generation endpoints; falls back to "
                            f"${API_KEY_ENV}; none means open."))

@@ -16,6 +16,7 @@ from prometheus_client import CollectorRegistry
 from rollout_service.config import ServiceConfig
 from rollout_service.engines.base import Engine, EngineSpec, EngineStarter, SpecScheduleEngine
 from rollout_service.engines.speculative import load_checkpoint_config
+from rollout_service.engines.start_deadline import StartDeadline
 from rollout_service.protocol.tensors import checkpoint_tensors
 from rollout_service.service import RolloutService
 from rollout_service.spec_control import (
@@ -53,13 +54,15 @@ async def start_engine(config: ServiceConfig) -> Engine:
 
     Raises:
         ValueError: a config the engine rejects (the message names the field).
+        EngineStartTimeout: not started within ``engine_start_timeout_s``.
     """
     if config.engine == "vllm":
         from rollout_service.engines.vllm.cpu_preload import preload_for_cpu_engine
 
         preload_for_cpu_engine()
     start = cast(EngineStarter, importlib.import_module(ENGINE_MODULES[config.engine]).start)
-    return await start(engine_spec(config))
+    with StartDeadline(config.engine_start_timeout_s):
+        return await start(engine_spec(config))
 
 
 def build_local_service(engine: Engine, config: ServiceConfig

@@ -331,7 +331,8 @@ def run(config: RayServeConfig, *, address: str | None = None,
         signal.signal(sig, lambda *_: stop.set())
     ray.init(address=address, num_cpus=num_cpus)
     try:
-        serve.start(http_options={"host": config.host, "port": config.port})
+        serve.start(http_options={"host": config.host, "port": config.port,
+                                  "keep_alive_timeout_s": config.http_keep_alive_s})
         serve.run(build_app(config), name=config.app_name, route_prefix="/")
         logger.info("rollout service on http://%s:%d (%s)", config.host, config.port,
                     f"{config.num_replicas} replicas" if config.autoscaling_config is None

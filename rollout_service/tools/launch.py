@@ -12,6 +12,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -27,12 +28,35 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+def stop_children_on_sigterm() -> None:
+    """Make SIGTERM unwind this process as Ctrl-C does (once; main thread only).
+
+    ``timeout`` and job schedulers stop a run with SIGTERM, whose default action ends
+    Python at once, skipping every ``finally``. The children below run in their own
+    sessions (so that :meth:`ChildProcess.stop` can end their groups) and would outlive
+    it, engines and GPU memory included: on the GPU machine a test run stopped by
+    ``timeout`` left its service holding an engine that never finished starting, and
+    the next runs shared the GPU with it. As a KeyboardInterrupt, SIGTERM runs the
+    ``with`` blocks and fixtures that stop them. A handler someone else installed is
+    left alone.
+    """
+    if (threading.current_thread() is threading.main_thread()
+            and signal.getsignal(signal.SIGTERM) is signal.SIG_DFL):
+        signal.signal(signal.SIGTERM, _interrupt)
+
+
 class ChildProcess:
     """A command in its own process group, its output in ``log_path``.
 
     :meth:`stop` ends the whole group (an engine's worker processes too): SIGTERM
     to the leader first when ``graceful_leader`` (it shuts its children down in
-    order), then SIGTERM to the group, then SIGKILL to what is left.
+    order), then SIGTERM to the group, then SIGKILL to what is left. A SIGTERM to
+    this process stops them too (:func:`stop_children_on_sigterm`), when the caller
+    stops them in a ``with`` block or ``finally``.
     """
 
     def __init__(self, args: list[str], log_path: Path, *, env: dict[str, str] | None = None,
@@ -40,6 +64,7 @@ class ChildProcess:
         self.args = args
         self.log_path = log_path
         self._graceful_leader = graceful_leader
+        stop_children_on_sigterm()
         log_path.parent.mkdir(parents=True, exist_ok=True)
         with log_path.open("wb") as log:
             self._proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT,
@@ -59,7 +84,7 @@ class ChildProcess:
 
     def stop(self, timeout_s: float = 30.0) -> None:
         """End the process group; returns once nothing of it is alive."""
-        if self._proc.poll() is not None and not _group_alive(self._proc.pid):
+        if self._proc.poll() is not None and not group_alive(self._proc.pid):
             return
         pgid = self._proc.pid  # start_new_session: the leader's pid is the group's id
         if self._graceful_leader and self._proc.poll() is None:
@@ -74,14 +99,14 @@ class ChildProcess:
             self._proc.wait()
             return
         deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline and _group_alive(pgid):
+        while time.monotonic() < deadline and group_alive(pgid):
             try:
                 self._proc.wait(timeout=0.2)
             except subprocess.TimeoutExpired:
                 pass
             if self._proc.poll() is not None:  # the leader is gone; what it left may linger
                 time.sleep(0.2)
-        if _group_alive(pgid):
+        if group_alive(pgid):
             os.killpg(pgid, signal.SIGKILL)
         self._proc.wait()
 
@@ -185,7 +210,7 @@ class ServiceProcess:
             self._child.stop(timeout_s)
 
 
-def _group_alive(pgid: int) -> bool:
+def group_alive(pgid: int) -> bool:
     """Whether a live (non-zombie) process is left in group ``pgid`` (Linux /proc)."""
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try:

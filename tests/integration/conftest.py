@@ -75,12 +75,11 @@ shm_only = pytest.mark.skipif(TARGET.transport != "shm",
                               reason="a test of the shm transport's segment")
 
 
-@contextmanager
-def run_service(workdir: Path, **changes: Any) -> Iterator[ServiceProcess]:
-    """A rollout service on the embedded tiny model for :data:`TARGET`, up and healthy.
+def service_config(workdir: Path, **changes: Any) -> Path:
+    """The config file of a service on the embedded tiny model for :data:`TARGET`.
 
     Args:
-        workdir: where its config and log go.
+        workdir: where it goes.
         changes: config fields replacing the session's (e.g. ``mtp``).
     """
     config = workdir / "service.json"
@@ -96,7 +95,14 @@ def run_service(workdir: Path, **changes: Any) -> Iterator[ServiceProcess]:
         "telemetry": {"categories": CATEGORIES},
         **changes,
     }))
-    with ServiceProcess(workdir / "service.log", config=config) as proc:
+    return config
+
+
+@contextmanager
+def run_service(workdir: Path, **changes: Any) -> Iterator[ServiceProcess]:
+    """A service from :func:`service_config`, up and healthy, its log in ``workdir``."""
+    with ServiceProcess(workdir / "service.log",
+                        config=service_config(workdir, **changes)) as proc:
         proc.wait_healthy(timeout_s=600)
         yield proc
 

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import http.client
+import time
 
 import httpx
 import openai
@@ -202,6 +204,22 @@ async def test_health_reports_model_and_engine(client: RolloutClient) -> None:
         messages.SpeculationInfo(is_enabled=True, method="mtp",
                                  num_speculative_tokens=NUM_SPECULATIVE_TOKENS,
                                  has_pushable_drafter=True)
+
+
+def test_an_idle_connection_outlives_a_common_client_expiry(service: ServiceProcess) -> None:
+    """httpx and aiohttp reuse a connection idle for up to 5 s, uvicorn's own default:
+    a server closing it at the same moment loses the client's next request. The service
+    keeps idle connections for ``http_keep_alive_s`` (90 s) instead."""
+    conn = http.client.HTTPConnection("127.0.0.1", service.port, timeout=60)
+    try:
+        conn.request("GET", "/health")
+        assert conn.getresponse().read()
+        sock = conn.sock
+        time.sleep(6)  # the idle time is what is under test, not a wait for an event
+        conn.request("GET", "/health")  # on the same socket: it raises if the server closed it
+        assert conn.getresponse().status == 200 and conn.sock is sock
+    finally:
+        conn.close()
 
 
 async def test_openai_client_completions(service: ServiceProcess) -> None:
