@@ -53,6 +53,9 @@ class Target:
     """Where the tests keep the tensors they push."""
     weights_load: str = "auto"
     """The service's ``weights_load`` (on CUDA, ``auto`` copies pushes in place)."""
+    engine_start_timeout_s: float = 600.0
+    """The service's: a start that blocks ends the run with the reason, not a silent
+    wait (the 2-core CPU machine needs tens of seconds; an eager H200 engine, seconds)."""
 
 
 TARGETS = {
@@ -60,15 +63,15 @@ TARGETS = {
     # float32 on the GPU too: greedy outputs compared across pushes must not flip on
     # bf16 near-ties; eager mode starts in seconds (graphs are the benchmarks' business).
     "cuda-shm": Target(engine_kwargs={"gpu_memory_utilization": 0.2, "enforce_eager": True},
-                       transport="shm", tensor_device="cpu"),
+                       transport="shm", tensor_device="cpu", engine_start_timeout_s=180),
     "cuda-ipc": Target(engine_kwargs={"gpu_memory_utilization": 0.2, "enforce_eager": True},
-                       transport="cuda_ipc", tensor_device="cuda"),
+                       transport="cuda_ipc", tensor_device="cuda", engine_start_timeout_s=180),
     # The layerwise reload on CUDA: the same tests prove both loads restore the
     # checkpoint bit for bit and change outputs the same way.
     "cuda-ipc-reload": Target(engine_kwargs={"gpu_memory_utilization": 0.2,
                                              "enforce_eager": True},
                               transport="cuda_ipc", tensor_device="cuda",
-                              weights_load="reload"),
+                              weights_load="reload", engine_start_timeout_s=180),
 }
 TARGET = TARGETS[os.environ.get("ROLLOUT_TEST_TARGET", "cpu")]
 shm_only = pytest.mark.skipif(TARGET.transport != "shm",
@@ -92,6 +95,7 @@ def service_config(workdir: Path, **changes: Any) -> Path:
         "push_timeout_s": PUSH_TIMEOUT_S,
         "weights_transport": TARGET.transport,
         "weights_load": TARGET.weights_load,
+        "engine_start_timeout_s": TARGET.engine_start_timeout_s,
         "telemetry": {"categories": CATEGORIES},
         **changes,
     }))

@@ -24,8 +24,10 @@ for target in "${targets[@]}"; do
     timeout 300 python3 -m pytest -q -p no:cacheprovider -m gpu --noconftest \
       tests/integration/rollout_service/test_cuda_ipc_gpu.py > "$out/$target.log" 2>&1
   else
-    ROLLOUT_TEST_TARGET=$target timeout 500 python3 -m pytest -q -p no:cacheprovider \
-      $service_tests > "$out/$target.log" 2>&1
+    # A blocked engine start ends within the targets' engine_start_timeout_s (180 s);
+    # with_stacks.sh dumps every Python stack before that, for the why.
+    ROLLOUT_TEST_TARGET=$target STALL_S=150 bash tools/gpu/with_stacks.sh "$out/$target.log" \
+      timeout 500 python3 -m pytest -q -p no:cacheprovider $service_tests
   fi
   echo "== $target (rc $?): $(tail -1 "$out/$target.log")"
 done
