@@ -28,6 +28,13 @@ the drafts plus the drafter as it runs in a real step: its first pass over every
 verified token, the ``k - 1`` later ones over one token per sequence, so ``(V - D2) +
 D2 / k + (k - 1) * D1 / k``. The ratio of the two is ``verify_cost_ratio``.
 
+vLLM's V2 model runner (its default on CUDA for these models, and the one its run-time
+K schedule needs) has no drafter dummy run, but its dummy runs draft as a real step
+does, and it times each step's target forward and drafting apart with CUDA events
+(``runner.step_timing``, what vLLM's own adaptive verification profiles with). There
+a plain decode step is the target forward of ``_dummy_run(B)``, and a verify step the
+target forward plus drafting of ``_dummy_run(B * (1 + k), uniform_decode=True)``.
+
 Limits (docs/telemetry.md): only the forward passes are timed, not the scheduler,
 sampling and rejection sampling, so the per-step overhead (larger with speculation) is
 left out; the dummy sequences have no context, so attention over a long context (the
@@ -60,6 +67,12 @@ def unsupported_reason(runner: Any, num_speculative_tokens: int) -> str | None:
         num_speculative_tokens: ``k`` of the served speculative config.
     """
     dummy_run = getattr(runner, "_dummy_run", None)
+    if _has_step_timing(runner):
+        if dummy_run is None or set(_RUNNER_PARAMS) - set(inspect.signature(dummy_run).parameters):
+            return "the V2 model runner's _dummy_run lacks num_tokens or uniform_decode"
+        if getattr(runner, "decode_query_len", None) != 1 + num_speculative_tokens:
+            return "the V2 runner's decode query length is not 1 + num_speculative_tokens"
+        return None
     drafter = getattr(runner, "drafter", None)
     drafter_run = getattr(drafter, "dummy_run", None)
     if dummy_run is None or drafter_run is None:
@@ -78,7 +91,8 @@ def measure_verify_cost(runner: Any, *, batch_size: int, num_speculative_tokens:
     """Time a plain decode step and a verify step at ``batch_size`` (module docstring).
 
     Args:
-        runner: the worker's model runner (``GPUModelRunner`` or its CPU subclass).
+        runner: the worker's model runner: V1's ``GPUModelRunner`` (or its CPU
+            subclass) or V2's (``vllm/v1/worker/gpu/model_runner.py``).
         batch_size: ``B``, clamped to the runner's ``max_num_seqs`` and token budget.
         num_speculative_tokens: ``k`` (at least 1).
         repeats: runs of each kind; the fastest counts.
@@ -96,6 +110,17 @@ def measure_verify_cost(runner: Any, *, batch_size: int, num_speculative_tokens:
     scheduler = runner.scheduler_config
     batch = max(1, min(batch_size, scheduler.max_num_seqs,
                        runner.max_num_tokens // (1 + k)))
+    measure = _measure_with_step_timing if _has_step_timing(runner) else _measure_with_drafter_runs
+    try:  # telemetry: a failure here must not keep the engine from serving
+        return measure(runner, batch, k, repeats)
+    except Exception:
+        logger.exception("verify cost not measured: the dummy runs failed")
+        return None
+
+
+def _measure_with_drafter_runs(runner: Any, batch: int, k: int,
+                               repeats: int) -> dict[str, float] | None:
+    """The V1 model runner's measurement (module docstring): P, D1, V and D2."""
     sync = _synchronizer(runner)
     runs: dict[str, Callable[[], object]] = {
         "P": lambda: runner._dummy_run(batch, uniform_decode=False),
@@ -118,6 +143,39 @@ def measure_verify_cost(runner: Any, *, batch_size: int, num_speculative_tokens:
     verify = best["V"] - best["D2"] + best["D2"] / k + (k - 1) * best["D1"] / k
     if not 0 < plain < verify * 10:
         logger.warning("verify cost not measured: inconsistent timings %s", best)
+        return None
+    return {"batch_size": float(batch), "plain_s": plain, "verify_s": verify,
+            "verify_cost_ratio": verify / plain}
+
+
+def _has_step_timing(runner: Any) -> bool:
+    """Whether ``runner`` is vLLM's V2 model runner with a drafter (module docstring)."""
+    return (getattr(runner, "speculator", None) is not None
+            and callable(getattr(getattr(runner, "step_timing", None), "collect", None)))
+
+
+def _measure_with_step_timing(runner: Any, batch: int, k: int,
+                              repeats: int) -> dict[str, float] | None:
+    """The V2 model runner's measurement (module docstring), from its step timer."""
+    runs = (lambda: runner._dummy_run(batch, uniform_decode=False),
+            lambda: runner._dummy_run(batch * (1 + k), uniform_decode=True))
+    for run in runs:  # warm-up: first calls allocate and compile
+        run()
+    with runner.step_timing.collect() as samples:  # one sample per step, in issue order
+        for _ in range(repeats):  # taken in turn, as on the other runner
+            for run in runs:
+                run()
+    plain_steps, verify_steps = samples[0::2], samples[1::2]
+    if (len(samples) != 2 * repeats or not all(
+            p.num_target_tokens < v.num_target_tokens
+            for p, v in zip(plain_steps, verify_steps))):
+        logger.warning("verify cost not measured: the V2 runner timed %d steps, not %d "
+                       "alternating plain and verify ones", len(samples), 2 * repeats)
+        return None
+    plain = min(s.forward_ms for s in plain_steps) / 1e3
+    verify = min(s.forward_ms + s.drafter_ms for s in verify_steps) / 1e3
+    if not 0 < plain < verify * 10:
+        logger.warning("verify cost not measured: inconsistent timings %s", samples)
         return None
     return {"batch_size": float(batch), "plain_s": plain, "verify_s": verify,
             "verify_cost_ratio": verify / plain}
