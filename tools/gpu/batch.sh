@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# On the GPU machine, after `source tools/gpu/project_env.sh` (carry .gpuextra, and .whl
+# for `trainer`): the GPU work of the open issues as named steps, each under
+# with_stacks.sh (stacks when its log stops growing) and its own time limit, with any
+# engine or service a previous step left behind killed first (the test steps watch their
+# own logs). Logs under $OUT. One call of the device tool runs at most 600 s: give each
+# call the steps that fit. Kills every python -m rollout_service/bench/pytest/vllm of
+# the machine: for the GPU machine only.
+#
+#   bash tools/gpu/batch.sh tests starts        # ~6 min
+#   bash tools/gpu/batch.sh serving sync        # ~8 min
+#   bash tools/gpu/batch.sh spec                # ~9 min
+set -uo pipefail
+out="${OUT:-/tmp/gpu-batch}"; mkdir -p "$out"; export OUT="$out"
+
+clean() {  # what an earlier step or call left running (not this script's shells)
+  pkill -9 -f "^(/[^ ]*/)?python3? -m (rollout_service|bench|pytest|vllm)|^VLLM::" 2>/dev/null
+  sleep 2
+}
+
+step() {  # step NAME LIMIT_S COMMAND...
+  local name="$1" limit="$2"; shift 2
+  clean
+  echo "== $name (limit ${limit}s)"
+  STALL_S="${STALL_S:-150}" bash tools/gpu/with_stacks.sh "$out/$name.log" timeout "$limit" "$@"
+  echo "== $name: rc $?"; tail -40 "$out/$name.log" | cut -c1-220
+}
+
+for s in "$@"; do
+  case "$s" in
+    tests) STALL_S=100000 step tests 330 bash tools/gpu/run_gpu_tests.sh gpu-marked cuda-ipc ;;
+    trainer) STALL_S=100000 step trainer 330 bash tools/gpu/run_gpu_tests.sh trainer ;;
+    starts) ROUNDS=3 DEADLINE_S=120 step starts 240 bash tools/gpu/start_ab.sh v2 v1 spawn ;;
+    serving) step serving 330 python3 -m bench.serving --model embedded:small \
+               --concurrency 128,512 --max-tokens 256 --rounds 3 --logs "$out/serving-logs" ;;
+    sync) step sync 240 python3 -m bench.weight_sync --size 1b --device cuda \
+            --modes cuda_ipc,cuda_ipc-reload,shm,floor --rounds 5 ;;
+    spec) step spec 540 python3 -m bench.speculation --model embedded:1b \
+            --draft-noise 0.1,0.6 --k-max 3 --concurrency 1,16,256 --max-tokens 256 \
+            --rounds 2 --rollout-prompts 512 --stale-drafter --logs "$out/spec-logs" ;;
+    *) echo "unknown step: $s (tests trainer starts serving sync spec)" >&2; exit 2 ;;
+  esac
+done
+clean
