@@ -64,9 +64,10 @@ class StartDeadline:
         if self._thread is not None:
             self._thread.join()
         if self.expired:
+            self._kill_new_children()  # a start that ended as the deadline passed, too
             raise EngineStartTimeout(
                 f"engine_start_timeout_s: the engine did not start within "
-                f"{self.timeout_s:.0f} s, so its processes were stopped; raise the limit if "
+                f"{self.timeout_s:g} s, so its processes were stopped; raise the limit if "
                 f"starts are this slow (large checkpoints, torch.compile)") from exc
 
     def _watch(self) -> None:
@@ -77,19 +78,23 @@ class StartDeadline:
             if self._finished.is_set():
                 return
             self.expired = True
-        logger.error("the engine did not start within %.0f s (engine_start_timeout_s): "
+        logger.error("the engine did not start within %g s (engine_start_timeout_s): "
                      "stopping the processes it started", self.timeout_s)
         waited = 0.0
-        while not self._finished.wait(0.5):
-            for child in psutil.Process().children(recursive=True):
-                if child.pid not in self._before:
-                    try:
-                        child.kill()
-                    except psutil.NoSuchProcess:
-                        pass
+        while not self._finished.wait(0.5):  # the start may spawn more while it runs
+            self._kill_new_children()
             waited += 0.5
             if waited >= GRACE_S:
                 logger.critical("the engine's start still blocks %.0f s after its processes "
                                 "were stopped: exiting", GRACE_S)
                 logging.shutdown()
                 os._exit(3)
+
+    def _kill_new_children(self) -> None:
+        """Kill this process's descendants that were not there when the start began."""
+        for child in psutil.Process().children(recursive=True):
+            if child.pid not in self._before:
+                try:
+                    child.kill()
+                except psutil.NoSuchProcess:
+                    pass
