@@ -10,7 +10,7 @@ module).
 CPU build, shm pushes), ``cuda-shm`` or ``cuda-ipc`` (vLLM's CUDA build on GPU 0,
 pushes through shared memory or CUDA IPC handles from this process's GPU tensors,
 copied into the served parameters in place), ``cuda-ipc-reload`` (the same with
-vLLM's layerwise reload).
+vLLM's layerwise reload), ``cuda-ipc-k1`` (``cuda-ipc`` with one draft token, not two).
 """
 
 from __future__ import annotations
@@ -35,7 +35,6 @@ from rollout_service.tools.launch import ServiceProcess, free_port
 API_KEY = "test-generation-key"
 WEIGHTS_TOKEN = "test-weights-token"
 PUSH_TIMEOUT_S = 3.0
-NUM_SPECULATIVE_TOKENS = 2
 CATEGORIES = ["math", "code"]
 """The session service's allow-list of request categories (the fuzzer's land in 'other')."""
 T = TypeVar("T")
@@ -53,6 +52,9 @@ class Target:
     """Where the tests keep the tensors they push."""
     weights_load: str = "auto"
     """The service's ``weights_load`` (on CUDA, ``auto`` copies pushes in place)."""
+    num_speculative_tokens: int = 2
+    """MTP draft tokens of the session's service (two: per-position acceptance has two
+    positions)."""
     engine_start_timeout_s: float = 600.0
     """The service's: a start that blocks ends the run with the reason, not a silent
     wait (the 2-core CPU machine needs tens of seconds; an eager H200 engine, seconds)."""
@@ -66,6 +68,9 @@ TARGETS = {
                        transport="shm", tensor_device="cpu", engine_start_timeout_s=180),
     "cuda-ipc": Target(engine_kwargs={"gpu_memory_utilization": 0.2, "enforce_eager": True},
                        transport="cuda_ipc", tensor_device="cuda", engine_start_timeout_s=180),
+    "cuda-ipc-k1": Target(engine_kwargs={"gpu_memory_utilization": 0.2, "enforce_eager": True},
+                          transport="cuda_ipc", tensor_device="cuda", num_speculative_tokens=1,
+                          engine_start_timeout_s=180),
     # The layerwise reload on CUDA: the same tests prove both loads restore the
     # checkpoint bit for bit and change outputs the same way.
     "cuda-ipc-reload": Target(engine_kwargs={"gpu_memory_utilization": 0.2,
@@ -74,6 +79,7 @@ TARGETS = {
                               weights_load="reload", engine_start_timeout_s=180),
 }
 TARGET = TARGETS[os.environ.get("ROLLOUT_TEST_TARGET", "cpu")]
+NUM_SPECULATIVE_TOKENS = TARGET.num_speculative_tokens
 shm_only = pytest.mark.skipif(TARGET.transport != "shm",
                               reason="a test of the shm transport's segment")
 

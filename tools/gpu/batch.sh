@@ -7,7 +7,8 @@
 # call the steps that fit. Kills every python -m rollout_service/bench/pytest/vllm of
 # the machine: for the GPU machine only.
 #
-#   bash tools/gpu/batch.sh tests starts        # ~6 min
+#   bash tools/gpu/batch.sh tests               # ~4 min
+#   bash tools/gpu/batch.sh starts trainer      # ~7 min
 #   bash tools/gpu/batch.sh serving sync        # ~8 min
 #   bash tools/gpu/batch.sh spec                # ~9 min
 set -uo pipefail
@@ -28,7 +29,8 @@ step() {  # step NAME LIMIT_S COMMAND...
 
 for s in "$@"; do
   case "$s" in
-    tests) STALL_S=100000 step tests 330 bash tools/gpu/run_gpu_tests.sh gpu-marked cuda-ipc ;;
+    tests) STALL_S=100000 step tests 420 bash tools/gpu/run_gpu_tests.sh gpu-marked cuda-ipc \
+             cuda-ipc-k1 ;;
     trainer) STALL_S=100000 step trainer 330 bash tools/gpu/run_gpu_tests.sh trainer ;;
     starts) ROUNDS=3 DEADLINE_S=120 step starts 240 bash tools/gpu/start_ab.sh v2 v1 spawn ;;
     serving) step serving 330 python3 -m bench.serving --model embedded:small \
