@@ -10,6 +10,7 @@
 #   bash tools/gpu/batch.sh tests               # ~4 min
 #   bash tools/gpu/batch.sh starts trainer      # ~7 min
 #   bash tools/gpu/batch.sh serving sync        # ~8 min
+#   bash tools/gpu/batch.sh load                # ~4 min
 #   bash tools/gpu/batch.sh spec                # ~9 min
 set -uo pipefail
 out="${OUT:-/tmp/gpu-batch}"; mkdir -p "$out"; export OUT="$out"
@@ -37,10 +38,12 @@ for s in "$@"; do
                --concurrency 128,512 --max-tokens 256 --rounds 3 --logs "$out/serving-logs" ;;
     sync) step sync 240 python3 -m bench.weight_sync --size 1b --device cuda \
             --modes cuda_ipc,cuda_ipc-reload,shm,floor --rounds 5 ;;
+    load) step load 300 python3 -m bench.push_under_load --model embedded:1b \
+            --transport cuda_ipc --concurrency 128 --rounds 3 --round-s 20 ;;
     spec) step spec 540 python3 -m bench.speculation --model embedded:1b \
             --draft-noise 0.1,0.6 --k-max 3 --concurrency 1,16,256 --max-tokens 256 \
             --rounds 2 --rollout-prompts 512 --stale-drafter --logs "$out/spec-logs" ;;
-    *) echo "unknown step: $s (tests trainer starts serving sync spec)" >&2; exit 2 ;;
+    *) echo "unknown step: $s (tests trainer starts serving sync load spec)" >&2; exit 2 ;;
   esac
 done
 clean
