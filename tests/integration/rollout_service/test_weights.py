@@ -358,6 +358,11 @@ async def test_keep_mode_freezes_requests_and_spans_show_the_switch(
         original: dict[str, torch.Tensor], restore: None) -> None:
     version = next_version(service)
     num_tokens = 1000
+    # New tokens carry the served main version's label, or no switch could show.
+    probe = await client.generate(messages.GenerateRequest(prompt_token_ids=[5, 6], max_tokens=2))
+    labels = [span.version for span in probe.outputs[0].weight_versions]
+    served = status(service)
+    assert labels == [str(served.main_version or "default")], (labels, served)
     # Sixteen long requests, not four: on the 2-core CI machine the test process was seen
     # frozen for seconds while the engine generated, and four requests finished unseen.
     # Requests of earlier tests still in the engine would generate the tokens counted
