@@ -67,7 +67,7 @@ RATIOS = (("service", "asyncllm", 0.90), ("service", "vllm-server", 1.0),
 """(numerator, denominator, target) of each printed ratio."""
 STARTUP_TIMEOUT_S = 900.0
 HTTP_TIMEOUT_S = 1800.0
-SERVER_KEEP_ALIVE_S = 90
+SERVER_KEEP_ALIVE_S: int = ServiceConfig.model_fields["http_keep_alive_s"].default
 """Idle seconds both HTTP servers keep a connection (the service's default
 ``http_keep_alive_s``; vLLM's server is told through ``VLLM_HTTP_TIMEOUT_KEEP_ALIVE``)."""
 
@@ -292,8 +292,7 @@ def print_report(console: Console, results: dict[int, Rates], workload: Workload
 
 
 def build_config(opts: argparse.Namespace) -> ServiceConfig:
-    overrides: dict[str, Any] = {"mtp": {"num_speculative_tokens": opts.num_speculative_tokens},
-                                 "http_keep_alive_s": SERVER_KEEP_ALIVE_S}
+    overrides: dict[str, Any] = {"mtp": {"num_speculative_tokens": opts.num_speculative_tokens}}
     if opts.device == "cuda":
         # vLLM's own GPU defaults (torch.compile, CUDA graphs, KV cache from the memory
         # fraction), not the embedded model's CPU ones (eager, a fixed 512 MiB cache).

@@ -141,11 +141,7 @@ def _measure_with_drafter_runs(runner: Any, batch: int, k: int,
             best[name] = min(best[name], time.perf_counter() - start)
     plain = best["P"] - best["D1"]
     verify = best["V"] - best["D2"] + best["D2"] / k + (k - 1) * best["D1"] / k
-    if not 0 < plain < verify * 10:
-        logger.warning("verify cost not measured: inconsistent timings %s", best)
-        return None
-    return {"batch_size": float(batch), "plain_s": plain, "verify_s": verify,
-            "verify_cost_ratio": verify / plain}
+    return _result(batch, plain, verify, best)
 
 
 def _has_step_timing(runner: Any) -> bool:
@@ -174,8 +170,14 @@ def _measure_with_step_timing(runner: Any, batch: int, k: int,
         return None
     plain = min(s.forward_ms for s in plain_steps) / 1e3
     verify = min(s.forward_ms + s.drafter_ms for s in verify_steps) / 1e3
+    return _result(batch, plain, verify, samples)
+
+
+def _result(batch: int, plain: float, verify: float,
+            timings: object) -> dict[str, float] | None:
+    """Both runners' answer, or None (logged with ``timings``) when the times disagree."""
     if not 0 < plain < verify * 10:
-        logger.warning("verify cost not measured: inconsistent timings %s", samples)
+        logger.warning("verify cost not measured: inconsistent timings %s", timings)
         return None
     return {"batch_size": float(batch), "plain_s": plain, "verify_s": verify,
             "verify_cost_ratio": verify / plain}
