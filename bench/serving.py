@@ -7,7 +7,7 @@ machine (clocks, other load) hits every mode alike:
 
 - ``asyncllm``: ``AsyncLLM`` in this process (it spawns its engine-core process);
   requests sent with ``asyncio.gather``: the engine's own ceiling.
-- ``service``: ``rollout-service serve`` as a child process, reached with httpx
+- ``service``: ``rollout-service serve`` as a child process, reached with aiohttp
   posts to ``/generate``.
 - ``vllm-server``: ``python -m vllm.entrypoints.openai.api_server`` as a child
   process with the same engine args as CLI flags, reached with ``/v1/completions``.
@@ -50,13 +50,15 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
-import httpx
+import aiohttp
+import psutil
 from rich.console import Console
 from rich.table import Table
 
 from rollout_service.config import ServiceConfig, load_config
 from rollout_service.embedded.corpus import arithmetic_prompts
 from rollout_service.engines.vllm.cpu_preload import preload_for_cpu_engine
+from rollout_service.engines.vllm.start_method import spawn_engine_core_on_cuda
 from rollout_service.protocol import messages
 from rollout_service.tools.launch import ChildProcess, free_port, wait_http_ok
 
@@ -148,7 +150,14 @@ async def start_asyncllm(cfg: ServiceConfig, workload: Workload) -> tuple[RoundF
 
 
 class HttpMode:
-    """A server in a child process and the client that drives it."""
+    """A server in a child process and the client that drives it.
+
+    The client is aiohttp, as in vLLM's own serving benchmark
+    (vllm-project/vllm, ``vllm/benchmarks/lib/endpoint_request_func.py``): with httpx
+    an H200 run at 512 requests in flight spent its time in httpcore's connection-pool
+    bookkeeping (``_assign_requests_to_connections``, once per request over every
+    connection), the client and not a server bounding the rate.
+    """
 
     def __init__(self, server: ChildProcess, url: str, path: str,
                  body: Callable[[int], dict[str, Any]], count: Callable[[dict[str, Any]], int],
@@ -158,28 +167,30 @@ class HttpMode:
         # One kept-alive connection per request in flight: no connection is opened
         # during a timed round once the warm-up has opened them. They idle while the
         # other modes run; both servers keep them for SERVER_KEEP_ALIVE_S and this
-        # client for less, so it never reuses one a server has just closed (an
-        # httpx.ReadError ended an H200 run when both sides used 5 s).
-        limits = httpx.Limits(max_connections=max_concurrency,
-                              max_keepalive_connections=max_concurrency,
-                              keepalive_expiry=SERVER_KEEP_ALIVE_S - 30)
-        self._http = httpx.AsyncClient(base_url=url, limits=limits, timeout=HTTP_TIMEOUT_S)
+        # client for less, so it never reuses one a server has just closed (a read
+        # error ended an H200 run when both sides used 5 s).
+        connector = aiohttp.TCPConnector(limit=max_concurrency,
+                                         keepalive_timeout=SERVER_KEEP_ALIVE_S - 30)
+        self._http = aiohttp.ClientSession(
+            base_url=url, connector=connector,
+            timeout=aiohttp.ClientTimeout(total=HTTP_TIMEOUT_S))
 
     async def _one(self, i: int) -> int:
         return await self.send(self._body(i))
 
     async def send(self, body: dict[str, Any]) -> int:
         """One request with this ``body``; the tokens it generated."""
-        response = await self._http.post(self._path, json=body)
-        if response.is_error:
-            raise RuntimeError(f"{self._path}: HTTP {response.status_code}: {response.text}")
-        return self._count(response.json())
+        async with self._http.post(self._path, json=body) as response:
+            if response.status >= 400:
+                raise RuntimeError(f"{self._path}: HTTP {response.status}: "
+                                   f"{await response.text()}")
+            return self._count(await response.json())
 
     async def run_round(self, concurrency: int) -> int:
         return sum(await asyncio.gather(*(self._one(i) for i in range(concurrency))))
 
     async def close(self) -> None:
-        await self._http.aclose()
+        await self._http.close()
         self.server.stop()
 
 
@@ -238,29 +249,50 @@ async def start_http(mode: str, cfg: ServiceConfig, workload: Workload, scratch:
 
 @dataclasses.dataclass(kw_only=True, slots=True)
 class Rates:
-    """Per-round tokens/s of each mode at one concurrency, in round order."""
+    """Per-round figures of each mode at one concurrency, in round order: tokens/s, and
+    the CPU the bench process (the client; for ``asyncllm`` also the front end) and the
+    mode's front-end process used, in cores (1.0 = one core busy the whole round). A
+    front end near 1.0 is a saturated event loop; so is a client near 1.0."""
 
     by_mode: dict[str, list[float]] = dataclasses.field(default_factory=dict)
+    client_cpu: dict[str, list[float]] = dataclasses.field(default_factory=dict)
+    front_end_cpu: dict[str, list[float]] = dataclasses.field(default_factory=dict)
 
-    def add(self, mode: str, rate: float) -> None:
+    def add(self, mode: str, rate: float, client_cpu: float, front_end_cpu: float) -> None:
         self.by_mode.setdefault(mode, []).append(rate)
+        self.client_cpu.setdefault(mode, []).append(client_cpu)
+        self.front_end_cpu.setdefault(mode, []).append(front_end_cpu)
 
 
-async def measure(rounds: dict[str, RoundFn], concurrency: int, num_rounds: int,
-                  console: Console) -> Rates:
-    """A warm-up round per mode, then ``num_rounds`` rounds with the modes' order rotated."""
+def cpu_seconds(process: psutil.Process) -> float:
+    times = process.cpu_times()
+    return times.user + times.system
+
+
+async def measure(rounds: dict[str, RoundFn], front_ends: dict[str, int], concurrency: int,
+                  num_rounds: int, console: Console) -> Rates:
+    """A warm-up round per mode, then ``num_rounds`` rounds with the modes' order rotated.
+
+    ``front_ends`` names each mode's front-end process (the one that runs vLLM's output
+    handler: this process for ``asyncllm``, the server's otherwise)."""
     modes = list(rounds)
     for mode in modes:
         await rounds[mode](concurrency)
+    me = psutil.Process()
+    processes = {mode: psutil.Process(pid) for mode, pid in front_ends.items()}
     rates = Rates()
     for r in range(num_rounds):
         order = modes[r % len(modes):] + modes[:r % len(modes)]
         for mode in order:
+            client, front = cpu_seconds(me), cpu_seconds(processes[mode])
             start = time.perf_counter()
             tokens = await rounds[mode](concurrency)
-            rates.add(mode, tokens / (time.perf_counter() - start))
+            wall = time.perf_counter() - start
+            rates.add(mode, tokens / wall, (cpu_seconds(me) - client) / wall,
+                      (cpu_seconds(processes[mode]) - front) / wall)
         console.print(f"  c={concurrency} round {r + 1}: " + ", ".join(
-            f"{m} {rates.by_mode[m][-1]:.0f}" for m in modes) + " tok/s")
+            f"{m} {rates.by_mode[m][-1]:.0f} (front end {rates.front_end_cpu[m][-1]:.2f}, "
+            f"client {rates.client_cpu[m][-1]:.2f} cores)" for m in modes) + " tok/s")
     return rates
 
 
@@ -273,12 +305,15 @@ def print_report(console: Console, results: dict[int, Rates], workload: Workload
     console.print(f"workload: {workload.max_tokens} tokens per request, n=1, ignore_eos, "
                   f"temperature {workload.temperature}; 1 warm-up + {num_rounds} timed rounds "
                   "per mode, modes interleaved")
-    table = Table("concurrency", "mode", "median tok/s", "range tok/s")
+    table = Table("concurrency", "mode", "median tok/s", "range tok/s",
+                  "front-end CPU (cores)", "client CPU (cores)")
     ratios = Table("concurrency", "ratio", "median", "range", "target", "met")
     for concurrency, rates in results.items():
         for mode, values in rates.by_mode.items():
             table.add_row(str(concurrency), mode, f"{statistics.median(values):.0f}",
-                          spread(values))
+                          spread(values),
+                          f"{statistics.median(rates.front_end_cpu[mode]):.2f}",
+                          f"{statistics.median(rates.client_cpu[mode]):.2f}")
         for num, den, target in RATIOS:
             if num in rates.by_mode and den in rates.by_mode:
                 per_round = [a / b for a, b in zip(rates.by_mode[num], rates.by_mode[den])]
@@ -315,6 +350,7 @@ async def run(opts: argparse.Namespace, console: Console) -> dict[int, Rates]:
     console.print(f"logs: {scratch}\nengine args (non-default): "
                   f"{non_default_engine_args(engine_args(cfg))}")
     rounds: dict[str, RoundFn] = {}
+    front_ends: dict[str, int] = {}
     closers: list[Callable[[], Awaitable[None]]] = []
     profiler: subprocess.Popen[bytes] | None = None
     try:
@@ -322,17 +358,19 @@ async def run(opts: argparse.Namespace, console: Console) -> dict[int, Rates]:
             console.print(f"starting {mode} ...")
             if mode == "asyncllm":
                 run_round, shutdown = await start_asyncllm(cfg, workload)
+                front_ends[mode] = os.getpid()
 
                 async def close(shutdown: Callable = shutdown) -> None:
                     shutdown()
             else:
                 http = await start_http(mode, cfg, workload, scratch, max(levels))
                 run_round, close = http.run_round, http.close
+                front_ends[mode] = http.server.pid
                 if mode == "service" and opts.profile_service:
                     profiler = start_profiler(http.server.pid, Path(opts.profile_service))
             rounds[mode] = run_round
             closers.append(close)
-        return {c: await measure(rounds, c, opts.rounds, console) for c in levels}
+        return {c: await measure(rounds, front_ends, c, opts.rounds, console) for c in levels}
     finally:
         if profiler is not None:  # py-spy writes its file on SIGINT
             profiler.send_signal(signal.SIGINT)
@@ -364,11 +402,14 @@ def add_device_arguments(parser: argparse.ArgumentParser, *, gpu_memory_utilizat
 
 
 def resolve_device(opts: argparse.Namespace) -> None:
-    """Fill ``opts.device`` when not given: cuda when vLLM sees a GPU."""
+    """Fill ``opts.device`` when not given: cuda when vLLM sees a GPU. On CUDA every
+    mode's engine core is spawned, as the service's is (``start_method.py``): the
+    variable goes to this process's ``AsyncLLM`` and the servers' environments."""
     if opts.device is None:  # NVML only: CUDA initialized here would break vLLM's fork
         from vllm.platforms import current_platform
 
         opts.device = "cuda" if current_platform.is_cuda() else "cpu"
+    spawn_engine_core_on_cuda(is_cuda=opts.device == "cuda")
 
 
 def main() -> None:

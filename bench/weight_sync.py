@@ -9,7 +9,9 @@ the MTP drafter in each mode:
   ``rollout-service serve`` child with that ``weights_transport`` and
   ``weights_load`` (``auto`` for the plain name: in place on CUDA, reload on CPU),
   pushed to by ``WeightPusher`` (``target="both"``) until it serves the new
-  version. ``cuda_ipc`` shares CUDA tensors: it needs ``--device cuda``.
+  version. ``cuda_ipc`` shares CUDA tensors: it needs ``--device cuda``; it copies
+  them into the pusher's staging buffer (one export per push), and
+  ``cuda_ipc-unstaged`` exports each tensor in place instead.
 - ``disk``: an ``AsyncLLM`` in this process on the same engine args; safetensors
   save to a temp dir, pause, reload main and drafter (``bench/disk_reload.py``),
   resume. Unsynced save, read back from the page cache: both favour ``disk``.
@@ -66,12 +68,17 @@ class PushMode:
 
     transport: Transport
     weights_load: WeightsLoad
+    cuda_ipc_staging: bool = True
+    """``cuda_ipc``: one staging buffer exported once, or every tensor exported in place."""
 
 
 PUSH_MODES = {f"{t}{'-reload' if w == 'reload' else ''}": PushMode(transport=t, weights_load=w)
               for t in ("shm", "cuda_ipc") for w in ("auto", "reload")}
+PUSH_MODES["cuda_ipc-unstaged"] = PushMode(transport="cuda_ipc", weights_load="auto",
+                                           cuda_ipc_staging=False)
 REFERENCE_MODES = ("disk", "floor")
-DEFAULT_MODES = {"cpu": "shm,disk,floor", "cuda": "cuda_ipc,cuda_ipc-reload,shm,floor"}
+DEFAULT_MODES = {"cpu": "shm,disk,floor",
+                 "cuda": "cuda_ipc,cuda_ipc-unstaged,cuda_ipc-reload,shm,floor"}
 # Several engines share one GPU: a small, fixed KV cache and a modest share each.
 # Without a GPU the service's embedded defaults apply, with the checkpoint's dtype.
 ENGINE_KWARGS = {"cpu": {"dtype": "bfloat16"},
@@ -333,8 +340,10 @@ async def bench(opts: argparse.Namespace, console: Console) -> tuple[dict[str, T
         tensors.update(load_file(str(model_path / "model.safetensors"),
                                  device="cuda:0" if opts.device == "cuda" else "cpu"))
         for name, service in services.items():
+            mode = PUSH_MODES[name]
             pusher = stack.enter_context(WeightPusher(
-                service.url, token, transport=PUSH_MODES[name].transport))
+                service.url, token, transport=mode.transport,
+                cuda_ipc_staging=mode.cuda_ipc_staging))
             modes[name] = PushBench(name, service, pusher, tensors)
         if "floor" in names:
             modes["floor"] = FloorBench(tensors, opts.device)

@@ -2,11 +2,12 @@
 
 Runs in the trainer process. Tensors (already under their Hugging Face names)
 are copied once into a shared-memory segment that the pusher keeps for the
-whole run (``shm``), or shared in place as CUDA IPC handles (``cuda_ipc``, same
-GPU as the engine); they are announced bucket by bucket over HTTP (JSON control
-messages only) and loaded by the service into the main model and the MTP
-drafter in one paused window. The drafter reads the same bytes: nothing is sent
-twice.
+whole run (``shm``), or shared as CUDA IPC handles (``cuda_ipc``, same GPU as the
+engine): by default copied into a staging buffer on the GPU that the pusher keeps
+for the run and exported as one handle, or each tensor exported in place; they are
+announced bucket by bucket over HTTP (JSON control messages only) and loaded by
+the service into the main model and the MTP drafter in one paused window. The
+drafter reads the same bytes: nothing is sent twice.
 
     pusher = WeightPusher("http://127.0.0.1:8000", token=os.environ["ROLLOUT_WEIGHTS_TOKEN"])
     report = pusher.push(export_hf_weights(model), version=step)
@@ -26,7 +27,7 @@ import torch
 
 from rollout_service.client import ServiceError, bearer, raise_for_error
 from rollout_service.protocol import messages
-from rollout_service.protocol.cuda_ipc import export_handle
+from rollout_service.protocol.cuda_ipc import CudaIpcHandle, export_handle, view_in
 from rollout_service.protocol.placement import (
     CudaIpcLocation,
     ShmLocation,
@@ -49,7 +50,8 @@ class PushReport:
     num_buckets: int
     fill_s: float
     """Copying tensors into the segment (device-to-host included); ``cuda_ipc``:
-    exporting their handles."""
+    copying them into the staging buffer and exporting its handle (or exporting each
+    tensor's handle)."""
     control_s: float
     """Begin and update calls."""
     server: messages.PushFinishResponse
@@ -156,11 +158,17 @@ class WeightPusher:
             Default: 512 MiB for ``shm``; for ``cuda_ipc`` every tensor in one call
             (the bytes do not travel, only ~200 bytes of handle per tensor, and each
             call costs a few milliseconds of HTTP and validation).
+        cuda_ipc_staging: ``cuda_ipc`` only. True (default): copy the tensors into a
+            staging buffer on the first tensor's GPU (kept for the next push) and export
+            it as one handle, so the engine opens one export per push instead of one per
+            tensor; costs one copy of the pushed weights in GPU memory. False: export
+            each tensor in place (no extra memory; an export and an open per tensor).
         timeout_s: HTTP timeout; loading a large model can take a while.
     """
 
     def __init__(self, url: str, token: str, *, transport: Transport = "shm",
-                 bucket_bytes: int | None = None, timeout_s: float = 600.0) -> None:
+                 bucket_bytes: int | None = None, cuda_ipc_staging: bool = True,
+                 timeout_s: float = 600.0) -> None:
         if transport not in ("shm", "cuda_ipc"):
             raise ValueError(f"transport: {transport!r} is not supported (accepted: 'shm', "
                              "'cuda_ipc')")
@@ -173,6 +181,8 @@ class WeightPusher:
         self._transport = transport
         self._segment: Segment | None = None
         self._pinned: PinnedSegment | None = None
+        self._staging_enabled = cuda_ipc_staging and transport == "cuda_ipc"
+        self._staging: torch.Tensor | None = None
         self._segment_name = f"mtp-rollout-push-{uuid.uuid4().hex[:12]}"
 
     def close(self) -> None:
@@ -181,6 +191,7 @@ class WeightPusher:
         if self._segment is not None:
             self._segment.close()
             self._segment = None
+        self._staging = None
         self._http.close()
 
     def __enter__(self) -> WeightPusher:
@@ -197,6 +208,14 @@ class WeightPusher:
                 self._segment.close()
             self._segment = Segment.create(self._segment_name, nbytes)
         return self._segment
+
+    def _staging_for(self, nbytes: int, device: torch.device) -> torch.Tensor:
+        # Kept across pushes like the segment: no allocation per step.
+        if (self._staging is None or self._staging.numel() < nbytes
+                or self._staging.device != device):
+            self._staging = None
+            self._staging = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        return self._staging
 
     def _pin(self, segment: Segment) -> None:
         if self._pinned is None:
@@ -254,9 +273,27 @@ class WeightPusher:
         fill_s = 0.0
         num_buckets = 0
         has_async_copies = False
+        staging: torch.Tensor | None = None
+        staged: list[tuple[messages.ParamSpec, int]] = []
         try:
             bucket: list[TensorPlacement] = []
             bucket_bytes = 0
+
+            def announce(placement: TensorPlacement | None) -> None:
+                """Add ``placement`` to the bucket; send the bucket once full (or, with
+                None, whatever it holds)."""
+                nonlocal bucket, bucket_bytes, num_buckets, fill_s
+                if placement is not None:
+                    bucket.append(placement)
+                    bucket_bytes += placement.nbytes
+                if bucket and (placement is None or bucket_bytes >= self._bucket_bytes):
+                    if has_async_copies:  # the bytes must be in the segment when announced
+                        fill_s += _synchronize()
+                    self._call("/weights/update",
+                               messages.PushUpdateRequest(push_id=begin.push_id, tensors=bucket))
+                    num_buckets += 1
+                    bucket, bucket_bytes = [], 0
+
             for (name, tensor), spec, offset, nbytes in zip(tensors, specs, offsets, sizes,
                                                             strict=True):
                 if (name, list(tensor.shape), str(tensor.dtype)) != (
@@ -265,33 +302,41 @@ class WeightPusher:
                                      f"where specs announced {spec.name!r} {spec.shape} "
                                      f"{spec.dtype}")
                 t0 = time.perf_counter()
+                location: ShmLocation | CudaIpcLocation | None = None
                 if segment is not None:
                     if tensor.device.type == "cuda":
                         self._pin(segment)
                         has_async_copies = True
                     copy_into(segment, offset, tensor, nbytes)
-                    location: ShmLocation | CudaIpcLocation = ShmLocation(
-                        segment=segment.name, offset=offset)
+                    location = ShmLocation(segment=segment.name, offset=offset)
+                elif self._staging_enabled:
+                    checked = shareable(tensor, name)
+                    if staging is None:
+                        staging = self._staging_for(segment_bytes, checked.device)
+                    view_in(staging, offset, spec.shape, spec.dtype).copy_(checked)
+                    staged.append((spec, offset))  # announced once the buffer is exported
                 else:
                     exported.append(shareable(tensor, name))
                     location = CudaIpcLocation(handle=export_handle(exported[-1], name))
                 fill_s += time.perf_counter() - t0
-                bucket.append(TensorPlacement(name=name, dtype=spec.dtype,
-                                              shape=tuple(spec.shape), location=location))
-                bucket_bytes += nbytes
-                if bucket_bytes >= self._bucket_bytes:
-                    if has_async_copies:  # the bytes must be in the segment when announced
-                        fill_s += _synchronize()
-                    self._call("/weights/update",
-                               messages.PushUpdateRequest(push_id=begin.push_id, tensors=bucket))
-                    num_buckets += 1
-                    bucket, bucket_bytes = [], 0
-            if bucket:
-                if has_async_copies:
-                    fill_s += _synchronize()
-                self._call("/weights/update",
-                           messages.PushUpdateRequest(push_id=begin.push_id, tensors=bucket))
-                num_buckets += 1
+                if location is not None:
+                    announce(TensorPlacement(name=name, dtype=spec.dtype,
+                                             shape=tuple(spec.shape), location=location))
+            if staging is not None:
+                t0 = time.perf_counter()
+                # The copies must be done before the engine reads: the export's event is
+                # not enough, as a receiver that still maps the buffer from the last push
+                # reuses that mapping without waiting on the new event (torch's
+                # rebuild_cuda_tensor, storage cache hit).
+                torch.cuda.synchronize(staging.device)
+                handle: CudaIpcHandle = export_handle(staging, "the staging buffer")
+                fill_s += time.perf_counter() - t0
+                for spec, offset in staged:
+                    announce(TensorPlacement(name=spec.name, dtype=spec.dtype,
+                                             shape=tuple(spec.shape),
+                                             location=CudaIpcLocation(handle=handle,
+                                                                      offset=offset)))
+            announce(None)
             control_s = time.perf_counter() - start - fill_s
             finished = messages.PushFinishResponse.model_validate(
                 self._call("/weights/finish", messages.PushFinishRequest(push_id=begin.push_id)))

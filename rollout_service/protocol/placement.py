@@ -48,12 +48,17 @@ class ShmLocation(BaseModel):
 
 
 class CudaIpcLocation(BaseModel):
-    """The tensor's CUDA memory, shared by the trainer as an IPC handle."""
+    """The tensor's CUDA memory, shared by the trainer as an IPC handle: the tensor
+    itself, or a byte buffer holding it at ``offset`` (the trainer's staging buffer,
+    one handle for every tensor of a push)."""
 
     model_config = _LOCATION
 
     transport: Literal["cuda_ipc"] = "cuda_ipc"
     handle: CudaIpcHandle
+    offset: int = Field(0, ge=0, description=(
+        "Byte offset of the tensor in the handle's memory when the handle is a byte "
+        "buffer (1-D uint8); 0 when the handle is the tensor itself."))
 
 
 Location = Annotated[ShmLocation | CudaIpcLocation, Field(discriminator="transport")]
@@ -73,9 +78,9 @@ class TensorPlacement(BaseModel):
     def _handle_matches(self) -> TensorPlacement:
         if isinstance(self.location, CudaIpcLocation):
             try:
-                self.location.handle.check_matches(self.shape, self.dtype)
+                self.location.handle.check_holds(self.shape, self.dtype, self.location.offset)
             except ValueError as exc:
-                raise ValueError(f"location.handle.{exc} (tensor {self.name!r})") from exc
+                raise ValueError(f"location.{exc} (tensor {self.name!r})") from exc
         return self
 
     @property

@@ -23,6 +23,7 @@ import logging
 import os
 import time
 import uuid
+from collections import defaultdict
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
@@ -177,12 +178,17 @@ def validate_placement(push: ActivePush, placement: TensorPlacement) -> None:
 
 def check_no_overlap(placements: Iterable[TensorPlacement]) -> None:
     """Raises PushError(400) naming the first tensor that overlaps its predecessor in
-    the segment (CUDA IPC placements are not in one)."""
-    spans = sorted((p.location.offset, p.location.offset + p.nbytes, p.name)
-                   for p in placements if isinstance(p.location, ShmLocation))
-    for (_, before_end, before), (after_start, _, after) in zip(spans, spans[1:]):
-        if after_start < before_end:
-            raise PushError(400, f"tensors: {after!r} overlaps {before!r} in the segment")
+    the segment, or in a CUDA IPC byte buffer (one export holding several tensors)."""
+    by_memory: dict[object, list[tuple[int, int, str]]] = defaultdict(list)
+    for p in placements:
+        key = "segment" if isinstance(p.location, ShmLocation) else p.location.handle.export_key
+        by_memory[key].append((p.location.offset, p.location.offset + p.nbytes, p.name))
+    for key, spans in by_memory.items():
+        where = "the segment" if key == "segment" else "its CUDA IPC buffer"
+        spans.sort()
+        for (_, before_end, before), (after_start, _, after) in zip(spans, spans[1:]):
+            if after_start < before_end:
+                raise PushError(400, f"tensors: {after!r} overlaps {before!r} in {where}")
 
 
 def build_update(push: ActivePush) -> WeightUpdate:

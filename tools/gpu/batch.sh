@@ -8,7 +8,7 @@
 # the machine: for the GPU machine only.
 #
 #   bash tools/gpu/batch.sh tests               # ~4 min
-#   bash tools/gpu/batch.sh starts trainer      # ~7 min
+#   bash tools/gpu/batch.sh starts trainer      # ~9 min
 #   bash tools/gpu/batch.sh serving sync        # ~8 min
 #   bash tools/gpu/batch.sh load                # ~4 min
 #   bash tools/gpu/batch.sh spec                # ~9 min
@@ -20,12 +20,29 @@ clean() {  # what an earlier step or call left running (not this script's shells
   sleep 2
 }
 
+flatten() {  # the device tool returns no nested log folders: copy their logs to the top
+  find "$out" -mindepth 2 -type f \( -name '*.log' -o -name '*.json' -o -name '*.txt' \) \
+    | while read -r f; do cp "$f" "$out/$(realpath --relative-to="$out" "$f" | tr / _)"; done
+  find "$out" -mindepth 1 -type d -exec rm -rf {} + 2>/dev/null
+}
+
+errors() {  # the first error lines of the logs a failed step wrote (servers', engines')
+  find "$out" -maxdepth 1 -name '*.log' -newer "$out/.step-start" \
+    | xargs -r grep -l -E "Traceback|ERROR|EngineDeadError" | while read -r f; do
+    echo "-- $f"; grep -n -m 12 -E -A3 "Traceback|ERROR|Error:" "$f" | cut -c1-220
+  done
+}
+
 step() {  # step NAME LIMIT_S COMMAND...
-  local name="$1" limit="$2"; shift 2
+  local name="$1" limit="$2" rc; shift 2
   clean
+  touch "$out/.step-start"
   echo "== $name (limit ${limit}s)"
   STALL_S="${STALL_S:-150}" bash tools/gpu/with_stacks.sh "$out/$name.log" timeout "$limit" "$@"
-  echo "== $name: rc $?"; tail -40 "$out/$name.log" | cut -c1-220
+  rc=$?
+  flatten
+  echo "== $name: rc $rc"; tail -40 "$out/$name.log" | cut -c1-220
+  [ "$rc" -eq 0 ] || errors | head -120
 }
 
 for s in "$@"; do
@@ -33,11 +50,11 @@ for s in "$@"; do
     tests) STALL_S=100000 step tests 420 bash tools/gpu/run_gpu_tests.sh gpu-marked cuda-ipc \
              cuda-ipc-k1 ;;
     trainer) STALL_S=100000 step trainer 330 bash tools/gpu/run_gpu_tests.sh trainer ;;
-    starts) ROUNDS=3 DEADLINE_S=120 step starts 240 bash tools/gpu/start_ab.sh v2 v1 spawn ;;
+    starts) ROUNDS=4 DEADLINE_S=120 step starts 300 bash tools/gpu/start_ab.sh spawn fork ;;
     serving) step serving 330 python3 -m bench.serving --model embedded:small \
                --concurrency 128,512 --max-tokens 256 --rounds 3 --logs "$out/serving-logs" ;;
     sync) step sync 240 python3 -m bench.weight_sync --size 1b --device cuda \
-            --modes cuda_ipc,cuda_ipc-reload,shm,floor --rounds 5 ;;
+            --modes cuda_ipc,cuda_ipc-unstaged,cuda_ipc-reload,shm,floor --rounds 5 ;;
     load) step load 300 python3 -m bench.push_under_load --model embedded:1b \
             --transport cuda_ipc --concurrency 128 --rounds 3 --round-s 20 ;;
     spec) step spec 540 python3 -m bench.speculation --model embedded:1b \

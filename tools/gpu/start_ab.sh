@@ -5,15 +5,15 @@
 # DEADLINE_S (the service's engine_start_timeout_s then stops it and exits naming it).
 # For the engine-core start that blocked in a pinned host allocation of vLLM's V2 model
 # runner (docs/what-ran-where.md). Variants:
-#   v2      vLLM's defaults (the V2 model runner for this model)
-#   v1      VLLM_USE_V2_MODEL_RUNNER=0
-#   spawn   VLLM_WORKER_MULTIPROC_METHOD=spawn (engine core spawned, not forked)
+#   spawn   the service's default on CUDA (engine core spawned: start_method.py)
+#   fork    VLLM_WORKER_MULTIPROC_METHOD=fork (vLLM's own default, the blocked starts)
+#   v1      forked, VLLM_USE_V2_MODEL_RUNNER=0
 #
-#   ROUNDS=4 DEADLINE_S=120 bash tools/gpu/start_ab.sh v2 v1 spawn
+#   ROUNDS=4 DEADLINE_S=120 bash tools/gpu/start_ab.sh spawn fork v1
 set -uo pipefail
 rounds="${ROUNDS:-3}"; deadline_s="${DEADLINE_S:-120}"; out="${OUT:-/tmp/start-ab}"
 mkdir -p "$out"
-variants=("$@"); [ ${#variants[@]} -eq 0 ] && variants=(v2 v1)
+variants=("$@"); [ ${#variants[@]} -eq 0 ] && variants=(spawn fork)
 printf '{"model": "embedded:tiny", "engine_start_timeout_s": %s, "engine_kwargs": {"gpu_memory_utilization": 0.15, "enforce_eager": true}}' \
   "$deadline_s" > "$out/service.json"
 printf '%-6s %-6s %s\n' round variant result
@@ -21,8 +21,8 @@ for r in $(seq 1 "$rounds"); do
   for v in "${variants[@]}"; do
     env_v=()
     case "$v" in
-      v1) env_v=(VLLM_USE_V2_MODEL_RUNNER=0) ;;
-      spawn) env_v=(VLLM_WORKER_MULTIPROC_METHOD=spawn) ;;
+      fork) env_v=(VLLM_WORKER_MULTIPROC_METHOD=fork) ;;
+      v1) env_v=(VLLM_WORKER_MULTIPROC_METHOD=fork VLLM_USE_V2_MODEL_RUNNER=0) ;;
     esac
     log="$out/$v-$r.log"; port=$((18100 + r))
     start_ns=$(date +%s%N)

@@ -12,7 +12,9 @@ by :mod:`rollout_service.protocol.cuda_ipc`. The pickled path is never used.
 
 The main model and the drafter load the same push from the same handles: they
 are opened once, by the first load of the push, kept for the second and released
-after the last one (``is_last_load``). Opening an export twice makes the
+after the last one (``is_last_load``). Tensors that share one export (the trainer's
+staging buffer: every tensor of a push in one byte buffer) share one open, and each
+is a view into it at its offset. Opening an export twice makes the
 receiver return torch's reference count twice, and the trainer's memory behind
 it stays in torch's IPC limbo for good (measured on an H200: 64 MiB still
 allocated after the trainer freed the tensor and called ``ipc_collect``).
@@ -32,8 +34,8 @@ from vllm.distributed.weight_transfer.ipc_engine import IPCWeightTransferEngine
 
 from rollout_service.engines.vllm.copy_plan import CopyPlan
 from rollout_service.engines.vllm.transfer import LoadSession, PushUpdateInfo
-from rollout_service.protocol.cuda_ipc import open_handle
-from rollout_service.protocol.placement import CudaIpcLocation
+from rollout_service.protocol.cuda_ipc import open_handle, view_in
+from rollout_service.protocol.placement import CudaIpcLocation, TensorPlacement
 
 
 class CudaIpcWeightTransferEngine(IPCWeightTransferEngine):
@@ -73,16 +75,26 @@ class CudaIpcWeightTransferEngine(IPCWeightTransferEngine):
         self._opened = None  # an earlier push that never reached its last load
         device_index = self.device.index
         assert device_index is not None, self.device
-        weights = []
-        for placement in info.placements:
-            location = placement.location
-            assert isinstance(location, CudaIpcLocation)  # PushUpdateInfo checked the transport
-            weights.append((placement.name, open_handle(
-                location.handle, device_index=device_index, shape=placement.shape,
-                dtype=placement.dtype)))
+        weights = open_placements(info.placements, device_index)
         self._opened = (info.push_id, weights)
         return weights
 
     def shutdown(self) -> None:
         self._opened = None
         super().shutdown()
+
+
+def open_placements(placements: list[TensorPlacement], device_index: int
+                    ) -> list[tuple[str, torch.Tensor]]:
+    """Each placement's tensor, every export opened exactly once (torch counts opens)."""
+    opened: dict[tuple[str, str, int], torch.Tensor] = {}
+    weights = []
+    for placement in placements:
+        location = placement.location
+        assert isinstance(location, CudaIpcLocation)  # PushUpdateInfo checked the transport
+        key = location.handle.export_key
+        if key not in opened:
+            opened[key] = open_handle(location.handle, device_index=device_index)
+        weights.append((placement.name, view_in(opened[key], location.offset,
+                                                placement.shape, placement.dtype)))
+    return weights

@@ -64,6 +64,7 @@ from rollout_service.engines.vllm.spec_schedule import (
     schedule_to_ranges,
     with_startup_schedule,
 )
+from rollout_service.engines.vllm.start_method import spawn_engine_core_if_cuda
 from rollout_service.engines.vllm.step_costs import StepCostMonitor
 from rollout_service.engines.vllm.transfer import update_info
 from rollout_service.protocol.acceptance import InvalidSpecDecodeStats, SpecDecodeStats
@@ -169,9 +170,11 @@ class VLLMEngine:
     def start(cls, engine_args: AsyncEngineArgs, served_model_name: str,
               weights_load: WeightsLoad = "auto",
               step_costs: StepCostMonitor | None = None) -> VLLMEngine:
-        """Start the engine (spawns vLLM's engine-core process); ``step_costs`` measures
-        its steps (a stat logger beside vLLM's own)."""
+        """Start the engine and vLLM's engine-core process (spawned on CUDA:
+        ``start_method.py``); ``step_costs`` measures its steps (a stat logger beside
+        vLLM's own)."""
         loggers = None if step_costs is None else [step_costs.logger_factory()]
+        spawn_engine_core_if_cuda()
         llm = AsyncLLM.from_engine_args(engine_args, stat_loggers=loggers)
         _cache_vllm_environment()
         model_config = llm.model_config

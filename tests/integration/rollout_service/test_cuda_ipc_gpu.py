@@ -1,7 +1,8 @@
 """CUDA IPC handles across two processes on one GPU, through their JSON form.
 
 Process A (spawned) plays the trainer: it makes bf16 and fp32 tensors on cuda:0
-(plain, sliced from a larger tensor, several views of one allocation), exports
+(plain, sliced from a larger tensor, several views of one allocation, and a byte
+buffer holding two of them, as the trainer's staging buffer does), exports
 each with :func:`export_handle`, and sends ``model_dump_json()`` strings, the
 tensors' bytes and their SHA-256 over a multiprocessing queue. This process
 plays the engine worker: it parses the JSON, opens every handle with
@@ -25,13 +26,15 @@ from typing import Any
 import pytest
 import torch
 
-from rollout_service.protocol.cuda_ipc import CudaIpcHandle, export_handle, open_handle
+from rollout_service.protocol.cuda_ipc import CudaIpcHandle, export_handle, open_handle, view_in
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 TIMEOUT_S = 120
 OTHER_GPU = "GPU-00000000-0000-0000-0000-000000000000"
+STAGED = {"embed.weight": 0, "norm.weight": 257 * 96 * 2}
+"""Byte offsets of two tensors in the ``staged`` byte buffer."""
 
 
 def _raw(tensor: torch.Tensor) -> bytes:
@@ -54,9 +57,20 @@ def _trainer_tensors() -> dict[str, torch.Tensor]:
     }
 
 
+def _staged(tensors: dict[str, torch.Tensor]) -> torch.Tensor:
+    """A byte buffer holding copies of the ``STAGED`` tensors at their offsets."""
+    staged = torch.zeros(STAGED["norm.weight"] + 96 * 4, dtype=torch.uint8, device="cuda:0")
+    for name, offset in STAGED.items():
+        tensor = tensors[name]
+        view_in(staged, offset, list(tensor.shape),
+                str(tensor.dtype).removeprefix("torch.")).copy_(tensor)
+    return staged
+
+
 def trainer(queue: Any, verified: Any, written: Any, done: Any) -> None:
     """Process A: export every tensor, send JSON + bytes + digests, then keep them alive."""
     tensors = _trainer_tensors()
+    tensors["staged"] = _staged(tensors)
     torch.cuda.synchronize()
     for name, tensor in tensors.items():
         handle = export_handle(tensor, name)
@@ -83,7 +97,7 @@ def test_handles_cross_processes_as_json_bit_identical() -> None:
     proc.start()
     opened: dict[str, torch.Tensor] = {}
     try:
-        wrong = last = None
+        wrong = None
         while (item := queue.get(timeout=TIMEOUT_S)) is not None:
             name, text, raw, digest = item
             assert isinstance(text, str)  # JSON only crosses the process boundary
@@ -91,25 +105,27 @@ def test_handles_cross_processes_as_json_bit_identical() -> None:
             if name == "wrong-gpu":
                 wrong = handle
                 continue
-            tensor = open_handle(handle, device_index=0, shape=handle.shape,
-                                 dtype=handle.dtype)
+            tensor = open_handle(handle, device_index=0)
             assert tensor.device == torch.device("cuda:0") and not tensor.requires_grad
             mine = _raw(tensor)
             assert hashlib.sha256(mine).hexdigest() == digest, name
             assert mine == raw, name
             opened[name] = tensor
-            last = handle
         del tensor  # the mappings live in `opened` only
-        assert len(opened) == 7
-        assert {str(t.dtype) for t in opened.values()} == {"torch.bfloat16", "torch.float32"}
+        assert len(opened) == 8
+        assert {str(t.dtype) for t in opened.values()} == {"torch.bfloat16", "torch.float32",
+                                                           "torch.uint8"}
+        for name, offset in STAGED.items():  # views into the buffer, bit-identical
+            own = opened[name]
+            view = view_in(opened["staged"], offset, list(own.shape),
+                           str(own.dtype).removeprefix("torch."))
+            assert view.data_ptr() == opened["staged"].data_ptr() + offset
+            assert _raw(view) == _raw(own), name
 
         assert wrong is not None
         with pytest.raises(ValueError, match=f"gpu_uuid: the handle's memory is on GPU "
                                              f"{OTHER_GPU}"):
-            open_handle(wrong, device_index=0, shape=wrong.shape, dtype=wrong.dtype)
-        assert last is not None
-        with pytest.raises(ValueError, match="shape: the handle describes"):
-            open_handle(last, device_index=0, shape=[1, *last.shape], dtype=last.dtype)
+            open_handle(wrong, device_index=0)
 
         verified.set()
         assert written.wait(TIMEOUT_S)

@@ -19,13 +19,14 @@ from torch.multiprocessing.reductions import rebuild_cuda_tensor
 
 from rollout_service.config import ServiceConfig
 from rollout_service.protocol import messages
-from rollout_service.protocol.cuda_ipc import CudaIpcHandle, export_handle
+from rollout_service.protocol.cuda_ipc import CudaIpcHandle, export_handle, view_in
 from rollout_service.protocol.placement import CudaIpcLocation, ShmLocation, TensorPlacement
 from rollout_service.protocol.tensors import TensorMeta, contiguous_stride
 from rollout_service.weights.intake import (
     ActivePush,
     PushError,
     build_update,
+    check_no_overlap,
     validate_announcement,
     validate_placement,
 )
@@ -159,6 +160,100 @@ def test_handle_matches_announcement() -> None:
     with pytest.raises(ValueError, match="dtype: the handle describes bfloat16, the "
                                          "announcement float16"):
         handle.check_matches((4, 3), "float16")
+
+
+BUFFER = {"shape": [64], "stride": [1], "dtype": "uint8", "storage_size_bytes": 64}
+"""A byte buffer of 64 bytes (the trainer's staging buffer)."""
+
+
+def test_a_byte_buffer_holds_tensors_at_offsets() -> None:
+    """Both tensors of CHECKPOINT in one 64-byte buffer: w (24 bytes) at 0, b at 32."""
+    buffer = handle_fields(**BUFFER)
+    for name, offset in (("w", 0), ("b", 32), ("w", 40), ("b", 52)):
+        body = placed(name, buffer)
+        body["location"]["offset"] = offset
+        placement = TensorPlacement.model_validate(body)
+        assert isinstance(placement.location, CudaIpcLocation)
+        assert placement.location.offset == offset
+    for name, offset, needle in (
+            ("w", 1, "location.offset: 1 is not a multiple of 2, the size of a bfloat16"),
+            ("b", 34, "location.offset: 34 is not a multiple of 4"),
+            ("w", 42, "location.offset: the tensor's bytes 42..66 end past the buffer's 64"),
+            ("b", 56, "location.offset: the tensor's bytes 56..68 end past the buffer's 64")):
+        body = placed(name, buffer)
+        body["location"]["offset"] = offset
+        with pytest.raises(ValidationError, match=needle):
+            TensorPlacement.model_validate(body)
+    # A handle that is a tensor (not a byte buffer) has it at offset 0 only.
+    body = placed("w", handle_fields())
+    body["location"]["offset"] = 2
+    with pytest.raises(ValidationError, match="location.offset: 2 lies in a byte buffer only"):
+        TensorPlacement.model_validate(body)
+    body["location"]["offset"] = -1
+    with pytest.raises(ValidationError, match="greater than or equal to 0"):
+        TensorPlacement.model_validate(body)
+
+
+def test_tensors_overlapping_in_one_buffer_are_refused() -> None:
+    staged = CudaIpcHandle.model_validate(handle_fields(**BUFFER))
+    other = CudaIpcHandle.model_validate(handle_fields(**BUFFER, ref_counter_offset=8))
+
+    def at(name: str, handle: CudaIpcHandle, offset: int) -> TensorPlacement:
+        meta = CHECKPOINT[name]
+        return TensorPlacement(name=name, dtype=meta.dtype, shape=meta.shape,
+                               location=CudaIpcLocation(handle=handle, offset=offset))
+
+    check_no_overlap([at("w", staged, 0), at("b", staged, 24)])  # adjacent
+    check_no_overlap([at("w", staged, 0), at("b", other, 0)])  # two exports
+    with pytest.raises(PushError, match="tensors: 'b' overlaps 'w' in its CUDA IPC buffer"):
+        check_no_overlap([at("w", staged, 0), at("b", staged, 20)])
+
+
+def test_view_in_reads_the_bytes_at_the_offset_without_a_copy() -> None:
+    w = torch.arange(12, dtype=torch.bfloat16).view(4, 3)
+    b = torch.tensor([1.5, -2.0, 3.25])
+    buffer = torch.zeros(64, dtype=torch.uint8)
+    view_in(buffer, 0, [4, 3], "bfloat16").copy_(w)
+    view_in(buffer, 32, [3], "float32").copy_(b)
+    assert torch.equal(view_in(buffer, 0, [4, 3], "bfloat16"), w)
+    got = view_in(buffer, 32, [3], "float32")
+    assert torch.equal(got, b) and got.data_ptr() == buffer.data_ptr() + 32
+    assert view_in(w, 0, [4, 3], "bfloat16") is w  # a handle that is the tensor itself
+
+
+def test_every_export_is_opened_once_and_shared_by_its_tensors(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The worker opens the staging buffer once for all its tensors (torch counts
+    opens per export), and a tensor exported on its own once more."""
+    from rollout_service.engines.vllm import cuda_ipc_backend
+
+    w = torch.arange(12, dtype=torch.bfloat16).view(4, 3)
+    buffer = torch.zeros(64, dtype=torch.uint8)
+    view_in(buffer, 0, [4, 3], "bfloat16").copy_(w)
+    own_b = torch.tensor([1.5, -2.0, 3.25])
+    staged = CudaIpcHandle.model_validate(handle_fields(**BUFFER))
+    alone = CudaIpcHandle.model_validate(handle_fields(
+        shape=[3], stride=[1], dtype="float32", storage_size_bytes=12, ref_counter_offset=8))
+    memory = {staged.export_key: buffer, alone.export_key: own_b}
+    opens: list[tuple[str, str, int]] = []
+
+    def open_handle(handle: CudaIpcHandle, *, device_index: int) -> torch.Tensor:
+        opens.append(handle.export_key)
+        return memory[handle.export_key]
+
+    monkeypatch.setattr(cuda_ipc_backend, "open_handle", open_handle)
+    placements = [
+        TensorPlacement(name="w", dtype="bfloat16", shape=(4, 3),
+                        location=CudaIpcLocation(handle=staged, offset=0)),
+        TensorPlacement(name="w2", dtype="bfloat16", shape=(4, 3),
+                        location=CudaIpcLocation(handle=staged, offset=24)),
+        TensorPlacement(name="b", dtype="float32", shape=(3,),
+                        location=CudaIpcLocation(handle=alone)),
+    ]
+    weights = dict(cuda_ipc_backend.open_placements(placements, device_index=0))
+    assert opens == [staged.export_key, alone.export_key]
+    assert torch.equal(weights["w"], w) and weights["b"] is own_b
+    assert weights["w2"].data_ptr() == buffer.data_ptr() + 24
 
 
 def test_cpu_tensors_are_refused_by_name() -> None:
