@@ -34,7 +34,7 @@ from rollout_service.protocol.placement import (
     TensorPlacement,
     Transport,
 )
-from rollout_service.protocol.shm import Segment, align
+from rollout_service.protocol.shm import PinnedSegment, Segment, align
 from rollout_service.protocol.tensors import TensorMeta, contiguous_stride
 
 DEFAULT_BUCKET_BYTES = 512 * 1024**2
@@ -123,26 +123,6 @@ def _synchronize() -> float:
     start = time.perf_counter()
     torch.cuda.synchronize()
     return time.perf_counter() - start
-
-
-class PinnedSegment:
-    """The segment registered with CUDA as page-locked memory, for device-to-host copies.
-
-    A copy from a GPU into pageable memory goes through a driver staging buffer, in
-    chunks, synchronously; into registered memory it runs at PCIe speed as one DMA and
-    can overlap the next tensor's. Registered once per segment (the pusher keeps its
-    segment across pushes) and unregistered before the segment is unmapped.
-    """
-
-    def __init__(self, segment: Segment) -> None:
-        self._segment = segment
-        self._address = segment.address(0)
-        err = torch.cuda.cudart().cudaHostRegister(self._address, segment.nbytes, 0)
-        if int(err) != 0:
-            raise RuntimeError(f"cudaHostRegister of the push segment failed: error {int(err)}")
-
-    def close(self) -> None:
-        torch.cuda.cudart().cudaHostUnregister(self._address)
 
 
 class WeightPusher:
