@@ -7,11 +7,10 @@
 # call the steps that fit. Kills every python -m rollout_service/bench/pytest/vllm of
 # the machine: for the GPU machine only.
 #
-#   bash tools/gpu/batch.sh tests               # ~4 min
-#   bash tools/gpu/batch.sh starts trainer      # ~9 min
-#   bash tools/gpu/batch.sh serving sync        # ~8 min
-#   bash tools/gpu/batch.sh load                # ~4 min
+#   bash tools/gpu/batch.sh tests sync          # ~9 min (one call each if it stalls)
+#   bash tools/gpu/batch.sh serving             # ~6-8 min
 #   bash tools/gpu/batch.sh spec                # ~9 min
+#   bash tools/gpu/batch.sh load starts trainer # ~4 + 5 + 5 min
 set -uo pipefail
 out="${OUT:-/tmp/gpu-batch}"; mkdir -p "$out"; export OUT="$out"
 
@@ -48,10 +47,10 @@ step() {  # step NAME LIMIT_S COMMAND...
 for s in "$@"; do
   case "$s" in
     tests) STALL_S=100000 step tests 420 bash tools/gpu/run_gpu_tests.sh gpu-marked cuda-ipc \
-             cuda-ipc-k1 ;;
+             cuda-shm ;;
     trainer) STALL_S=100000 step trainer 330 bash tools/gpu/run_gpu_tests.sh trainer ;;
-    starts) ROUNDS=4 DEADLINE_S=120 step starts 300 bash tools/gpu/start_ab.sh spawn fork ;;
-    serving) step serving 330 python3 -m bench.serving --model embedded:small \
+    starts) ROUNDS=3 DEADLINE_S=120 step starts 300 bash tools/gpu/start_ab.sh spawn fork ;;
+    serving) step serving 480 python3 -m bench.serving --model embedded:small \
                --concurrency 128,512 --max-tokens 256 --rounds 3 --logs "$out/serving-logs" ;;
     sync) step sync 240 python3 -m bench.weight_sync --size 1b --device cuda \
             --modes cuda_ipc,cuda_ipc-unstaged,cuda_ipc-reload,shm,floor --rounds 5 ;;
