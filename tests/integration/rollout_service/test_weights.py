@@ -373,12 +373,16 @@ async def test_keep_mode_freezes_requests_and_spans_show_the_switch(
         prompt_token_ids=[4 + i, 11], max_tokens=num_tokens, temperature=1.0, seed=i,
         ignore_eos=True)) for i in range(16)))
     await tokens_generated_reach(client, before + 32, pending)  # mid-generation now
+    at_push = await generated_tokens(client), await requests_in_engine(client)
     await asyncio.to_thread(pusher.push, original.items(), version=version, pause_mode="keep")
     responses = await pending
     spans = [r.outputs[0].weight_versions for r in responses]
     assert all(len(r.outputs[0].token_ids) == num_tokens for r in responses)  # none aborted
     switched = [s for s in spans if len(s) == 2]
-    assert switched, f"no request crossed the push: {spans}"
+    assert switched, (f"no request crossed the push of version {version} (served before: "
+                      f"{served.main_version}, probe labels {labels}; vLLM's token counter "
+                      f"{before:.0f} before the requests, {at_push[0]:.0f} and "
+                      f"{at_push[1]:.0f} requests in the engine at the push): {spans}")
     for old, new in switched:
         assert new.version == str(version) and old.end == new.start
 
