@@ -19,9 +19,9 @@ from torch.multiprocessing.reductions import rebuild_cuda_tensor
 
 from rollout_service.config import ServiceConfig
 from rollout_service.protocol import messages
-from rollout_service.protocol.cuda_ipc import CudaIpcHandle, export_handle, view_in
+from rollout_service.protocol.cuda_ipc import CudaIpcHandle, export_handle
 from rollout_service.protocol.placement import CudaIpcLocation, ShmLocation, TensorPlacement
-from rollout_service.protocol.tensors import TensorMeta, contiguous_stride
+from rollout_service.protocol.tensors import TensorMeta, contiguous_stride, view_in
 from rollout_service.weights.intake import (
     ActivePush,
     PushError,
