@@ -352,8 +352,11 @@ def test_config_and_engine_args_select_the_backend() -> None:
                                               "engine 'vllm' only"):
         ServiceConfig(engine="sglang", weights_transport="cuda_ipc")
     with pytest.raises(ValidationError, match="weights_transport"):
-        ServiceConfig(weights_transport="nccl")
+        ServiceConfig(weights_transport="rdma")
     args = build_engine_args("/nonexistent", {}, ServiceConfig().mtp, None,
                              weights_transport="cuda_ipc")
     assert args.weight_transfer_config.backend == "cuda_ipc"
-    assert set(BACKENDS) == {"shm", "cuda_ipc"}
+    args = build_engine_args("/nonexistent", {}, ServiceConfig().mtp, None,
+                             weights_transport="nccl")
+    assert args.weight_transfer_config.backend == "rollout_nccl"  # vLLM's own is "nccl"
+    assert set(BACKENDS) == {"shm", "cuda_ipc", "rollout_nccl"}
