@@ -34,7 +34,7 @@ def weights_router(weights_token: str | None) -> APIRouter:
     router = APIRouter(prefix="/weights", dependencies=[Depends(guard or disabled)],
                        responses=documented(401 if guard else 403))
 
-    @router.post("/group", responses=documented(400, 409))
+    @router.post("/group", responses=documented(403, 409))
     async def group(mgr: WeightPushes = Depends(pushes)) -> messages.WeightGroupResponse:
         """A new collective group for the 'nccl' transport: join it as rank 0 at the
         address given, then name it in each push's begin (docs/weight-pushes.md)."""

@@ -236,7 +236,7 @@ class CoordinatorPushes:
         return await _call(self._coordinator.status.remote())
 
     async def create_group(self) -> messages.WeightGroupResponse:
-        raise PushError(400, "weights_transport: Ray Serve takes 'shm' pushes only; weight "
+        raise PushError(403, "weights_transport: Ray Serve takes 'shm' pushes only; weight "
                              "groups are for the 'nccl' transport of the standalone service")
 
 

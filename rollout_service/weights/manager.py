@@ -83,11 +83,12 @@ class WeightPushManager:
         """A new ``nccl`` group (the current one, if any, is let go).
 
         Raises:
-            PushError: 400 for another transport, 409 while a push is in progress.
+            PushError: 403 for another transport (groups are off by configuration), 409
+                while a push is in progress.
         """
         async with self._lock:
             if self._groups is None:
-                raise PushError(400, f"weights_transport: this service takes "
+                raise PushError(403, f"weights_transport: this service takes "
                                      f"{self._transport!r} pushes; weight groups are for "
                                      "'nccl'")
             if self._intake.active is not None:
