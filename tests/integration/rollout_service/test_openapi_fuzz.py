@@ -81,10 +81,12 @@ INTENTIONAL = (
         check="positive_data_acceptance", path=r"^/weights/update$",
         status=400, error_type="invalid_request_error",
         message=r"is not the contiguous stride|storage_size_bytes: \d+ cannot hold|"
-                r"the handle describes",
+                r"the handle describes|lies in a byte buffer only|is not a multiple of|"
+                r"end past the buffer's",
         reason="A CUDA IPC handle must agree with itself and with its placement (strides "
                "contiguous for its shape, storage large enough, the placement's shape and "
-               "dtype): relations between fields, which JSON Schema cannot state."),
+               "dtype, or for a byte buffer the offset's alignment and bounds): relations "
+               "between fields, which JSON Schema cannot state."),
 )
 
 
