@@ -157,11 +157,21 @@ class ServiceConfig(BaseModel):
     push_timeout_s: float = Field(
         60.0, gt=0, description=("A weight push with no call from the trainer for this long is "
                                  "aborted; the old weights stay served."))
-    weights_transport: Literal["shm", "cuda_ipc"] = Field("shm", description=(
+    weights_transport: Literal["shm", "cuda_ipc", "nccl"] = Field("shm", description=(
         "Data path of weight pushes, and the vLLM weight-transfer backend the engine starts "
-        "with: 'shm' (a shared-memory segment on this host; CPU or GPU) or 'cuda_ipc' (CUDA "
+        "with: 'shm' (a shared-memory segment on this host; CPU or GPU), 'cuda_ipc' (CUDA "
         "IPC handles; trainer and engine on the same GPU, vLLM's CUDA build, engine 'vllm' "
-        "standalone). A push announcing another transport is refused (400)."))
+        "standalone) or 'nccl' (the trainer broadcasts to every engine worker in a "
+        "collective group it joins through POST /weights/group: NCCL on CUDA, gloo on the "
+        "CPU; any host that reaches this one; engine 'vllm' standalone). A push announcing "
+        "another transport is refused (400)."))
+    weights_group_address: str | None = Field(None, description=(
+        "nccl only: the address trainers reach this host at for the group's rendezvous. "
+        "Default: 'host', or 127.0.0.1 when 'host' is a wildcard (0.0.0.0, ::)."))
+    weights_group_timeout_s: float = Field(60.0, gt=0, description=(
+        "nccl only: how long the group's join and each push's broadcast wait for the other "
+        "ranks. A trainer silent for longer fails its push (nothing loaded) and ends the "
+        "group; the trainer's next push creates a new one."))
     weights_load: WeightsLoad = Field("auto", description=(
         "How vLLM loads a push. 'reload': vLLM's layerwise reload (re-initialises each layer "
         "and re-runs its post-load processing: needed where vLLM transforms weights after "
@@ -177,10 +187,17 @@ class ServiceConfig(BaseModel):
 
     @model_validator(mode="after")
     def _transport_engine(self) -> ServiceConfig:
-        if self.weights_transport == "cuda_ipc" and self.engine != "vllm":
-            raise ValueError(f"weights_transport: 'cuda_ipc' is built for engine 'vllm' only, "
-                             f"not {self.engine!r}")
+        if self.weights_transport != "shm" and self.engine != "vllm":
+            raise ValueError(f"weights_transport: {self.weights_transport!r} is built for "
+                             f"engine 'vllm' only, not {self.engine!r}")
         return self
+
+    @property
+    def group_address(self) -> str:
+        """Where trainers reach the ``nccl`` group's rendezvous (``weights_group_address``)."""
+        if self.weights_group_address:
+            return self.weights_group_address
+        return "127.0.0.1" if self.host in ("0.0.0.0", "::", "") else self.host
 
     @model_validator(mode="after")
     def _speculation_control_engine(self) -> ServiceConfig:

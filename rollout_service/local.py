@@ -14,7 +14,13 @@ from typing import cast
 from prometheus_client import CollectorRegistry
 
 from rollout_service.config import ServiceConfig
-from rollout_service.engines.base import Engine, EngineSpec, EngineStarter, SpecScheduleEngine
+from rollout_service.engines.base import (
+    BroadcastEngine,
+    Engine,
+    EngineSpec,
+    EngineStarter,
+    SpecScheduleEngine,
+)
 from rollout_service.engines.speculative import load_checkpoint_config
 from rollout_service.engines.start_deadline import StartDeadline
 from rollout_service.protocol.tensors import checkpoint_tensors
@@ -30,6 +36,7 @@ from rollout_service.telemetry.config import CategoryLabels
 from rollout_service.telemetry.drafter import DrafterHealth
 from rollout_service.telemetry.speculation import SpeculationMetrics
 from rollout_service.telemetry.weights import WeightMetrics
+from rollout_service.weights.group import WeightGroups
 from rollout_service.weights.manager import WeightPushManager
 
 ENGINE_MODULES = {"vllm": "rollout_service.engines.vllm.engine",
@@ -65,6 +72,17 @@ async def start_engine(config: ServiceConfig) -> Engine:
         return await start(engine_spec(config))
 
 
+def weight_groups(engine: Engine, config: ServiceConfig) -> WeightGroups | None:
+    """The ``nccl`` transport's groups, or None for the other transports."""
+    if config.weights_transport != "nccl":
+        return None
+    if not isinstance(engine, BroadcastEngine):
+        raise ValueError(f"weights_transport: 'nccl' needs an engine whose workers join a "
+                         f"group, and {type(engine).__name__} has none")
+    return WeightGroups(engine, num_workers=engine.num_workers, backend=engine.group_backend,
+                        address=config.group_address, timeout_s=config.weights_group_timeout_s)
+
+
 def build_local_service(engine: Engine, config: ServiceConfig
                         ) -> tuple[RolloutService, CollectorRegistry]:
     """The service around one engine, with its own metrics registry; the speculation
@@ -84,7 +102,7 @@ def build_local_service(engine: Engine, config: ServiceConfig
         WeightMetrics(registry=registry, model=info.model, engine=info.engine,
                       drafter=drafter),
         timeout_s=config.push_timeout_s, has_draft=info.has_pushable_drafter,
-        transport=config.weights_transport)
+        transport=config.weights_transport, groups=weight_groups(engine, config))
     settings = config.speculation_control
     speculation_metrics = SpeculationMetrics(
         registry=registry, model=info.model, engine=info.engine,

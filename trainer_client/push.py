@@ -27,15 +27,17 @@ import torch
 
 from rollout_service.client import ServiceError, bearer, raise_for_error
 from rollout_service.protocol import messages
-from rollout_service.protocol.cuda_ipc import CudaIpcHandle, export_handle, view_in
+from rollout_service.protocol.cuda_ipc import CudaIpcHandle, export_handle
 from rollout_service.protocol.placement import (
+    BroadcastLocation,
     CudaIpcLocation,
     ShmLocation,
     TensorPlacement,
     Transport,
 )
 from rollout_service.protocol.shm import PinnedSegment, Segment, align
-from rollout_service.protocol.tensors import TensorMeta, contiguous_stride
+from rollout_service.protocol.tensors import TensorMeta, contiguous_stride, view_in
+from trainer_client.group import TrainerGroup
 
 DEFAULT_BUCKET_BYTES = 512 * 1024**2
 
@@ -149,9 +151,9 @@ class WeightPusher:
     def __init__(self, url: str, token: str, *, transport: Transport = "shm",
                  bucket_bytes: int | None = None, cuda_ipc_staging: bool = True,
                  timeout_s: float = 600.0) -> None:
-        if transport not in ("shm", "cuda_ipc"):
+        if transport not in ("shm", "cuda_ipc", "nccl"):
             raise ValueError(f"transport: {transport!r} is not supported (accepted: 'shm', "
-                             "'cuda_ipc')")
+                             "'cuda_ipc', 'nccl')")
         if bucket_bytes is None:
             bucket_bytes = DEFAULT_BUCKET_BYTES if transport == "shm" else sys.maxsize
         if bucket_bytes <= 0:
@@ -163,6 +165,7 @@ class WeightPusher:
         self._pinned: PinnedSegment | None = None
         self._staging_enabled = cuda_ipc_staging and transport == "cuda_ipc"
         self._staging: torch.Tensor | None = None
+        self._group = TrainerGroup(self._create_group) if transport == "nccl" else None
         self._segment_name = f"mtp-rollout-push-{uuid.uuid4().hex[:12]}"
 
     def close(self) -> None:
@@ -172,6 +175,8 @@ class WeightPusher:
             self._segment.close()
             self._segment = None
         self._staging = None
+        if self._group is not None:
+            self._group.close()
         self._http.close()
 
     def __enter__(self) -> WeightPusher:
@@ -205,6 +210,25 @@ class WeightPusher:
         if self._pinned is not None:
             self._pinned.close()
             self._pinned = None
+
+    def _create_group(self) -> messages.WeightGroupResponse:
+        response = self._http.post("/weights/group")
+        raise_for_error(response)
+        return messages.WeightGroupResponse.model_validate(response.json())
+
+    def _begin(self, request: messages.PushBeginRequest) -> messages.PushBeginResponse:
+        """``begin``; for ``nccl``, once more in a new group when the service has let the
+        old one go (a failed broadcast, a restarted service)."""
+        try:
+            return messages.PushBeginResponse.model_validate(
+                self._call("/weights/begin", request))
+        except ServiceError as exc:
+            if self._group is None or exc.status != 409 or "group_id" not in exc.message:
+                raise
+            self._group.close()
+            request = request.model_copy(update={"group_id": self._group.group_id})
+            return messages.PushBeginResponse.model_validate(
+                self._call("/weights/begin", request))
 
     def _call(self, path: str, body: messages.BaseModel) -> dict:
         response = self._http.post(path, content=body.model_dump_json(),
@@ -240,13 +264,16 @@ class WeightPusher:
         sizes = [spec_nbytes(spec) for spec in specs]
         offsets, segment_bytes = layout(sizes)
         segment = self._segment_for(segment_bytes) if self._transport == "shm" else None
+        group = self._group
         total = sum(sizes)
-        begin = messages.PushBeginResponse.model_validate(self._call("/weights/begin",
-            messages.PushBeginRequest(version=version, target=target, transport=self._transport,
-                                      segment=segment.name if segment else None,
-                                      segment_bytes=segment.nbytes if segment else None,
-                                      total_bytes=total, params=list(specs),
-                                      pause_mode=pause_mode, training_stats=training_stats)))
+        begin = self._begin(messages.PushBeginRequest(
+            version=version, target=target, transport=self._transport,
+            segment=segment.name if segment else None,
+            segment_bytes=segment.nbytes if segment else None,
+            group_id=group.group_id if group else None,
+            broadcast_bytes=segment_bytes if group else None,
+            total_bytes=total, params=list(specs), pause_mode=pause_mode,
+            training_stats=training_stats))
         # cuda_ipc: the engine maps these tensors' memory until finish returns; a
         # handle does not keep its tensor alive, so this list does.
         exported: list[torch.Tensor] = []
@@ -282,8 +309,13 @@ class WeightPusher:
                                      f"where specs announced {spec.name!r} {spec.shape} "
                                      f"{spec.dtype}")
                 t0 = time.perf_counter()
-                location: ShmLocation | CudaIpcLocation | None = None
-                if segment is not None:
+                location: ShmLocation | CudaIpcLocation | BroadcastLocation | None = None
+                if group is not None:
+                    if staging is None:
+                        staging = self._staging_for(segment_bytes, group.device)
+                    view_in(staging, offset, spec.shape, spec.dtype).copy_(tensor.detach())
+                    location = BroadcastLocation(offset=offset)
+                elif segment is not None:
                     if tensor.device.type == "cuda":
                         self._pin(segment)
                         has_async_copies = True
@@ -302,7 +334,7 @@ class WeightPusher:
                 if location is not None:
                     announce(TensorPlacement(name=name, dtype=spec.dtype,
                                              shape=tuple(spec.shape), location=location))
-            if staging is not None:
+            if staging is not None and group is None:
                 t0 = time.perf_counter()
                 # The copies must be done before the engine reads: the export's event is
                 # not enough, as a receiver that still maps the buffer from the last push
@@ -318,8 +350,16 @@ class WeightPusher:
                                                                       offset=offset)))
             announce(None)
             control_s = time.perf_counter() - start - fill_s
-            finished = messages.PushFinishResponse.model_validate(
-                self._call("/weights/finish", messages.PushFinishRequest(push_id=begin.push_id)))
+
+            def finish() -> messages.PushFinishResponse:
+                return messages.PushFinishResponse.model_validate(self._call(
+                    "/weights/finish", messages.PushFinishRequest(push_id=begin.push_id)))
+
+            if group is not None:
+                assert staging is not None
+                finished = group.during_broadcast(staging[:segment_bytes], finish)
+            else:
+                finished = finish()
         except BaseException as exc:
             if not isinstance(exc, ServiceError):  # a refusal already ended the push
                 self._abort(begin.push_id, f"trainer error: {exc!r}")

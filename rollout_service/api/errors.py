@@ -33,7 +33,9 @@ ERROR_DESCRIPTIONS = {
     401: "Missing or wrong bearer token.",
     403: "Disabled by configuration.",
     404: "No such push (not the active one).",
-    409: "Conflicts with the push in progress or the served versions.",
+    408: "The trainer's broadcast (transport 'nccl') did not arrive in time; nothing was "
+         "loaded and the group is closed.",
+    409: "Conflicts with the push in progress, the served versions or the weight group.",
     500: "The engine failed while loading weights.",
     503: "The engine is dead, or a weight load failed midway.",
 }

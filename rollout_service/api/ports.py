@@ -71,6 +71,10 @@ class WeightPushes(Protocol):
 
     async def get_status(self) -> messages.WeightStatus: ...
 
+    async def create_group(self) -> messages.WeightGroupResponse:
+        """A new collective group for the ``nccl`` transport (``POST /weights/group``)."""
+        ...
+
 
 class SchedulePins(Protocol):
     """``POST /speculation/schedule``: pin a K schedule over the speculation controller."""

@@ -34,6 +34,12 @@ def weights_router(weights_token: str | None) -> APIRouter:
     router = APIRouter(prefix="/weights", dependencies=[Depends(guard or disabled)],
                        responses=documented(401 if guard else 403))
 
+    @router.post("/group", responses=documented(403, 409))
+    async def group(mgr: WeightPushes = Depends(pushes)) -> messages.WeightGroupResponse:
+        """A new collective group for the 'nccl' transport: join it as rank 0 at the
+        address given, then name it in each push's begin (docs/weight-pushes.md)."""
+        return await mgr.create_group()
+
     @router.post("/begin", responses=documented(400, 409, 503))
     async def begin(req: messages.PushBeginRequest,
                     mgr: WeightPushes = Depends(pushes)) -> messages.PushBeginResponse:
@@ -44,7 +50,7 @@ def weights_router(weights_token: str | None) -> APIRouter:
                      mgr: WeightPushes = Depends(pushes)) -> messages.PushUpdateResponse:
         return await mgr.update(req)
 
-    @router.post("/finish", responses=documented(400, 404, 409, 500, 503))
+    @router.post("/finish", responses=documented(400, 404, 408, 409, 500, 503))
     async def finish(req: messages.PushFinishRequest,
                      mgr: WeightPushes = Depends(pushes)) -> messages.PushFinishResponse:
         return await mgr.finish(req)

@@ -18,6 +18,7 @@ from typing import Any, Literal, Protocol, runtime_checkable
 
 from rollout_service.engines.speculative import MTPSettings
 from rollout_service.protocol.acceptance import InvalidSpecDecodeStats, SpecDecodeStats
+from rollout_service.protocol.broadcast import Backend, GroupSpec
 from rollout_service.protocol.messages import PauseMode, PushTarget, WeightVersionSpan
 from rollout_service.protocol.placement import TensorPlacement, Transport
 from rollout_service.speculation.cost import StepCostSample
@@ -287,6 +288,41 @@ class Engine(Protocol):
 
 StepCostSink = Callable[[StepCostSample], None]
 """Takes one engine step's measured cost; called often, so it must be quick."""
+
+
+@runtime_checkable
+class BroadcastEngine(Protocol):
+    """An engine whose workers take pushes as a broadcast in a collective group
+    (``weights_transport: nccl``; vLLM: ``engines/vllm/broadcast_backend.py``)."""
+
+    @property
+    def num_workers(self) -> int:
+        """Worker processes that join a group (ranks 1..num_workers)."""
+        ...
+
+    @property
+    def group_backend(self) -> Backend:
+        """``nccl`` for workers on CUDA, ``gloo`` on the CPU."""
+        ...
+
+    async def join_group(self, spec: GroupSpec) -> None:
+        """Have every worker start joining ``spec``'s group; returns at once (the
+        trainer joins meanwhile; :meth:`group_state` follows the join)."""
+        ...
+
+    async def group_state(self, group_id: str) -> list[str]:
+        """Each worker's join: ``running``, ``done``, ``failed: ...`` or ``unknown``."""
+        ...
+
+    async def receive_broadcast(self, push_id: str, group_id: str, nbytes: int,
+                                timeout_s: float) -> float:
+        """Receive push ``push_id``'s broadcast of ``nbytes`` in every worker (no
+        parameter changes); returns the seconds it took.
+
+        Raises:
+            RuntimeError: a worker's receive failed or timed out.
+        """
+        ...
 
 
 @runtime_checkable

@@ -9,7 +9,7 @@ Three processes use this module:
   (:meth:`CudaIpcHandle.check_holds`, no torch needed);
 - vLLM's worker process calls :func:`open_handle`, which checks it is on the
   same physical GPU and maps the memory with torch's ``rebuild_cuda_tensor``,
-  once per export (:attr:`CudaIpcHandle.export_key`), and :func:`view_in` for
+  once per export (:attr:`CudaIpcHandle.export_key`), and ``tensors.view_in`` for
   each tensor in it.
 
 A handle either is one tensor, or is a *byte buffer* (1-D ``uint8``) that holds
@@ -243,22 +243,6 @@ def open_handle(handle: CudaIpcHandle, *, device_index: int) -> torch.Tensor:
     tensor = rebuild_cuda_tensor(*handle.to_rebuild_args(device_index))
     assert list(tensor.shape) == handle.shape and tensor.is_contiguous()
     return tensor
-
-
-def view_in(base: torch.Tensor, offset: int, shape: tuple[int, ...] | list[int],
-            dtype: str) -> torch.Tensor:
-    """The tensor of this shape and dtype at byte ``offset`` of ``base``: ``base`` itself
-    when it is that tensor, else a view into ``base`` as a byte buffer (no copy).
-
-    The caller has checked the placement (:meth:`CudaIpcHandle.check_holds`).
-    """
-    import torch
-
-    torch_dtype = getattr(torch, dtype)
-    if offset == 0 and base.dtype == torch_dtype and list(base.shape) == list(shape):
-        return base
-    nbytes = numel(list(shape)) * DTYPE_BYTES[dtype]
-    return base[offset:offset + nbytes].view(torch_dtype).view(tuple(shape))
 
 
 def _b64(raw: bytes) -> str:

@@ -288,13 +288,22 @@ class ParamSpec(BaseModel):
 
 _TRANSPORT_FIELDS = {"oneOf": [
     {"properties": {"transport": {"const": "shm"}, "segment": {"type": "string"},
-                    "segment_bytes": {"type": "integer"}},
+                    "segment_bytes": {"type": "integer"}, "group_id": {"type": "null"},
+                    "broadcast_bytes": {"type": "null"}},
      "required": ["segment", "segment_bytes"]},
     {"properties": {"transport": {"const": "cuda_ipc"}, "segment": {"type": "null"},
-                    "segment_bytes": {"type": "null"}},
+                    "segment_bytes": {"type": "null"}, "group_id": {"type": "null"},
+                    "broadcast_bytes": {"type": "null"}},
      "required": ["transport"]},
+    {"properties": {"transport": {"const": "nccl"}, "segment": {"type": "null"},
+                    "segment_bytes": {"type": "null"}, "group_id": {"type": "string"},
+                    "broadcast_bytes": {"type": "integer"}},
+     "required": ["transport", "group_id", "broadcast_bytes"]},
 ]}
-"""Transport 'shm' (the default) needs the segment; 'cuda_ipc' leaves it out, in JSON Schema."""
+"""Which fields each transport needs and leaves out, in JSON Schema: 'shm' (the
+default) the segment, 'nccl' the group and the broadcast's size, 'cuda_ipc' none."""
+_FIELDS_BY_TRANSPORT = {"shm": ("segment", "segment_bytes"), "cuda_ipc": (),
+                        "nccl": ("group_id", "broadcast_bytes")}
 
 
 MAX_MTP_DEPTHS = 16
@@ -330,11 +339,17 @@ class PushBeginRequest(BaseModel):
     transport: Transport = Field("shm", description=(
         "Data path; must be the service's configured weights_transport. 'shm': a POSIX "
         "shared-memory segment on this host (CPU and same-host GPU trainers). 'cuda_ipc': "
-        "CUDA IPC handles of the trainer's tensors (trainer and engine on the same GPU)."))
+        "CUDA IPC handles of the trainer's tensors (trainer and engine on the same GPU). "
+        "'nccl': a broadcast from the trainer to every engine worker in the collective "
+        "group of POST /weights/group, sent while /weights/finish runs."))
     segment: str | None = Field(None, pattern=SEGMENT_NAME_PATTERN, description=(
         "shm only (required there): name of the trainer's segment under /dev/shm."))
     segment_bytes: Count | None = Field(None, description=(
         "shm only (required there): size of the segment in bytes."))
+    group_id: str | None = Field(None, min_length=1, max_length=64, description=(
+        "nccl only (required there): the group the trainer joined (POST /weights/group)."))
+    broadcast_bytes: Count | None = Field(None, description=(
+        "nccl only (required there): size in bytes of the buffer the trainer broadcasts."))
     total_bytes: Int = Field(gt=0, description="Sum of the announced tensors' sizes.")
     params: list[ParamSpec] = Field(min_length=1)
     pause_mode: PauseMode = Field("wait", description=(
@@ -346,17 +361,34 @@ class PushBeginRequest(BaseModel):
 
     @model_validator(mode="after")
     def _transport_fields(self) -> PushBeginRequest:
-        fields = ("segment", "segment_bytes")
-        if self.transport == "shm":
-            missing = [f for f in fields if getattr(self, f) is None]
-            if missing:
-                raise ValueError(f"{missing[0]}: required by transport 'shm'")
-        else:
-            given = [f for f in fields if getattr(self, f) is not None]
-            if given:
-                raise ValueError(f"{given[0]}: not used by transport {self.transport!r} "
-                                 "(tensors travel as CUDA IPC handles); leave it out")
+        needed = _FIELDS_BY_TRANSPORT[self.transport]
+        missing = [f for f in needed if getattr(self, f) is None]
+        if missing:
+            raise ValueError(f"{missing[0]}: required by transport {self.transport!r}")
+        given = [f for fields in _FIELDS_BY_TRANSPORT.values() for f in fields
+                 if f not in needed and getattr(self, f) is not None]
+        if given:
+            raise ValueError(f"{given[0]}: not used by transport {self.transport!r}; "
+                             "leave it out")
         return self
+
+
+class WeightGroupResponse(BaseModel):
+    """Where the trainer joins the collective group of the ``nccl`` transport
+    (``POST /weights/group``): the service hosts the rendezvous (a torch ``TCPStore``)
+    and its engine workers join as ranks 1.. while the trainer joins as rank 0."""
+
+    group_id: str = Field(description="Name the pushes of this group give in begin.")
+    master_address: str = Field(description="Host of the rendezvous store.")
+    master_port: int = Field(description="Port of the rendezvous store.")
+    world_size: int = Field(description="The trainer and every engine worker.")
+    trainer_rank: int = Field(0, description="The trainer's rank: the broadcast's source.")
+    backend: Literal["nccl", "gloo"] = Field(description=(
+        "torch.distributed backend of the group: nccl for engines on CUDA, gloo on the "
+        "CPU (the same protocol; how CI tests it)."))
+    timeout_s: float = Field(description=(
+        "How long a rank waits for the others in the join and in each broadcast; a "
+        "trainer gone longer than this fails the push and ends the group."))
 
 
 class PushBeginResponse(BaseModel):
@@ -402,6 +434,9 @@ class PushTimings(BaseModel):
     finalize_draft_s: float = Field(description="Drafter: engine post-processing.")
     resume_s: float = Field(description="Prefix-cache reset and resume.")
     total_s: float = Field(description="Pause to resume.")
+    receive_s: float = Field(0.0, description=(
+        "nccl: the broadcast into the workers' buffers, before the pause (generation "
+        "goes on meanwhile); 0 for the other transports."))
 
 
 class PushFinishResponse(BaseModel):

@@ -31,9 +31,11 @@ def _tag_required(schema: dict[str, Any]) -> None:
 
 _LOCATION = ConfigDict(**_FROZEN, json_schema_extra=_tag_required)
 
-Transport = Literal["shm", "cuda_ipc"]
-"""Data path of a weight push: a shared-memory segment on one host, or CUDA memory
-shared by IPC handle (trainer and engine on the same GPU)."""
+Transport = Literal["shm", "cuda_ipc", "nccl"]
+"""Data path of a weight push: a shared-memory segment on one host, CUDA memory
+shared by IPC handle (trainer and engine on the same GPU), or a broadcast from the
+trainer to every engine worker in a collective group (``nccl``: NCCL between GPUs,
+gloo where the engine runs on the CPU)."""
 
 
 class ShmLocation(BaseModel):
@@ -61,7 +63,18 @@ class CudaIpcLocation(BaseModel):
         "buffer (1-D uint8); 0 when the handle is the tensor itself."))
 
 
-Location = Annotated[ShmLocation | CudaIpcLocation, Field(discriminator="transport")]
+class BroadcastLocation(BaseModel):
+    """The tensor's bytes at ``offset`` in the buffer the trainer broadcasts to every
+    engine worker once the push finishes (transport ``nccl``)."""
+
+    model_config = _LOCATION
+
+    transport: Literal["nccl"] = "nccl"
+    offset: int = Field(ge=0, description="Byte offset of the tensor in the broadcast buffer.")
+
+
+Location = Annotated[ShmLocation | CudaIpcLocation | BroadcastLocation,
+                     Field(discriminator="transport")]
 
 
 class TensorPlacement(BaseModel):

@@ -15,9 +15,12 @@ import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 from pydantic import AfterValidator, Field, WithJsonSchema
+
+if TYPE_CHECKING:
+    import torch
 
 # safetensors dtype codes -> torch dtype names (the names used on the wire)
 SAFETENSORS_DTYPES = {
@@ -102,3 +105,20 @@ def checkpoint_tensors(model_dir: str | Path) -> dict[str, TensorMeta]:
     for file in files:
         tensors.update(read_safetensors_header(file))
     return tensors
+
+
+def view_in(base: torch.Tensor, offset: int, shape: tuple[int, ...] | list[int],
+            dtype: str) -> torch.Tensor:
+    """The tensor of this shape and dtype at byte ``offset`` of ``base``: ``base`` itself
+    when it is that tensor, else a view into ``base`` as a byte buffer (no copy).
+
+    Byte buffers carry a push's tensors in the ``cuda_ipc`` staging buffer and the
+    ``nccl`` broadcast; the caller has checked the placement's offset and bounds.
+    """
+    import torch
+
+    torch_dtype = getattr(torch, dtype)
+    if offset == 0 and base.dtype == torch_dtype and list(base.shape) == list(shape):
+        return base
+    nbytes = numel(list(shape)) * DTYPE_BYTES[dtype]
+    return base[offset:offset + nbytes].view(torch_dtype).view(tuple(shape))

@@ -50,6 +50,7 @@ from rollout_service.serve.coordinator import WeightsCoordinator
 from rollout_service.serve.metrics import fetch_pages, merge_pages
 from rollout_service.serve.replica import EngineReplica
 from rollout_service.service import gather_or_cancel
+from rollout_service.weights.intake import PushError
 
 logger = logging.getLogger(__name__)
 
@@ -233,6 +234,10 @@ class CoordinatorPushes:
 
     async def get_status(self) -> messages.WeightStatus:
         return await _call(self._coordinator.status.remote())
+
+    async def create_group(self) -> messages.WeightGroupResponse:
+        raise PushError(403, "weights_transport: Ray Serve takes 'shm' pushes only; weight "
+                             "groups are for the 'nccl' transport of the standalone service")
 
 
 class ReplicaMetrics:

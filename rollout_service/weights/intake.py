@@ -29,7 +29,13 @@ from dataclasses import dataclass, field
 
 from rollout_service.engines.base import WeightUpdate
 from rollout_service.protocol import messages
-from rollout_service.protocol.placement import ShmLocation, TensorPlacement, Transport
+from rollout_service.protocol.placement import (
+    BroadcastLocation,
+    CudaIpcLocation,
+    ShmLocation,
+    TensorPlacement,
+    Transport,
+)
 from rollout_service.protocol.shm import segment_path
 from rollout_service.protocol.tensors import TensorMeta
 from rollout_service.telemetry.weights import WeightMetrics
@@ -121,6 +127,9 @@ def validate_announcement(req: messages.PushBeginRequest, checkpoint: dict[str, 
         raise PushError(400, f"total_bytes: {req.total_bytes} announced, the tensors hold {total}")
     if req.transport == "shm":
         _validate_segment(req, total)
+    if req.broadcast_bytes is not None and req.broadcast_bytes < total:
+        raise PushError(400, f"broadcast_bytes: {req.broadcast_bytes} cannot hold {total} "
+                             "bytes")
     return announced
 
 
@@ -161,30 +170,44 @@ def validate_placement(push: ActivePush, placement: TensorPlacement) -> None:
         raise PushError(400, f"tensors: {name!r} lies in {placement.transport!r}, and the "
                              f"push's transport is {req.transport!r}")
     location = placement.location
+    if isinstance(location, BroadcastLocation):
+        assert req.broadcast_bytes is not None  # nccl: required by message validation
+        _check_span(name, location.offset, placement, req.broadcast_bytes, "broadcast buffer")
+        return
     if not isinstance(location, ShmLocation):
         return
     assert req.segment_bytes is not None  # shm: required by message validation
     if location.segment != req.segment:
         raise PushError(400, f"tensors: {name!r} lies in segment {location.segment!r}, the "
                              f"push announced {req.segment!r}")
-    if location.offset % placement.element_bytes:
-        raise PushError(400, f"tensors: {name!r} offset {location.offset} is not aligned to "
-                             f"its {placement.element_bytes}-byte {meta.dtype} elements")
-    end = location.offset + placement.nbytes
-    if end > req.segment_bytes:
-        raise PushError(400, f"tensors: {name!r} [{location.offset}, {end}) lies outside the "
-                             f"{req.segment_bytes}-byte segment")
+    _check_span(name, location.offset, placement, req.segment_bytes, "segment")
+
+
+def _check_span(name: str, offset: int, placement: TensorPlacement, size: int,
+                where: str) -> None:
+    """The tensor's bytes are aligned to its elements and lie inside ``size`` bytes."""
+    if offset % placement.element_bytes:
+        raise PushError(400, f"tensors: {name!r} offset {offset} is not aligned to "
+                             f"its {placement.element_bytes}-byte {placement.dtype} elements")
+    end = offset + placement.nbytes
+    if end > size:
+        raise PushError(400, f"tensors: {name!r} [{offset}, {end}) lies outside the "
+                             f"{size}-byte {where}")
 
 
 def check_no_overlap(placements: Iterable[TensorPlacement]) -> None:
     """Raises PushError(400) naming the first tensor that overlaps its predecessor in
-    the segment, or in a CUDA IPC byte buffer (one export holding several tensors)."""
+    the segment, the broadcast buffer, or a CUDA IPC byte buffer (one export holding
+    several tensors)."""
     by_memory: dict[object, list[tuple[int, int, str]]] = defaultdict(list)
     for p in placements:
-        key = "segment" if isinstance(p.location, ShmLocation) else p.location.handle.export_key
-        by_memory[key].append((p.location.offset, p.location.offset + p.nbytes, p.name))
+        location = p.location
+        key = (location.handle.export_key if isinstance(location, CudaIpcLocation)
+               else location.transport)
+        by_memory[key].append((location.offset, location.offset + p.nbytes, p.name))
     for key, spans in by_memory.items():
-        where = "the segment" if key == "segment" else "its CUDA IPC buffer"
+        where = {"shm": "the segment", "nccl": "the broadcast buffer"}.get(
+            str(key), "its CUDA IPC buffer")
         spans.sort()
         for (_, before_end, before), (after_start, _, after) in zip(spans, spans[1:]):
             if after_start < before_end:

@@ -23,6 +23,7 @@ from rollout_service.protocol import messages
 from rollout_service.protocol.placement import TensorPlacement, Transport
 from rollout_service.protocol.tensors import TensorMeta
 from rollout_service.telemetry.weights import WeightMetrics
+from rollout_service.weights.group import WeightGroups
 from rollout_service.weights.intake import (
     PushError,
     PushIntake,
@@ -47,12 +48,15 @@ class WeightPushManager:
         has_draft: whether the engine has a drafter a push can load
             (``EngineInfo.has_pushable_drafter``).
         transport: the transport the engine was started with (``weights_transport``).
+        groups: the ``nccl`` transport's groups (None for the other transports).
     """
 
     def __init__(self, engine: Engine, checkpoint: dict[str, TensorMeta],
                  metrics: WeightMetrics, *, timeout_s: float, has_draft: bool,
-                 transport: Transport = "shm") -> None:
+                 transport: Transport = "shm", groups: WeightGroups | None = None) -> None:
         self._engine = engine
+        self._transport = transport
+        self._groups = groups
         self._has_draft = has_draft
         self._metrics = metrics
         self._intake = PushIntake(checkpoint, timeout_s=timeout_s, has_draft=has_draft,
@@ -75,8 +79,27 @@ class WeightPushManager:
 
     # ---- the push protocol (standalone service) ------------------------------------
 
+    async def create_group(self) -> messages.WeightGroupResponse:
+        """A new ``nccl`` group (the current one, if any, is let go).
+
+        Raises:
+            PushError: 403 for another transport (groups are off by configuration), 409
+                while a push is in progress.
+        """
+        async with self._lock:
+            if self._groups is None:
+                raise PushError(403, f"weights_transport: this service takes "
+                                     f"{self._transport!r} pushes; weight groups are for "
+                                     "'nccl'")
+            if self._intake.active is not None:
+                raise PushError(409, f"push {self._intake.active.push_id} is in progress")
+            return await self._groups.create()
+
     async def begin(self, req: messages.PushBeginRequest) -> messages.PushBeginResponse:
         async with self._lock:
+            if req.transport == "nccl" and self._groups is not None:
+                assert req.group_id is not None  # nccl: required by message validation
+                await self._groups.check_joined(req.group_id)
             return self._intake.begin(req, {"main": self.main_version,
                                             "draft": self.draft_version})
 
@@ -97,6 +120,8 @@ class WeightPushManager:
                 failure while loading (weights inconsistent until the next push).
         """
         async with self._lock:
+            if self._groups is not None:
+                return await self._finish_broadcast(req)
             push = self._intake.start_loading(req.push_id)
             try:
                 finished = await self._apply(push.request, build_update(push))
@@ -106,6 +131,38 @@ class WeightPushManager:
             self._intake.end(push, "loaded", f"{finished.num_bytes} bytes in "
                                              f"{finished.timings.total_s:.3f} s")
             return finished
+
+    async def _finish_broadcast(self, req: messages.PushFinishRequest
+                                ) -> messages.PushFinishResponse:
+        """``finish`` for ``nccl``: the trainer is broadcasting as this runs, so the workers
+        receive first, into buffers of their own (generation goes on); then the push is
+        checked and loaded as any other. A push refused here (a tensor never announced
+        in an update) is received all the same and dropped, so that no rank is left
+        waiting in the broadcast."""
+        assert self._groups is not None
+        push = self._intake.get(req.push_id)
+        begin = push.request
+        assert begin.group_id is not None and begin.broadcast_bytes is not None
+        try:
+            push = self._intake.start_loading(req.push_id)
+        except PushError:
+            try:
+                await self._groups.receive(push.push_id, begin.group_id, begin.broadcast_bytes)
+            except PushError:
+                pass  # the refusal is the answer
+            raise
+        try:
+            receive_s = await self._groups.receive(push.push_id, begin.group_id,
+                                                   begin.broadcast_bytes)
+            finished = await self._apply(begin, build_update(push))
+        except PushError as exc:
+            self._intake.end(push, "failed", str(exc))
+            raise
+        self._intake.end(push, "loaded", f"{finished.num_bytes} bytes received in "
+                                         f"{receive_s:.3f} s, loaded in "
+                                         f"{finished.timings.total_s:.3f} s")
+        timings = finished.timings.model_copy(update={"receive_s": receive_s})
+        return finished.model_copy(update={"timings": timings})
 
     # ---- already validated pushes (Ray Serve replicas) -----------------------------
 

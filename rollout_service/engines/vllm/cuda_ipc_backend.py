@@ -34,8 +34,9 @@ from vllm.distributed.weight_transfer.ipc_engine import IPCWeightTransferEngine
 
 from rollout_service.engines.vllm.copy_plan import CopyPlan
 from rollout_service.engines.vllm.transfer import LoadSession, PushUpdateInfo
-from rollout_service.protocol.cuda_ipc import open_handle, view_in
+from rollout_service.protocol.cuda_ipc import open_handle
 from rollout_service.protocol.placement import CudaIpcLocation, TensorPlacement
+from rollout_service.protocol.tensors import view_in
 
 
 class CudaIpcWeightTransferEngine(IPCWeightTransferEngine):

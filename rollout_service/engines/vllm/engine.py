@@ -21,6 +21,7 @@ at run time through the engine core's ``rollout_set_spec_schedule``
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator, Mapping, Sequence
@@ -59,6 +60,7 @@ from rollout_service.engines.speculative import (
     is_mtp_method,
 )
 from rollout_service.engines.vllm.patches import spec_schedule as schedule_rpc
+from rollout_service.engines.vllm.plugin import BACKEND_OF_TRANSPORT
 from rollout_service.engines.vllm.spec_schedule import (
     lookup_to_schedule,
     schedule_to_ranges,
@@ -68,9 +70,14 @@ from rollout_service.engines.vllm.start_method import spawn_engine_core_if_cuda
 from rollout_service.engines.vllm.step_costs import StepCostMonitor
 from rollout_service.engines.vllm.transfer import update_info
 from rollout_service.protocol.acceptance import InvalidSpecDecodeStats, SpecDecodeStats
+from rollout_service.protocol.broadcast import Backend, GroupSpec
 from rollout_service.protocol.messages import PauseMode, WeightVersionSpan
 
 logger = logging.getLogger(__name__)
+
+BROADCAST_POLL_S = 0.002
+"""How often the service asks the workers whether a push's broadcast has arrived: a
+utility call each, between two engine steps."""
 
 # Weight pushes go through vLLM's weight-transfer API with this project's `shm`
 # or `cuda_ipc` backend (registered by the `vllm.general_plugins` entry point,
@@ -95,8 +102,8 @@ def build_engine_args(model: str, engine_kwargs: Mapping[str, Any], mtp: MTPSett
     """Merge the user's engine kwargs with the service's MTP settings.
 
     The user's kwargs win except ``speculative_config``, which is merged key by
-    key (see :mod:`rollout_service.engines.speculative`). ``weights_transport`` names the
-    vLLM weight-transfer backend (``shm`` or ``cuda_ipc``).
+    key (see :mod:`rollout_service.engines.speculative`). ``weights_transport`` picks the
+    vLLM weight-transfer backend (``plugin.BACKEND_OF_TRANSPORT``).
 
     Raises:
         ValueError: a bad speculative config or an engine kwarg vLLM does not know.
@@ -104,7 +111,7 @@ def build_engine_args(model: str, engine_kwargs: Mapping[str, Any], mtp: MTPSett
     speculative_config = build_vllm_speculative_config(mtp, engine_kwargs, checkpoint_config)
     speculative_defaults = _SPECULATIVE_ENGINE_DEFAULTS if speculative_config else {}
     kwargs = {**_SERVICE_ENGINE_DEFAULTS, **speculative_defaults,
-              "weight_transfer_config": {"backend": weights_transport},
+              "weight_transfer_config": {"backend": BACKEND_OF_TRANSPORT[weights_transport]},
               **engine_kwargs, "model": model, "speculative_config": speculative_config}
     if served_model_name is not None:
         # vLLM's own series then carry the same model name as this service's.
@@ -320,6 +327,51 @@ class VLLMEngine:
 
     async def reset_prefix_cache(self) -> None:
         await self._llm.reset_prefix_cache()
+
+    # ---- the nccl transport (broadcast_backend.py in the workers) -------------------
+
+    @property
+    def num_workers(self) -> int:
+        return int(self._llm.vllm_config.parallel_config.world_size)
+
+    @property
+    def group_backend(self) -> Backend:
+        from vllm.platforms import current_platform
+
+        return "nccl" if current_platform.is_cuda() else "gloo"
+
+    async def join_group(self, spec: GroupSpec) -> None:
+        """Have every worker start joining ``spec``'s group (returns at once)."""
+        await self._llm.collective_rpc("rollout_group_join", args=(spec.as_dict(),))
+
+    async def group_state(self, group_id: str) -> list[str]:
+        """Each worker's join: ``running``, ``done``, ``failed: ...`` or ``unknown``."""
+        return await self._llm.collective_rpc("rollout_group_state", args=(group_id,))
+
+    async def receive_broadcast(self, push_id: str, group_id: str, nbytes: int,
+                                timeout_s: float) -> float:
+        """Receive push ``push_id``'s broadcast in every worker; returns the seconds it
+        took. Generation goes on meanwhile (the workers receive on threads of their own).
+
+        Raises:
+            RuntimeError: a worker's receive failed (the trainer stopped sending within
+                the group's timeout, or left), or nothing came within ``timeout_s``.
+        """
+        start = time.perf_counter()
+        await self._llm.collective_rpc("rollout_broadcast_receive",
+                                       args=(push_id, group_id, nbytes))
+        deadline = start + timeout_s
+        while True:
+            states = await self._llm.collective_rpc("rollout_broadcast_state", args=(push_id,))
+            failed = [s for s in states if s != "running" and s != "done"]
+            if failed:
+                raise RuntimeError(f"the broadcast of push {push_id} failed: {failed[0]}")
+            if all(s == "done" for s in states):
+                return time.perf_counter() - start
+            if time.perf_counter() > deadline:
+                raise RuntimeError(f"the broadcast of push {push_id} did not arrive within "
+                                   f"{timeout_s:g} s")
+            await asyncio.sleep(BROADCAST_POLL_S)
 
     async def weight_checksums(self) -> dict[str, str]:
         """SHA-256 of the main model's and the drafter's parameters (worker 0)."""

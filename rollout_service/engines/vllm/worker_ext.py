@@ -1,14 +1,16 @@
 """Methods mixed into vLLM's worker processes (``worker_extension_cls``).
 
 The service process calls them through ``AsyncLLM.collective_rpc``; they run in
-every worker and read the worker's own models. Only checks and measurements live
-here: nothing in this module changes a weight.
+every worker and read the worker's own models. Checks, measurements and the ``nccl``
+transport's group and broadcast (which fill a buffer of the worker's own, never a
+parameter): nothing in this module changes a weight.
 """
 
 from __future__ import annotations
 
 import hashlib
 from collections.abc import Iterable
+from typing import Any
 
 import torch
 
@@ -17,7 +19,31 @@ from rollout_service.engines.vllm.verify_cost import measure_verify_cost
 
 class RolloutWorkerExtension:
     """Parameter checksums of the main model and the drafter (``GET /weights/checksums``),
-    and the measured cost of a verify step (``verify_cost.py``)."""
+    the measured cost of a verify step (``verify_cost.py``), and the ``nccl`` transport's
+    group and broadcast (``broadcast_backend.py``; each call returns at once, the work
+    runs on a thread of the backend and these report its state)."""
+
+    def rollout_group_join(self, spec: dict[str, Any]) -> None:
+        self._broadcast().join_group(spec, rank=1 + self.rank)  # type: ignore[attr-defined]
+
+    def rollout_group_state(self, group_id: str) -> str:
+        return self._broadcast().group_state(group_id)
+
+    def rollout_broadcast_receive(self, push_id: str, group_id: str, nbytes: int) -> None:
+        self._broadcast().start_receive(push_id, group_id, nbytes)
+
+    def rollout_broadcast_state(self, push_id: str) -> str:
+        return self._broadcast().receive_state(push_id)
+
+    def _broadcast(self) -> Any:
+        from rollout_service.engines.vllm.broadcast_backend import (
+            BroadcastWeightTransferEngine,
+        )
+
+        engine = getattr(self, "weight_transfer_engine", None)
+        if not isinstance(engine, BroadcastWeightTransferEngine):
+            raise RuntimeError("this engine was not started with weights_transport 'nccl'")
+        return engine
 
     def rollout_verify_cost(self, batch_size: int, num_speculative_tokens: int,
                           repeats: int) -> dict[str, float] | None:

@@ -26,7 +26,8 @@ from typing import Any
 import pytest
 import torch
 
-from rollout_service.protocol.cuda_ipc import CudaIpcHandle, export_handle, open_handle, view_in
+from rollout_service.protocol.cuda_ipc import CudaIpcHandle, export_handle, open_handle
+from rollout_service.protocol.tensors import view_in
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]

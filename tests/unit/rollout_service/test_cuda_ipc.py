@@ -19,9 +19,9 @@ from torch.multiprocessing.reductions import rebuild_cuda_tensor
 
 from rollout_service.config import ServiceConfig
 from rollout_service.protocol import messages
-from rollout_service.protocol.cuda_ipc import CudaIpcHandle, export_handle, view_in
+from rollout_service.protocol.cuda_ipc import CudaIpcHandle, export_handle
 from rollout_service.protocol.placement import CudaIpcLocation, ShmLocation, TensorPlacement
-from rollout_service.protocol.tensors import TensorMeta, contiguous_stride
+from rollout_service.protocol.tensors import TensorMeta, contiguous_stride, view_in
 from rollout_service.weights.intake import (
     ActivePush,
     PushError,
@@ -352,8 +352,11 @@ def test_config_and_engine_args_select_the_backend() -> None:
                                               "engine 'vllm' only"):
         ServiceConfig(engine="sglang", weights_transport="cuda_ipc")
     with pytest.raises(ValidationError, match="weights_transport"):
-        ServiceConfig(weights_transport="nccl")
+        ServiceConfig(weights_transport="rdma")
     args = build_engine_args("/nonexistent", {}, ServiceConfig().mtp, None,
                              weights_transport="cuda_ipc")
     assert args.weight_transfer_config.backend == "cuda_ipc"
-    assert set(BACKENDS) == {"shm", "cuda_ipc"}
+    args = build_engine_args("/nonexistent", {}, ServiceConfig().mtp, None,
+                             weights_transport="nccl")
+    assert args.weight_transfer_config.backend == "rollout_nccl"  # vLLM's own is "nccl"
+    assert set(BACKENDS) == {"shm", "cuda_ipc", "rollout_nccl"}

@@ -81,6 +81,17 @@ PUSH_BODIES = [
       "transport": "cuda_ipc", "segment": "mtp-x"}, False),
     ({**BEGIN, "params": [{"name": "w", "shape": [-1], "dtype": "bfloat16"}],
       "segment": "mtp-x", "segment_bytes": 4}, False),
+    ({**BEGIN, "params": [{"name": "w", "shape": [1], "dtype": "bfloat16"}],
+      "transport": "nccl", "group_id": "g", "broadcast_bytes": 64}, True),
+    ({**BEGIN, "params": [{"name": "w", "shape": [1], "dtype": "bfloat16"}],
+      "transport": "nccl", "group_id": "g"}, False),   # nccl needs broadcast_bytes
+    ({**BEGIN, "params": [{"name": "w", "shape": [1], "dtype": "bfloat16"}],
+      "transport": "nccl", "broadcast_bytes": 64}, False),   # ... and the group
+    ({**BEGIN, "params": [{"name": "w", "shape": [1], "dtype": "bfloat16"}],
+      "segment": "mtp-x", "segment_bytes": 4, "group_id": "g"}, False),   # not shm's
+    ({**BEGIN, "params": [{"name": "w", "shape": [1], "dtype": "bfloat16"}],
+      "transport": "nccl", "group_id": "g", "broadcast_bytes": 64, "segment": "mtp-x"},
+     False),
 ]
 
 

@@ -31,6 +31,6 @@ def test_mixed_dtypes_never_misaligned() -> None:
 
 def test_bad_arguments_name_the_field() -> None:
     with pytest.raises(ValueError, match="transport"):
-        WeightPusher("http://127.0.0.1:1", "t", transport="nccl")  # type: ignore[arg-type]
+        WeightPusher("http://127.0.0.1:1", "t", transport="rdma")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="bucket_bytes"):
         WeightPusher("http://127.0.0.1:1", "t", bucket_bytes=0)

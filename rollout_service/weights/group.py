@@ -1,0 +1,118 @@
+"""The ``nccl`` transport's group on the service side: the rendezvous, the current
+group, and its workers' join and receives.
+
+Runs in the service process. ``POST /weights/group`` makes a new group (the previous
+one, if any, is let go): the service's rendezvous store gets a new key prefix, every
+engine worker starts joining on a thread of its own, and the answer tells the trainer
+where to join as rank 0. A push names its group in ``begin``, which waits for the
+workers' join to end. ``finish`` receives the trainer's broadcast into the workers'
+buffers before generation pauses. A broadcast that fails closes the group: nothing of
+that push was loaded, and the trainer makes a new group for the next one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from rollout_service.engines.base import BroadcastEngine
+from rollout_service.protocol import messages
+from rollout_service.protocol.broadcast import (
+    TRAINER_RANK,
+    Backend,
+    GroupSpec,
+    Rendezvous,
+    new_group_id,
+)
+from rollout_service.weights.intake import PushError
+
+JOIN_POLL_S = 0.01
+"""How often ``begin`` asks the workers whether they have joined."""
+
+
+class WeightGroups:
+    """The service's one current group (module docstring).
+
+    Args:
+        engine: the engine whose workers join.
+        num_workers: its worker processes (tensor x pipeline parallel size).
+        backend: ``nccl`` for an engine on CUDA, ``gloo`` on the CPU.
+        address: where trainers reach the rendezvous (``ServiceConfig.group_address``).
+        timeout_s: the join's and every broadcast's timeout (``weights_group_timeout_s``).
+    """
+
+    def __init__(self, engine: BroadcastEngine, *, num_workers: int, backend: Backend,
+                 address: str, timeout_s: float) -> None:
+        self._engine = engine
+        self._num_workers = num_workers
+        self._backend = backend
+        self._address = address
+        self._timeout_s = timeout_s
+        self._rendezvous: Rendezvous | None = None
+        self.current: GroupSpec | None = None
+        self._joined = False
+
+    async def create(self) -> messages.WeightGroupResponse:
+        """A new group; the workers start joining it now."""
+        if self._rendezvous is None:
+            self._rendezvous = await asyncio.to_thread(Rendezvous, self._address,
+                                                       self._timeout_s)
+        spec = GroupSpec(group_id=new_group_id(), master_address=self._address,
+                         master_port=self._rendezvous.port, world_size=1 + self._num_workers,
+                         backend=self._backend, timeout_s=self._timeout_s)
+        self.current, self._joined = None, False
+        await self._engine.join_group(spec)
+        self.current = spec
+        return messages.WeightGroupResponse(
+            group_id=spec.group_id, master_address=spec.master_address,
+            master_port=spec.master_port, world_size=spec.world_size,
+            trainer_rank=TRAINER_RANK, backend=spec.backend, timeout_s=spec.timeout_s)
+
+    async def check_joined(self, group_id: str) -> None:
+        """Wait (up to the group's timeout) until every worker has joined ``group_id``.
+
+        Raises:
+            PushError(409): not the current group, or its join failed (the group is
+                closed: make a new one).
+        """
+        spec = self.current
+        if spec is None or spec.group_id != group_id:
+            raise PushError(409, f"group_id: {group_id!r} is not this service's current "
+                                 f"weight group ({spec.group_id if spec else None}); "
+                                 "POST /weights/group makes one")
+        deadline = time.monotonic() + self._timeout_s
+        while not self._joined:
+            states = await self._engine.group_state(group_id)
+            failed = [s for s in states if s not in ("running", "done")]
+            if failed:
+                self.close()
+                raise PushError(409, f"group_id: the engine's workers could not join "
+                                     f"{group_id!r} ({failed[0]}); make a new group")
+            if all(s == "done" for s in states):
+                self._joined = True
+                break
+            if time.monotonic() > deadline:
+                self.close()
+                raise PushError(409, f"group_id: the workers did not finish joining "
+                                     f"{group_id!r} within {self._timeout_s:g} s (did the "
+                                     "trainer join?); make a new group")
+            await asyncio.sleep(JOIN_POLL_S)
+
+    async def receive(self, push_id: str, group_id: str, nbytes: int) -> float:
+        """Receive a push's broadcast in every worker; returns the seconds it took.
+
+        Raises:
+            PushError(408): it failed or timed out; the group is closed.
+        """
+        try:
+            return await self._engine.receive_broadcast(push_id, group_id, nbytes,
+                                                        timeout_s=self._timeout_s + 30)
+        except RuntimeError as exc:
+            self.close()
+            raise PushError(408, f"broadcast: {exc}; nothing was loaded, the old weights "
+                                 "are still served; the group is closed (the next push "
+                                 "makes a new one)") from exc
+
+    def close(self) -> None:
+        """No current group: the next push needs a new one."""
+        self.current, self._joined = None, False

@@ -1,0 +1,154 @@
+"""The ``nccl`` transport end to end on the CPU: the trainer broadcasts each push to the
+engine's workers in a collective group (gloo here, NCCL on CUDA: the same protocol and
+code), into the real vLLM CPU engine.
+
+A service of its own (``weights_transport: nccl``, a short group timeout), the embedded
+tiny model; the trainer is this test process (``WeightPusher(transport="nccl")``).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from rollout_service.client import RolloutClient, ServiceError
+from rollout_service.embedded import ensure_model
+from rollout_service.protocol import messages
+from rollout_service.protocol.placement import BroadcastLocation, TensorPlacement
+from rollout_service.tools.launch import ServiceProcess
+from tests.integration.conftest import (
+    API_KEY,
+    TARGET,
+    WEIGHTS_TOKEN,
+    run_service,
+    served_version,
+)
+from tests.integration.conftest import weights_checksums as checksums
+from tests.integration.conftest import weights_status as status
+from trainer_client.push import WeightPusher, layout, param_spec, spec_nbytes
+
+pytestmark = pytest.mark.skipif(TARGET.transport != "shm" or TARGET.tensor_device != "cpu",
+                                reason="the CPU engine's gloo group (the CPU target only)")
+
+GROUP_TIMEOUT_S = 10.0
+MAIN_PARAM = "lm_head.weight"
+DRAFT_PARAM = "model.mtp_layers.0.input_proj.weight"
+
+
+@pytest.fixture(scope="module")
+def nccl_service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServiceProcess]:
+    with run_service(tmp_path_factory.mktemp("nccl"), weights_transport="nccl",
+                     weights_group_timeout_s=GROUP_TIMEOUT_S) as proc:
+        yield proc
+
+
+@pytest.fixture(scope="module")
+def original() -> dict[str, torch.Tensor]:
+    return load_file(str(Path(ensure_model("tiny")) / "model.safetensors"))
+
+
+@pytest.fixture(scope="module")
+def pusher(nccl_service: ServiceProcess) -> Iterator[WeightPusher]:
+    with WeightPusher(nccl_service.url, WEIGHTS_TOKEN, transport="nccl") as p:
+        yield p
+
+
+def changed(original: dict[str, torch.Tensor], *names: str) -> dict[str, torch.Tensor]:
+    out = dict(original)
+    for name in names:
+        out[name] = original[name] + 0.5
+    return out
+
+
+def test_pushes_change_main_and_drafter_and_restore_bit_for_bit(
+        nccl_service: ServiceProcess, pusher: WeightPusher,
+        original: dict[str, torch.Tensor]) -> None:
+    baseline = checksums(nccl_service)
+    version = served_version(nccl_service) + 1
+    report = pusher.push(changed(original, MAIN_PARAM, DRAFT_PARAM).items(), version=version)
+    moved = checksums(nccl_service)
+    assert moved["main"] != baseline["main"] and moved["draft"] != baseline["draft"]
+    assert report.server.timings.receive_s > 0  # received before the pause
+    state = status(nccl_service)
+    assert (state.main_version, state.draft_version) == (version, version)
+    pusher.push(original.items(), version=version + 1)
+    assert checksums(nccl_service) == baseline
+
+
+def test_a_refused_push_changes_nothing_and_keeps_the_group(
+        nccl_service: ServiceProcess, pusher: WeightPusher,
+        original: dict[str, torch.Tensor]) -> None:
+    pusher.push(original.items(), version=served_version(nccl_service) + 1)  # group joined
+    group_id = pusher._group.group_id  # type: ignore[union-attr]
+    before, state = checksums(nccl_service), status(nccl_service)
+    bad = dict(original)
+    bad[MAIN_PARAM] = original[MAIN_PARAM].double()
+    with pytest.raises(ServiceError, match="dtype") as info:
+        pusher.push(bad.items(), version=state.newest_version + 1)
+    assert info.value.status == 400
+    assert checksums(nccl_service) == before
+    assert status(nccl_service).main_version == state.main_version
+    # Refused at begin, before any broadcast: the group serves the next push.
+    pusher.push(original.items(), version=state.newest_version + 1)
+    assert pusher._group.group_id == group_id  # type: ignore[union-attr]
+
+
+async def test_a_trainer_that_never_broadcasts_fails_its_push_and_nothing_loads(
+        nccl_service: ServiceProcess, pusher: WeightPusher,
+        original: dict[str, torch.Tensor]) -> None:
+    """The trainer announces everything, asks to finish and dies before sending a byte:
+    the workers' receive ends at the group's timeout, the push fails (408) with nothing
+    loaded, generation goes on, and the trainer's next push gets a new group."""
+    pusher.push(original.items(), version=served_version(nccl_service) + 1)  # group joined
+    group_id = pusher._group.group_id  # type: ignore[union-attr]
+    before, state = checksums(nccl_service), status(nccl_service)
+    specs = [param_spec(n, t) for n, t in original.items()]
+    sizes = [spec_nbytes(s) for s in specs]
+    offsets, nbytes = layout(sizes)
+    headers = {"authorization": f"Bearer {WEIGHTS_TOKEN}"}
+    with httpx.Client(base_url=nccl_service.url, headers=headers,
+                      timeout=GROUP_TIMEOUT_S + 120) as c:
+        begin = c.post("/weights/begin", json=messages.PushBeginRequest(
+            version=state.newest_version + 1, transport="nccl", group_id=group_id,
+            broadcast_bytes=nbytes, total_bytes=sum(sizes), params=specs,
+        ).model_dump(mode="json", exclude_none=True))
+        assert begin.status_code == 200, begin.text
+        push_id = begin.json()["push_id"]
+        tensors = [TensorPlacement(name=s.name, dtype=s.dtype, shape=tuple(s.shape),
+                                   location=BroadcastLocation(offset=o)).model_dump(mode="json")
+                   for s, o in zip(specs, offsets, strict=True)]
+        assert c.post("/weights/update", json={"push_id": push_id,
+                                               "tensors": tensors}).status_code == 200
+        started = time.monotonic()
+        finish = c.post("/weights/finish", json={"push_id": push_id})
+    assert finish.status_code == 408, finish.text
+    assert time.monotonic() - started < GROUP_TIMEOUT_S + 60
+    assert "nothing was loaded" in finish.json()["error"]["message"]
+    after = status(nccl_service)
+    assert after.consistent and after.last_push.outcome == "failed"
+    assert (after.main_version, after.draft_version) == (state.main_version, state.draft_version)
+    assert checksums(nccl_service) == before
+    async with RolloutClient(nccl_service.url, api_key=API_KEY) as client:
+        out = await client.generate(messages.GenerateRequest(prompt_token_ids=[5, 6, 7],
+                                                             max_tokens=4))
+    assert len(out.outputs[0].token_ids) == 4
+    # The service closed the group; the pusher makes a new one and its push loads.
+    pusher.push(changed(original, MAIN_PARAM).items(), version=state.newest_version + 2)
+    assert pusher._group.group_id != group_id  # type: ignore[union-attr]
+    assert checksums(nccl_service)["main"] != before["main"]
+    pusher.push(original.items(), version=state.newest_version + 3)
+    assert checksums(nccl_service) == before
+
+
+def test_groups_are_for_the_nccl_transport_only(service: ServiceProcess) -> None:
+    with httpx.Client(base_url=service.url, timeout=60,
+                      headers={"authorization": f"Bearer {WEIGHTS_TOKEN}"}) as c:
+        response = c.post("/weights/group")
+    assert response.status_code == 403  # off by configuration
+    assert response.json()["error"]["message"].startswith("weights_transport:")

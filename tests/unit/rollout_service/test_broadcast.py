@@ -1,0 +1,128 @@
+"""The ``nccl`` transport's pieces that need no engine: the group on gloo between two
+threads, the announcement's fields, the placements' checks and the config.
+
+The whole path through the real CPU engine is
+``tests/integration/rollout_service/test_broadcast_push.py``.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+from pydantic import ValidationError
+
+from rollout_service.config import ServiceConfig
+from rollout_service.protocol import messages
+from rollout_service.protocol.broadcast import GroupSpec, Rendezvous, join, new_group_id
+from rollout_service.protocol.placement import BroadcastLocation, TensorPlacement
+from rollout_service.protocol.tensors import TensorMeta
+from rollout_service.weights.intake import (
+    ActivePush,
+    PushError,
+    check_no_overlap,
+    validate_announcement,
+    validate_placement,
+)
+
+CHECKPOINT = {"w": TensorMeta(shape=(4, 3), dtype="bfloat16"),
+              "b": TensorMeta(shape=(3,), dtype="float32")}
+
+
+@pytest.fixture(scope="module")
+def rendezvous() -> Rendezvous:
+    return Rendezvous("127.0.0.1", 10.0)  # the store's server lives as long as this object
+
+
+def spec(rendezvous: Rendezvous, world_size: int, timeout_s: float = 10.0) -> GroupSpec:
+    return GroupSpec(group_id=new_group_id(), master_address=rendezvous.address,
+                     master_port=rendezvous.port, world_size=world_size, backend="gloo",
+                     timeout_s=timeout_s)
+
+
+def test_every_rank_receives_the_trainers_bytes(rendezvous: Rendezvous) -> None:
+    group = spec(rendezvous, world_size=3)
+    sent = torch.randint(0, 256, (1000,), dtype=torch.uint8)
+    received: dict[int, torch.Tensor] = {}
+
+    def rank(r: int) -> None:
+        member = join(group, rank=r)
+        buffer = sent.clone() if r == 0 else torch.zeros_like(sent)
+        member.broadcast(buffer)
+        received[r] = buffer
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert set(received) == {0, 1, 2}
+    assert all(torch.equal(b, sent) for b in received.values())
+
+
+def test_a_receiver_whose_trainer_never_sends_fails_within_the_timeout(
+        rendezvous: Rendezvous) -> None:
+    group = spec(rendezvous, world_size=2, timeout_s=2.0)
+    members = {}
+    threads = [threading.Thread(target=lambda r=r: members.__setitem__(r, join(group, r)))
+               for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    start = time.monotonic()
+    with pytest.raises(RuntimeError):
+        members[1].broadcast(torch.zeros(8, dtype=torch.uint8))
+    assert time.monotonic() - start < 30
+
+
+def begin(**changes: object) -> messages.PushBeginRequest:
+    body = {"version": 3, "transport": "nccl", "group_id": "g", "broadcast_bytes": 64,
+            "total_bytes": 36, "params": [{"name": n, "shape": list(m.shape), "dtype": m.dtype}
+                                          for n, m in CHECKPOINT.items()]}
+    body.update(changes)
+    return messages.PushBeginRequest.model_validate(body)
+
+
+def at(name: str, offset: int) -> TensorPlacement:
+    meta = CHECKPOINT[name]
+    return TensorPlacement(name=name, dtype=meta.dtype, shape=meta.shape,
+                           location=BroadcastLocation(offset=offset))
+
+
+def test_announcement_fields_follow_the_transport() -> None:
+    with pytest.raises(ValidationError, match="group_id: required by transport 'nccl'"):
+        begin(group_id=None)
+    with pytest.raises(ValidationError, match="broadcast_bytes: required by transport 'nccl'"):
+        begin(broadcast_bytes=None)
+    with pytest.raises(ValidationError, match="group_id: not used by transport 'shm'"):
+        begin(transport="shm", segment="mtp-x", segment_bytes=64, broadcast_bytes=None)
+    with pytest.raises(PushError, match="broadcast_bytes: 16 cannot hold 36 bytes"):
+        validate_announcement(begin(broadcast_bytes=16), CHECKPOINT, transport="nccl")
+
+
+def test_placements_lie_aligned_inside_the_buffer_without_overlap() -> None:
+    request = begin()
+    push = ActivePush(push_id="p", request=request,
+                      expected=validate_announcement(request, CHECKPOINT, transport="nccl"))
+    validate_placement(push, at("w", 0))
+    validate_placement(push, at("b", 32))
+    with pytest.raises(PushError, match="offset 2 is not aligned to its 4-byte float32"):
+        validate_placement(push, at("b", 2))
+    with pytest.raises(PushError, match=r"\[56, 68\) lies outside the 64-byte broadcast"):
+        validate_placement(push, at("b", 56))
+    check_no_overlap([at("w", 0), at("b", 24)])
+    with pytest.raises(PushError, match="'b' overlaps 'w' in the broadcast buffer"):
+        check_no_overlap([at("w", 0), at("b", 20)])
+
+
+def test_the_config_names_where_trainers_meet() -> None:
+    assert ServiceConfig(weights_transport="nccl").group_address == "127.0.0.1"
+    assert ServiceConfig(weights_transport="nccl", host="10.1.2.3").group_address == "10.1.2.3"
+    assert ServiceConfig(weights_transport="nccl", host="0.0.0.0",
+                         weights_group_address="node7").group_address == "node7"
+    with pytest.raises(ValidationError, match="weights_transport: 'nccl' is built for engine "
+                                              "'vllm' only"):
+        ServiceConfig(engine="sglang", weights_transport="nccl")
