@@ -27,8 +27,7 @@ from typing import Any
 import torch
 from vllm.distributed.weight_transfer.base import WeightTransferEngine, WeightTransferInitInfo
 
-from rollout_service.engines.vllm.copy_plan import CopyPlan
-from rollout_service.engines.vllm.transfer import LoadSession, PushUpdateInfo
+from rollout_service.engines.vllm.transfer import PushUpdateInfo, SessionLoads
 from rollout_service.protocol.broadcast import Group, GroupSpec, join
 from rollout_service.protocol.placement import BroadcastLocation
 from rollout_service.protocol.tensors import view_in
@@ -63,18 +62,16 @@ class _Background:
         return "done" if self.error is None else f"failed: {self.error!r}"
 
 
-class BroadcastWeightTransferEngine(WeightTransferEngine[BroadcastInitInfo, PushUpdateInfo]):
+class BroadcastWeightTransferEngine(SessionLoads,
+                                    WeightTransferEngine[BroadcastInitInfo, PushUpdateInfo]):
     """Receives a push as one broadcast and loads main and drafter from it."""
 
     init_info_cls = BroadcastInitInfo
     update_info_cls = PushUpdateInfo
     supports_draft_weight_update = True
 
-    _session: LoadSession | None = None
-
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self._plans: dict[int, CopyPlan] = {}
         self._join: _Background | None = None
         self._receive: _Background | None = None
 
@@ -124,19 +121,10 @@ class BroadcastWeightTransferEngine(WeightTransferEngine[BroadcastInitInfo, Push
         self._join = None
         self._receive = None
 
-    # ---- vLLM's weight-update session ---------------------------------------------
-
-    def start_weight_update(self) -> None:
-        self._session = LoadSession(self.model, self.model_config, self._plans)
-
-    def finish_weight_update(self) -> None:
-        assert self._session is not None, "finish_weight_update without start"
-        self._session.finish()
-        self._session = None
+    # ---- vLLM's weight-update session (SessionLoads) -------------------------------
 
     def receive_weights(self, update_info: PushUpdateInfo) -> None:  # type: ignore[override]
         update_info.check_transport("nccl")
-        assert self._session is not None, "receive_weights without start_weight_update"
         if self.receive_state(update_info.push_id) != "done":
             raise RuntimeError(f"push {update_info.push_id}: its broadcast was not received "
                                f"({self.receive_state(update_info.push_id)})")
@@ -149,7 +137,7 @@ class BroadcastWeightTransferEngine(WeightTransferEngine[BroadcastInitInfo, Push
                 assert isinstance(location, BroadcastLocation)  # checked by PushUpdateInfo
                 tensors.append((placement.name, view_in(buffer, location.offset,
                                                         placement.shape, placement.dtype)))
-            self._session.load(update_info, tensors)
+            self._load(update_info, "nccl", tensors)
         finally:
             if update_info.is_last_load:
                 self._receive = None  # the buffer goes with it

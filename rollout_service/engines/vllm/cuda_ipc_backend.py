@@ -27,45 +27,27 @@ Registered under the name ``cuda_ipc`` by :mod:`rollout_service.engines.vllm.plu
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 from vllm.distributed.weight_transfer.ipc_engine import IPCWeightTransferEngine
 
-from rollout_service.engines.vllm.copy_plan import CopyPlan
-from rollout_service.engines.vllm.transfer import LoadSession, PushUpdateInfo
+from rollout_service.engines.vllm.transfer import PushUpdateInfo, SessionLoads
 from rollout_service.protocol.cuda_ipc import open_handle
 from rollout_service.protocol.placement import CudaIpcLocation, TensorPlacement
 from rollout_service.protocol.tensors import view_in
 
 
-class CudaIpcWeightTransferEngine(IPCWeightTransferEngine):
+class CudaIpcWeightTransferEngine(SessionLoads, IPCWeightTransferEngine):
     """vLLM's IPC engine with JSON handles, opened once per push for both models."""
 
     update_info_cls = PushUpdateInfo  # type: ignore[assignment]
     supports_draft_weight_update = True
 
     _opened: tuple[str, list[tuple[str, torch.Tensor]]] | None = None
-    _session: LoadSession | None = None
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self._plans: dict[int, CopyPlan] = {}
-        """In-place pushes' copy plans, by ``id`` of the main model and of the drafter."""
-
-    def start_weight_update(self) -> None:
-        self._session = LoadSession(self.model, self.model_config, self._plans)
-
-    def finish_weight_update(self) -> None:
-        assert self._session is not None, "finish_weight_update without start"
-        self._session.finish()
-        self._session = None
 
     def receive_weights(self, update_info: PushUpdateInfo) -> None:  # type: ignore[override]
-        update_info.check_transport("cuda_ipc")
-        assert self._session is not None, "receive_weights without start_weight_update"
         try:
-            self._session.load(update_info, self._open(update_info))
+            update_info.check_transport("cuda_ipc")
+            self._load(update_info, "cuda_ipc", self._open(update_info))
         finally:
             if update_info.is_last_load:
                 self._opened = None  # closes the mappings; the trainer may free its copies

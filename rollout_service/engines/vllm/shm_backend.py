@@ -26,13 +26,11 @@ import logging
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 from vllm.distributed.weight_transfer.base import WeightTransferEngine, WeightTransferInitInfo
 
-from rollout_service.engines.vllm.copy_plan import CopyPlan
-from rollout_service.engines.vllm.transfer import LoadSession, PushUpdateInfo
+from rollout_service.engines.vllm.transfer import PushUpdateInfo, SessionLoads
 from rollout_service.protocol.placement import ShmLocation, TensorPlacement
 from rollout_service.protocol.shm import PinnedSegment, Segment, segment_path
 
@@ -44,7 +42,7 @@ class ShmInitInfo(WeightTransferInitInfo):
     """Nothing to set up: segments are named per update."""
 
 
-class ShmWeightTransferEngine(WeightTransferEngine[ShmInitInfo, PushUpdateInfo]):
+class ShmWeightTransferEngine(SessionLoads, WeightTransferEngine[ShmInitInfo, PushUpdateInfo]):
     """Loads checkpoint-named tensors from a shared-memory segment."""
 
     init_info_cls = ShmInitInfo
@@ -53,21 +51,6 @@ class ShmWeightTransferEngine(WeightTransferEngine[ShmInitInfo, PushUpdateInfo])
 
     def init_transfer_engine(self, init_info: ShmInitInfo) -> None:
         pass
-
-    _session: LoadSession | None = None
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self._plans: dict[int, CopyPlan] = {}
-        """In-place pushes' copy plans, by ``id`` of the main model and of the drafter."""
-
-    def start_weight_update(self) -> None:
-        self._session = LoadSession(self.model, self.model_config, self._plans)
-
-    def finish_weight_update(self) -> None:
-        assert self._session is not None, "finish_weight_update without start"
-        self._session.finish()
-        self._session = None
 
     _mapped: tuple[tuple[str, int, int], Segment] | None = None
     _pinned: PinnedSegment | None = None
@@ -102,9 +85,7 @@ class ShmWeightTransferEngine(WeightTransferEngine[ShmInitInfo, PushUpdateInfo])
             self._mapped = None
 
     def receive_weights(self, update_info: PushUpdateInfo) -> None:
-        update_info.check_transport("shm")
-        assert self._session is not None, "receive_weights without start_weight_update"
-        self._session.load(update_info, self._tensors(update_info.placements))
+        self._load(update_info, "shm", self._tensors(update_info.placements))
 
     def _tensors(self, placements: list[TensorPlacement]) -> Iterator[tuple[str, torch.Tensor]]:
         """Zero-copy views of the segment's bytes, one per placement."""

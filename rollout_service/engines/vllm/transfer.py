@@ -115,3 +115,37 @@ class LoadSession:
 
             finalize_layerwise_reload(self._model, self._model_config)
             self._is_reloading = False
+
+
+class SessionLoads:
+    """vLLM's weight-update session as this project's backends run it (a mixin before
+    vLLM's ``WeightTransferEngine``): one :class:`LoadSession` per model load, and the
+    in-place copy plans kept across pushes, one per model (by ``id`` of the main model
+    and of the drafter)."""
+
+    model: Any
+    model_config: Any
+    _session: LoadSession | None = None
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._plans: dict[int, Any] = {}
+
+    def start_weight_update(self) -> None:
+        self._session = LoadSession(self.model, self.model_config, self._plans)
+
+    def finish_weight_update(self) -> None:
+        assert self._session is not None, "finish_weight_update without start"
+        self._session.finish()
+        self._session = None
+
+    def _load(self, update_info: PushUpdateInfo, transport: Transport,
+              tensors: Iterable[tuple[str, Any]]) -> None:
+        """Load ``tensors`` (the update's, opened by the backend) into this session's model.
+
+        Raises:
+            ValueError: the update is for another transport.
+        """
+        update_info.check_transport(transport)
+        assert self._session is not None, "receive_weights without start_weight_update"
+        self._session.load(update_info, tensors)
