@@ -11,7 +11,9 @@ the MTP drafter in each mode:
   pushed to by ``WeightPusher`` (``target="both"``) until it serves the new
   version. ``cuda_ipc`` shares CUDA tensors: it needs ``--device cuda``; it copies
   them into the pusher's staging buffer (one export per push), and
-  ``cuda_ipc-unstaged`` exports each tensor in place instead.
+  ``cuda_ipc-unstaged`` exports each tensor in place instead. ``nccl`` broadcasts in a
+  collective group (gloo when the trainer's tensors are on the CPU; NCCL between two
+  GPUs, which one GPU cannot host: NCCL refuses two ranks on one device).
 - ``disk``: an ``AsyncLLM`` in this process on the same engine args; safetensors
   save to a temp dir, pause, reload main and drafter (``bench/disk_reload.py``),
   resume. Unsynced save, read back from the page cache: both favour ``disk``.
@@ -73,7 +75,7 @@ class PushMode:
 
 
 PUSH_MODES = {f"{t}{'-reload' if w == 'reload' else ''}": PushMode(transport=t, weights_load=w)
-              for t in ("shm", "cuda_ipc") for w in ("auto", "reload")}
+              for t in ("shm", "cuda_ipc", "nccl") for w in ("auto", "reload")}
 PUSH_MODES["cuda_ipc-unstaged"] = PushMode(transport="cuda_ipc", weights_load="auto",
                                            cuda_ipc_staging=False)
 REFERENCE_MODES = ("disk", "floor")
@@ -151,7 +153,9 @@ def push_run(report: PushReport) -> Run:
     """A push's parts: the trainer's from ``PushReport``, the service's own timings."""
     server = report.server.timings
     parts = {"fill (trainer -> segment / export)": report.fill_s,
-             "control (begin + updates)": report.control_s, "pause": server.pause_s,
+             "control (begin + updates)": report.control_s,
+             "receive (nccl broadcast, before the pause)": server.receive_s,
+             "pause": server.pause_s,
              "load main": server.load_main_s, "finalize main": server.finalize_main_s,
              "load draft": server.load_draft_s, "finalize draft": server.finalize_draft_s,
              "reset prefix cache + resume": server.resume_s}
