@@ -216,12 +216,24 @@ async def run_drafter(opts: argparse.Namespace, noise: float, console: Console, 
                 return {"spec-off": on_off, **{name: with_pin(client, schedule, on_spec)
                                                for name, schedule in schedules.items()}}
 
+            async def show_controller(after: str) -> None:
+                """What the controller has chosen so far, and why (printed after every
+                workload, so a later failure does not lose it)."""
+                await client.pin_schedule(None)
+                control = (await client.health()).speculation_control
+                if control is not None:
+                    console.print(f"  {label} after {after}: controller K "
+                                  + ", ".join(f"B<={b.batch_size}: {b.k} ({b.reason})"
+                                              for b in control.buckets)
+                                  + f"; first-position acceptance {control.acceptance[:1]}")
+
             results: dict[str, dict[str, list[float]]] = {}
             for c in levels:
                 results[f"c={c}"] = await interleaved(
                     modes(functools.partial(off.run_round, c),
                           functools.partial(spec.run_round, c)),
                     opts.rounds, f"{label} c={c}", console)
+                await show_controller(f"c={c}")
             if opts.rollout_prompts:
                 rollout = Rollout(prompts=prompts[:opts.rollout_prompts],
                                   lengths=rollout_lengths(opts.rollout_prompts,
@@ -230,13 +242,7 @@ async def run_drafter(opts: argparse.Namespace, noise: float, console: Console, 
                     modes(rollout_round(off, rollout, opts.temperature),
                           rollout_round(spec, rollout, opts.temperature)),
                     opts.rounds, f"{label} rollout", console)
-            await client.pin_schedule(None)
-            control = (await client.health()).speculation_control
-            if control is not None:  # what the controller ended on, and why
-                console.print(f"  {label}: controller K "
-                              + ", ".join(f"B<={b.batch_size}: {b.k} ({b.reason})"
-                                          for b in control.buckets)
-                              + f"; first-position acceptance {control.acceptance[:1]}")
+                await show_controller("the rollout")
         return results
     finally:
         for server in servers:
