@@ -8,6 +8,10 @@ tiny model; the trainer is this test process (``WeightPusher(transport="nccl")``
 
 from __future__ import annotations
 
+import json
+import multiprocessing
+import os
+import socket
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -28,9 +32,11 @@ from tests.integration.conftest import (
     WEIGHTS_TOKEN,
     run_service,
     served_version,
+    wait_for,
 )
 from tests.integration.conftest import weights_checksums as checksums
 from tests.integration.conftest import weights_status as status
+from trainer_client.group import TrainerGroup
 from trainer_client.push import WeightPusher, layout, param_spec, spec_nbytes
 
 pytestmark = pytest.mark.skipif(TARGET.transport != "shm" or TARGET.tensor_device != "cpu",
@@ -141,6 +147,66 @@ async def test_a_trainer_that_never_broadcasts_fails_its_push_and_nothing_loads(
     # The service closed the group; the pusher makes a new one and its push loads.
     pusher.push(changed(original, MAIN_PARAM).items(), version=state.newest_version + 2)
     assert pusher._group.group_id != group_id  # type: ignore[union-attr]
+    assert checksums(nccl_service)["main"] != before["main"]
+    pusher.push(original.items(), version=state.newest_version + 3)
+    assert checksums(nccl_service) == before
+
+
+def _trainer_killed_in_finish(url: str, version: int) -> None:
+    """A trainer process (spawned) that joins a group, announces a push, sends its finish
+    and dies before broadcasting a byte: its sockets, the group's included, close."""
+    tensors = load_file(str(Path(ensure_model("tiny")) / "model.safetensors"))
+    specs = [param_spec(n, t) for n, t in tensors.items()]
+    sizes = [spec_nbytes(s) for s in specs]
+    offsets, nbytes = layout(sizes)
+    headers = {"authorization": f"Bearer {WEIGHTS_TOKEN}"}
+    with httpx.Client(base_url=url, headers=headers, timeout=120) as c:
+        group = TrainerGroup(lambda: messages.WeightGroupResponse.model_validate(
+            c.post("/weights/group").json()))
+        begin = c.post("/weights/begin", json=messages.PushBeginRequest(
+            version=version, transport="nccl", group_id=group.group_id,
+            broadcast_bytes=nbytes, total_bytes=sum(sizes), params=specs,
+        ).model_dump(mode="json", exclude_none=True)).json()
+        c.post("/weights/update", json={"push_id": begin["push_id"], "tensors": [
+            TensorPlacement(name=s.name, dtype=s.dtype, shape=tuple(s.shape),
+                            location=BroadcastLocation(offset=o)).model_dump(mode="json")
+            for s, o in zip(specs, offsets, strict=True)]}).raise_for_status()
+    # The whole finish request reaches the service's socket; then this process is gone.
+    body = json.dumps({"push_id": begin["push_id"]}).encode()
+    host, port = url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port))) as raw:
+        raw.sendall(b"POST /weights/finish HTTP/1.1\r\nHost: " + host.encode()
+                    + b"\r\nAuthorization: Bearer " + WEIGHTS_TOKEN.encode()
+                    + b"\r\nContent-Type: application/json\r\nContent-Length: "
+                    + str(len(body)).encode() + b"\r\n\r\n" + body)
+        os._exit(3)
+
+
+def test_a_trainer_killed_in_finish_leaves_the_served_weights_and_no_waiting_rank(
+        nccl_service: ServiceProcess, pusher: WeightPusher,
+        original: dict[str, torch.Tensor]) -> None:
+    """The trainer process dies between its finish and its broadcast: the workers'
+    receive ends (the group's connections closed), the push fails with nothing loaded,
+    and the next trainer pushes in a new group."""
+    before, state = checksums(nccl_service), status(nccl_service)
+    trainer = multiprocessing.get_context("spawn").Process(
+        target=_trainer_killed_in_finish, args=(nccl_service.url, state.newest_version + 1))
+    trainer.start()
+    trainer.join(300)
+    assert trainer.exitcode == 3
+    died = time.monotonic()
+    after = wait_for(lambda: status(nccl_service),
+                     lambda s: s.active_push_id is None and s.last_push is not None
+                     and s.last_push.version == state.newest_version + 1,
+                     timeout_s=GROUP_TIMEOUT_S + 120)
+    # Its connections closed: the workers stop at once, not at the group's timeout (0.04 s
+    # on the 2-core machine, against GROUP_TIMEOUT_S).
+    assert time.monotonic() - died < GROUP_TIMEOUT_S
+    assert after.last_push.outcome == "failed" and "broadcast" in after.last_push.detail
+    assert after.consistent
+    assert (after.main_version, after.draft_version) == (state.main_version, state.draft_version)
+    assert checksums(nccl_service) == before
+    pusher.push(changed(original, MAIN_PARAM).items(), version=state.newest_version + 2)
     assert checksums(nccl_service)["main"] != before["main"]
     pusher.push(original.items(), version=state.newest_version + 3)
     assert checksums(nccl_service) == before
