@@ -11,8 +11,11 @@ services run at once as child processes (``rollout-service serve``):
 The modes, all on those two engines:
 
 - ``spec-off``: the ``off`` service;
-- ``k=1`` .. ``k=<k-max>``: the ``spec`` service pinned to one K at every batch size
-  (``POST /speculation/schedule``), so a static K costs no engine of its own;
+- ``k=0`` .. ``k=<k-max>``: the ``spec`` service pinned to one K at every batch size
+  (``POST /speculation/schedule``), so a static K costs no engine of its own. ``k=0``
+  is the floor of what the controller can reach on that engine: vLLM still runs the
+  MTP drafter at K = 0 (it keeps the drafter's KV cache in step), so ``k=0`` against
+  ``spec-off`` is that cost. The best static K of a rollout is taken over K >= 1;
 - ``controller``: the ``spec`` service unpinned, K chosen by the controller.
 
 Two workloads, each measured round by round with the modes' order rotated (drift of the
@@ -208,7 +211,7 @@ async def run_drafter(opts: argparse.Namespace, noise: float, console: Console, 
             console.print(f"{label}: moving the policy away from the drafter ...")
             await asyncio.to_thread(move_the_policy, [off.url, spec.url], size, noise)
         schedules: dict[str, dict[int, int] | None] = {
-            f"k={k}": dict.fromkeys(buckets, k) for k in range(1, opts.k_max + 1)}
+            f"k={k}": dict.fromkeys(buckets, k) for k in range(0, opts.k_max + 1)}
         schedules["controller"] = None
         async with RolloutClient(spec.url, weights_token=WEIGHTS_TOKEN) as client:
 
@@ -260,7 +263,7 @@ def print_report(console: Console, drafter: str,
         controller = rates["controller"]
         pairs = [("spec-off", rates["spec-off"], CONTROLLER_OVER_OFF)]
         if label.startswith("rollout"):
-            static = {m: v for m, v in rates.items() if m.startswith("k=")}
+            static = {m: v for m, v in rates.items() if m.startswith("k=") and m != "k=0"}
             best = max(static, key=lambda m: statistics.median(static[m]))
             pairs.append((f"best static ({best})", static[best], CONTROLLER_OVER_BEST_STATIC))
         for name, values, target in pairs:
