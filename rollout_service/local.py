@@ -79,8 +79,8 @@ def weight_groups(engine: Engine, config: ServiceConfig) -> WeightGroups | None:
     if not isinstance(engine, BroadcastEngine):
         raise ValueError(f"weights_transport: 'nccl' needs an engine whose workers join a "
                          f"group, and {type(engine).__name__} has none")
-    return WeightGroups(engine, num_workers=engine.num_workers, backend=engine.group_backend,
-                        address=config.group_address, timeout_s=config.weights_group_timeout_s)
+    return WeightGroups(engine, address=config.group_address,
+                        timeout_s=config.weights_group_timeout_s)
 
 
 def build_local_service(engine: Engine, config: ServiceConfig

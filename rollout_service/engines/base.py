@@ -314,14 +314,13 @@ class BroadcastEngine(Protocol):
         """Each worker's join: ``running``, ``done``, ``failed: ...`` or ``unknown``."""
         ...
 
-    async def receive_broadcast(self, push_id: str, group_id: str, nbytes: int,
-                                timeout_s: float) -> float:
-        """Receive push ``push_id``'s broadcast of ``nbytes`` in every worker (no
-        parameter changes); returns the seconds it took.
+    async def start_receive(self, push_id: str, group_id: str, nbytes: int) -> None:
+        """Have every worker start receiving push ``push_id``'s broadcast of ``nbytes``
+        into a buffer of its own (no parameter changes); returns at once."""
+        ...
 
-        Raises:
-            RuntimeError: a worker's receive failed or timed out.
-        """
+    async def receive_state(self, push_id: str) -> list[str]:
+        """Each worker's receive: ``running``, ``done``, ``failed: ...`` or ``unknown``."""
         ...
 
 

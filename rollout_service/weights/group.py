@@ -14,38 +14,35 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Awaitable, Callable
 
 from rollout_service.engines.base import BroadcastEngine
 from rollout_service.protocol import messages
 from rollout_service.protocol.broadcast import (
     TRAINER_RANK,
-    Backend,
     GroupSpec,
     Rendezvous,
     new_group_id,
 )
 from rollout_service.weights.intake import PushError
 
-JOIN_POLL_S = 0.01
-"""How often ``begin`` asks the workers whether they have joined."""
+POLL_S = 0.002
+"""How often the service asks the workers how their join or receive goes: a utility
+call each, between two engine steps."""
 
 
 class WeightGroups:
     """The service's one current group (module docstring).
 
     Args:
-        engine: the engine whose workers join.
-        num_workers: its worker processes (tensor x pipeline parallel size).
-        backend: ``nccl`` for an engine on CUDA, ``gloo`` on the CPU.
+        engine: the engine whose workers join (its ``num_workers`` and ``group_backend``
+            size and pick the group).
         address: where trainers reach the rendezvous (``ServiceConfig.group_address``).
         timeout_s: the join's and every broadcast's timeout (``weights_group_timeout_s``).
     """
 
-    def __init__(self, engine: BroadcastEngine, *, num_workers: int, backend: Backend,
-                 address: str, timeout_s: float) -> None:
+    def __init__(self, engine: BroadcastEngine, *, address: str, timeout_s: float) -> None:
         self._engine = engine
-        self._num_workers = num_workers
-        self._backend = backend
         self._address = address
         self._timeout_s = timeout_s
         self._rendezvous: Rendezvous | None = None
@@ -58,8 +55,9 @@ class WeightGroups:
             self._rendezvous = await asyncio.to_thread(Rendezvous, self._address,
                                                        self._timeout_s)
         spec = GroupSpec(group_id=new_group_id(), master_address=self._address,
-                         master_port=self._rendezvous.port, world_size=1 + self._num_workers,
-                         backend=self._backend, timeout_s=self._timeout_s)
+                         master_port=self._rendezvous.port,
+                         world_size=1 + self._engine.num_workers,
+                         backend=self._engine.group_backend, timeout_s=self._timeout_s)
         self.current, self._joined = None, False
         await self._engine.join_group(spec)
         self.current = spec
@@ -80,23 +78,16 @@ class WeightGroups:
             raise PushError(409, f"group_id: {group_id!r} is not this service's current "
                                  f"weight group ({spec.group_id if spec else None}); "
                                  "POST /weights/group makes one")
-        deadline = time.monotonic() + self._timeout_s
-        while not self._joined:
-            states = await self._engine.group_state(group_id)
-            failed = [s for s in states if s not in ("running", "done")]
-            if failed:
-                self.close()
-                raise PushError(409, f"group_id: the engine's workers could not join "
-                                     f"{group_id!r} ({failed[0]}); make a new group")
-            if all(s == "done" for s in states):
-                self._joined = True
-                break
-            if time.monotonic() > deadline:
-                self.close()
-                raise PushError(409, f"group_id: the workers did not finish joining "
-                                     f"{group_id!r} within {self._timeout_s:g} s (did the "
-                                     "trainer join?); make a new group")
-            await asyncio.sleep(JOIN_POLL_S)
+        if self._joined:
+            return
+        try:
+            await self._until_done(lambda: self._engine.group_state(group_id),
+                                   f"the workers' join of {group_id!r}")
+        except RuntimeError as exc:
+            self.close()
+            raise PushError(409, f"group_id: {exc} (did the trainer join?); make a new "
+                                 "group") from exc
+        self._joined = True
 
     async def receive(self, push_id: str, group_id: str, nbytes: int) -> float:
         """Receive a push's broadcast in every worker; returns the seconds it took.
@@ -104,14 +95,38 @@ class WeightGroups:
         Raises:
             PushError(408): it failed or timed out; the group is closed.
         """
+        start = time.perf_counter()
         try:
-            return await self._engine.receive_broadcast(push_id, group_id, nbytes,
-                                                        timeout_s=self._timeout_s + 30)
+            await self._engine.start_receive(push_id, group_id, nbytes)
+            await self._until_done(lambda: self._engine.receive_state(push_id),
+                                   f"the broadcast of push {push_id}")
         except RuntimeError as exc:
             self.close()
             raise PushError(408, f"broadcast: {exc}; nothing was loaded, the old weights "
                                  "are still served; the group is closed (the next push "
                                  "makes a new one)") from exc
+        return time.perf_counter() - start
+
+    async def _until_done(self, states: Callable[[], Awaitable[list[str]]], what: str) -> None:
+        """Poll every worker's state until all are ``done``.
+
+        The workers' own timeout (the group's) ends a wait for a silent trainer; the
+        deadline here, 30 s later, only bounds a worker that never reports.
+
+        Raises:
+            RuntimeError: a worker failed, or not all were done by the deadline.
+        """
+        deadline = time.monotonic() + self._timeout_s + 30
+        while True:
+            now = await states()
+            failed = [s for s in now if s not in ("running", "done")]
+            if failed:
+                raise RuntimeError(f"{what} failed: {failed[0]}")
+            if all(s == "done" for s in now):
+                return
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{what} did not end within {self._timeout_s + 30:g} s")
+            await asyncio.sleep(POLL_S)
 
     def close(self) -> None:
         """No current group: the next push needs a new one."""

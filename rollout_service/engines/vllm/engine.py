@@ -21,7 +21,6 @@ at run time through the engine core's ``rollout_set_spec_schedule``
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator, Mapping, Sequence
@@ -74,10 +73,6 @@ from rollout_service.protocol.broadcast import Backend, GroupSpec
 from rollout_service.protocol.messages import PauseMode, WeightVersionSpan
 
 logger = logging.getLogger(__name__)
-
-BROADCAST_POLL_S = 0.002
-"""How often the service asks the workers whether a push's broadcast has arrived: a
-utility call each, between two engine steps."""
 
 # Weight pushes go through vLLM's weight-transfer API with this project's `shm`
 # or `cuda_ipc` backend (registered by the `vllm.general_plugins` entry point,
@@ -348,30 +343,15 @@ class VLLMEngine:
         """Each worker's join: ``running``, ``done``, ``failed: ...`` or ``unknown``."""
         return await self._llm.collective_rpc("rollout_group_state", args=(group_id,))
 
-    async def receive_broadcast(self, push_id: str, group_id: str, nbytes: int,
-                                timeout_s: float) -> float:
-        """Receive push ``push_id``'s broadcast in every worker; returns the seconds it
-        took. Generation goes on meanwhile (the workers receive on threads of their own).
-
-        Raises:
-            RuntimeError: a worker's receive failed (the trainer stopped sending within
-                the group's timeout, or left), or nothing came within ``timeout_s``.
-        """
-        start = time.perf_counter()
+    async def start_receive(self, push_id: str, group_id: str, nbytes: int) -> None:
+        """Have every worker start receiving push ``push_id``'s broadcast (returns at
+        once; generation goes on, the workers receive on threads of their own)."""
         await self._llm.collective_rpc("rollout_broadcast_receive",
                                        args=(push_id, group_id, nbytes))
-        deadline = start + timeout_s
-        while True:
-            states = await self._llm.collective_rpc("rollout_broadcast_state", args=(push_id,))
-            failed = [s for s in states if s != "running" and s != "done"]
-            if failed:
-                raise RuntimeError(f"the broadcast of push {push_id} failed: {failed[0]}")
-            if all(s == "done" for s in states):
-                return time.perf_counter() - start
-            if time.perf_counter() > deadline:
-                raise RuntimeError(f"the broadcast of push {push_id} did not arrive within "
-                                   f"{timeout_s:g} s")
-            await asyncio.sleep(BROADCAST_POLL_S)
+
+    async def receive_state(self, push_id: str) -> list[str]:
+        """Each worker's receive: ``running``, ``done``, ``failed: ...`` or ``unknown``."""
+        return await self._llm.collective_rpc("rollout_broadcast_state", args=(push_id,))
 
     async def weight_checksums(self) -> dict[str, str]:
         """SHA-256 of the main model's and the drafter's parameters (worker 0)."""

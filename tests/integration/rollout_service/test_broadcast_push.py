@@ -203,8 +203,7 @@ def test_a_trainer_killed_in_finish_leaves_the_served_weights_and_no_waiting_ran
                      lambda s: s.active_push_id is None and s.last_push is not None
                      and s.last_push.version == state.newest_version + 1,
                      timeout_s=GROUP_TIMEOUT_S + 120)
-    # Its connections closed: the workers stop at once, not at the group's timeout (0.04 s
-    # on the 2-core machine).
+    # Its connections closed: the workers stop at once, not at the group's timeout.
     assert time.monotonic() - died < GROUP_TIMEOUT_S
     assert after.last_push.outcome == "failed" and "broadcast" in after.last_push.detail
     assert after.consistent
