@@ -211,7 +211,7 @@ async def run_drafter(opts: argparse.Namespace, noise: float, console: Console, 
             console.print(f"{label}: moving the policy away from the drafter ...")
             await asyncio.to_thread(move_the_policy, [off.url, spec.url], size, noise)
         schedules: dict[str, dict[int, int] | None] = {
-            f"k={k}": dict.fromkeys(buckets, k) for k in range(0, opts.k_max + 1)}
+            f"k={k}": dict.fromkeys(buckets, k) for k in opts.static_k}
         schedules["controller"] = None
         async with RolloutClient(spec.url, weights_token=WEIGHTS_TOKEN) as client:
 
@@ -262,8 +262,8 @@ def print_report(console: Console, drafter: str,
             table.add_row(label, mode, f"{statistics.median(values):.0f}", spread(values))
         controller = rates["controller"]
         pairs = [("spec-off", rates["spec-off"], CONTROLLER_OVER_OFF)]
-        if label.startswith("rollout"):
-            static = {m: v for m, v in rates.items() if m.startswith("k=") and m != "k=0"}
+        static = {m: v for m, v in rates.items() if m.startswith("k=") and m != "k=0"}
+        if label.startswith("rollout") and static:
             best = max(static, key=lambda m: statistics.median(static[m]))
             pairs.append((f"best static ({best})", static[best], CONTROLLER_OVER_BEST_STATIC))
         for name, values, target in pairs:
@@ -271,6 +271,10 @@ def print_report(console: Console, drafter: str,
             median = statistics.median(per_round)
             ratios.add_row(label, f"controller / {name}", f"{median:.3f}", spread(per_round),
                            f">= {target}", "yes" if median >= target else "NO")
+        if "k=0" in rates:  # the floor: what the drafter costs the engine at K = 0
+            per_round = [a / b for a, b in zip(rates["k=0"], rates["spec-off"])]
+            ratios.add_row(label, "k=0 / spec-off (floor)",
+                           f"{statistics.median(per_round):.3f}", spread(per_round), "", "")
     console.print(table)
     console.print(ratios)
 
@@ -282,6 +286,9 @@ def main() -> None:
     parser.add_argument("--draft-noise", default="0.25",
                         help="comma-separated drafter noises, one checkpoint (and run) each")
     parser.add_argument("--k-max", type=int, default=3, help="the spec engine's largest K")
+    parser.add_argument("--static-k", default=None,
+                        help="comma-separated K values to pin as static modes (default: "
+                             "0 .. k-max)")
     parser.add_argument("--stale-drafter", action="store_true",
                         help="one more run: the first noise's drafter after a main push of "
                              "another seed's model")
@@ -305,6 +312,13 @@ def main() -> None:
         noises = [float(x) for x in opts.draft_noise.split(",")]
     except ValueError:
         parser.error(f"--draft-noise: comma-separated numbers, got {opts.draft_noise!r}")
+    try:
+        opts.static_k = (list(range(opts.k_max + 1)) if opts.static_k is None
+                         else [int(k) for k in opts.static_k.split(",")])
+    except ValueError:
+        parser.error(f"--static-k: comma-separated integers, got {opts.static_k!r}")
+    if any(not 0 <= k <= opts.k_max for k in opts.static_k):
+        parser.error(f"--static-k: each K in 0 .. --k-max ({opts.k_max})")
     resolve_device(opts)
     # The services read it from the environment (a config file would carry it masked).
     os.environ[WEIGHTS_TOKEN_ENV] = WEIGHTS_TOKEN

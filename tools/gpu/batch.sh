@@ -57,9 +57,13 @@ for s in "$@"; do
     load) step load 300 python3 -m bench.push_under_load --model embedded:1b \
             --transport cuda_ipc --concurrency 128 --rounds 3 --round-s 20 ;;
     spec) step spec 540 python3 -m bench.speculation --model embedded:1b \
+            --draft-noise 0.1 --k-max 3 --static-k 0,1,2 --concurrency 1,16,256 \
+            --max-tokens 256 --rounds 2 --rollout-prompts 256 --rollout-max-tokens 512 \
+            --logs "$out/spec-logs" ;;
+    spec-full) step spec-full 540 python3 -m bench.speculation --model embedded:1b \
             --draft-noise 0.1,0.6 --k-max 3 --concurrency 1,16,256 --max-tokens 256 \
             --rounds 2 --rollout-prompts 512 --stale-drafter --logs "$out/spec-logs" ;;
-    *) echo "unknown step: $s (tests trainer starts serving sync load spec)" >&2; exit 2 ;;
+    *) echo "unknown step: $s (tests trainer starts serving sync load spec spec-full)" >&2; exit 2 ;;
   esac
 done
 clean
