@@ -127,7 +127,10 @@ async def start_asyncllm(cfg: ServiceConfig, workload: Workload) -> tuple[RoundF
     from vllm.v1.engine.async_llm import AsyncLLM
 
     preload_for_cpu_engine()  # as the service does (vllm-server inherits it too)
-    engine = AsyncLLM.from_engine_args(engine_args(cfg))
+    from rollout_service.engines.vllm.usage_context import serving_usage_context
+
+    # The service's batch-size defaults, so the three modes run one engine config.
+    engine = AsyncLLM.from_engine_args(engine_args(cfg), usage_context=serving_usage_context())
     calls = 0
 
     async def one(i: int, request_id: str) -> int:

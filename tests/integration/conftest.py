@@ -10,7 +10,8 @@ module).
 CPU build, shm pushes), ``cuda-shm`` or ``cuda-ipc`` (vLLM's CUDA build on GPU 0,
 pushes through shared memory or CUDA IPC handles from this process's GPU tensors,
 copied into the served parameters in place), ``cuda-ipc-reload`` (the same with
-vLLM's layerwise reload), ``cuda-ipc-k1`` (``cuda-ipc`` with one draft token, not two).
+vLLM's layerwise reload), ``cuda-ipc-k1`` (``cuda-ipc`` with one draft token, not two),
+``cuda-graphs`` (``cuda-ipc`` with vLLM's compile and CUDA graphs).
 """
 
 from __future__ import annotations
@@ -77,6 +78,12 @@ TARGETS = {
                                              "enforce_eager": True},
                               transport="cuda_ipc", tensor_device="cuda",
                               weights_load="reload", engine_start_timeout_s=180),
+    # vLLM's compile and CUDA graphs, as served: the graphs are captured per K of the
+    # start-up schedule, so a run-time K schedule needs them under test
+    # (test_speculation_control.py).
+    "cuda-graphs": Target(engine_kwargs={"gpu_memory_utilization": 0.2},
+                          transport="cuda_ipc", tensor_device="cuda",
+                          engine_start_timeout_s=400),
 }
 TARGET = TARGETS[os.environ.get("ROLLOUT_TEST_TARGET", "cpu")]
 NUM_SPECULATIVE_TOKENS = TARGET.num_speculative_tokens

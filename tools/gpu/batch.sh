@@ -9,7 +9,8 @@
 #
 #   bash tools/gpu/batch.sh tests sync          # ~9 min (one call each if it stalls)
 #   bash tools/gpu/batch.sh serving             # ~6-8 min
-#   bash tools/gpu/batch.sh spec                # ~9 min
+#   bash tools/gpu/batch.sh spec-tests          # ~5-9 min (graphs captured per start)
+#   bash tools/gpu/batch.sh spec                # ~5 min (spec-full: ~9 min)
 #   bash tools/gpu/batch.sh load starts trainer # ~4 + 5 + 5 min
 set -uo pipefail
 out="${OUT:-/tmp/gpu-batch}"; mkdir -p "$out"; export OUT="$out"
@@ -48,6 +49,7 @@ for s in "$@"; do
   case "$s" in
     tests) STALL_S=100000 step tests 420 bash tools/gpu/run_gpu_tests.sh gpu-marked cuda-ipc \
              cuda-shm ;;
+    spec-tests) STALL_S=100000 step spec-tests 580 bash tools/gpu/run_gpu_tests.sh spec-graphs ;;
     trainer) STALL_S=100000 step trainer 330 bash tools/gpu/run_gpu_tests.sh trainer ;;
     starts) ROUNDS=3 DEADLINE_S=120 step starts 300 bash tools/gpu/start_ab.sh spawn fork ;;
     serving) step serving 480 python3 -m bench.serving --model embedded:small \
@@ -63,7 +65,7 @@ for s in "$@"; do
     spec-full) step spec-full 540 python3 -m bench.speculation --model embedded:1b \
             --draft-noise 0.1,0.6 --k-max 3 --concurrency 1,16,256 --max-tokens 256 \
             --rounds 2 --rollout-prompts 512 --stale-drafter --logs "$out/spec-logs" ;;
-    *) echo "unknown step: $s (tests trainer starts serving sync load spec spec-full)" >&2; exit 2 ;;
+    *) echo "unknown step: $s (tests spec-tests trainer starts serving sync load spec spec-full)" >&2; exit 2 ;;
   esac
 done
 clean

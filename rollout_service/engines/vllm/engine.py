@@ -68,6 +68,7 @@ from rollout_service.engines.vllm.spec_schedule import (
 from rollout_service.engines.vllm.start_method import spawn_engine_core_if_cuda
 from rollout_service.engines.vllm.step_costs import StepCostMonitor
 from rollout_service.engines.vllm.transfer import update_info
+from rollout_service.engines.vllm.usage_context import serving_usage_context
 from rollout_service.protocol.acceptance import InvalidSpecDecodeStats, SpecDecodeStats
 from rollout_service.protocol.broadcast import Backend, GroupSpec
 from rollout_service.protocol.messages import PauseMode, WeightVersionSpan
@@ -177,7 +178,8 @@ class VLLMEngine:
         vLLM's own)."""
         loggers = None if step_costs is None else [step_costs.logger_factory()]
         spawn_engine_core_if_cuda()
-        llm = AsyncLLM.from_engine_args(engine_args, stat_loggers=loggers)
+        llm = AsyncLLM.from_engine_args(engine_args, stat_loggers=loggers,
+                                        usage_context=serving_usage_context())
         _cache_vllm_environment()
         model_config = llm.model_config
         spec = llm.vllm_config.speculative_config

@@ -119,7 +119,8 @@ def _is_int(value: object) -> bool:
 def with_startup_schedule(args: AsyncEngineArgs) -> AsyncEngineArgs:
     """``args`` with the K schedule a run-time schedule needs at start-up: every K in
     ``0..num_speculative_tokens`` at some batch size (:func:`startup_ranges`), over the
-    batch sizes vLLM will allow (its ``max_num_seqs``, resolved here as vLLM resolves it).
+    batch sizes vLLM will allow (its ``max_num_seqs``, resolved here as vLLM resolves it
+    for the service: ``usage_context.py``).
 
     Raises:
         ValueError: naming the field: no speculative decoding, a schedule of the user's
@@ -131,6 +132,7 @@ def with_startup_schedule(args: AsyncEngineArgs) -> AsyncEngineArgs:
     from vllm.platforms import current_platform
 
     from rollout_service.engines.vllm.patches import spec_schedule as schedule_rpc
+    from rollout_service.engines.vllm.usage_context import serving_usage_context
 
     field = "speculation_control.enabled"
     speculative = args.speculative_config
@@ -146,7 +148,7 @@ def with_startup_schedule(args: AsyncEngineArgs) -> AsyncEngineArgs:
     if (args.data_parallel_size or 1) > 1:
         raise ValueError(f"{field}: vLLM drops a K schedule with data parallelism "
                          f"(engine_kwargs.data_parallel_size={args.data_parallel_size})")
-    config = dataclasses.replace(args).create_engine_config()
+    config = dataclasses.replace(args).create_engine_config(serving_usage_context())
     if current_platform.is_cuda() and not config.use_v2_model_runner:
         raise ValueError(f"{field}: vLLM's model runner V1 on CUDA turns a K schedule's "
                          "FULL CUDA graphs into PIECEWISE ones (vllm-project/vllm#49548); "

@@ -121,6 +121,24 @@ async def test_the_pinned_k_is_the_drafted_k_and_greedy_outputs_do_not_change(
     assert token_ids[0] == token_ids[1] == token_ids[NUM_SPECULATIVE_TOKENS]
 
 
+async def test_every_k_serves_at_every_batch_size(client: RolloutClient,
+                                                  unpinned: None) -> None:
+    """A K pinned at run time serves batches on both sides of the start-up schedule's
+    tiers, where the engine captured its graphs for other K. On the H200 (CUDA graphs,
+    model runner V2) an engine died of an illegal memory access with K = 0 pinned at 17
+    requests (docs/speculation-control.md); each batch is a fresh set of prompts."""
+    for k in range(NUM_SPECULATIVE_TOKENS + 1):
+        await client.pin_schedule({1: k})
+        for batch_size in (1, 5, 17, 40):
+            prompts = [[3 + (i % 50), 7 + k, 11 + batch_size % 13, 5] for i in range(batch_size)]
+            outs = await asyncio.gather(*(sequence(client, p, max_tokens=12) for p in prompts))
+            assert [len(o.token_ids) for o in outs] == [12] * batch_size, (k, batch_size)
+            assert all(o.spec_decode is not None
+                       and o.spec_decode.num_draft_tokens == k * o.spec_decode.num_drafts
+                       for o in outs), (k, batch_size)
+    assert (await client.health()).status == "ok"
+
+
 @pytest.mark.parametrize("body, message", [
     ({"schedule": [{"batch_size": 4, "k": NUM_SPECULATIVE_TOKENS + 1}]},
      f"K={NUM_SPECULATIVE_TOKENS + 1} in range \\[1, 4\\] exceeds the engine's "

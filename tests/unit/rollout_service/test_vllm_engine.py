@@ -130,6 +130,24 @@ def test_the_controlled_engine_starts_with_every_k_in_its_schedule() -> None:
     assert config.speculative_config.num_speculative_tokens == 2
 
 
+def test_the_start_up_schedule_spans_the_api_servers_default_batch(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The service starts vLLM as its API server does (``usage_context.py``): with
+    ``max_num_seqs`` left out, the start-up schedule must cover the batch sizes of that
+    engine, not of an embedded one (on an H200: 1024 against 128). The CPU resolves both
+    contexts alike, so the defaults are made to differ here."""
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.usage.usage_lib import UsageContext
+
+    def batch_defaults(cls: type, world_size: int) -> tuple[dict, dict]:
+        return ({UsageContext.OPENAI_API_SERVER: 4096}, {UsageContext.OPENAI_API_SERVER: 96})
+
+    monkeypatch.setattr(EngineArgs, "get_batch_defaults", classmethod(batch_defaults))
+    args = with_startup_schedule(service_args(MTPSettings(num_speculative_tokens=2)))
+    ranges = args.speculative_config["num_speculative_tokens_per_batch_size"]
+    assert ranges[-1][1] == 96
+
+
 @pytest.mark.parametrize("mtp, engine_kwargs, message", [
     (MTPSettings(enabled=False), {}, "speculation_control.enabled: needs speculative decoding"),
     (MTPSettings(num_speculative_tokens=2),
