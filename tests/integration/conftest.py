@@ -16,29 +16,30 @@ vLLM's layerwise reload), ``cuda-ipc-k1`` (``cuda-ipc`` with one draft token, no
 
 from __future__ import annotations
 
-import asyncio
 import json
 import os
 import shutil
 import subprocess
 import time
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import httpx
 import pytest
 
 from rollout_service.tools.launch import ServiceProcess, free_port
+from tests.support.waiting import until, wait_for
+
+__all__ = ["until", "wait_for"]  # re-exported: the integration tests import them from here
 
 API_KEY = "test-generation-key"
 WEIGHTS_TOKEN = "test-weights-token"
 PUSH_TIMEOUT_S = 3.0
 CATEGORIES = ["math", "code"]
 """The session service's allow-list of request categories (the fuzzer's land in 'other')."""
-T = TypeVar("T")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -167,40 +168,6 @@ def weights_checksums(service: ServiceProcess) -> dict[str, str]:
 def served_version(service: ServiceProcess) -> int:
     """The newest served version of main or drafter (0 before any push)."""
     return weights_status(service).newest_version
-
-
-def wait_for(probe: Callable[[], T], condition: Callable[[T], bool], *, timeout_s: float,
-             interval_s: float = 0.2) -> T:
-    """Probe until ``condition`` holds; return the value that satisfied it.
-
-    Raises:
-        TimeoutError: with the last value probed, after ``timeout_s``.
-    """
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = probe()
-        if condition(value):
-            return value
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"condition not met within {timeout_s:g} s; last: {value!r}")
-        time.sleep(interval_s)
-
-
-async def until(probe: Callable[[], Awaitable[T]], condition: Callable[[T], bool], *,
-                timeout_s: float, interval_s: float = 0.1) -> T:
-    """:func:`wait_for` for async probes, without blocking the event loop.
-
-    Raises:
-        TimeoutError: with the last value probed, after ``timeout_s``.
-    """
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = await probe()
-        if condition(value):
-            return value
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"condition not met within {timeout_s:g} s; last: {value!r}")
-        await asyncio.sleep(interval_s)
 
 
 def _tail(path: Path, num_lines: int = 60) -> str:

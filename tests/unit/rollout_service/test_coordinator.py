@@ -21,6 +21,7 @@ from rollout_service.protocol.shm import Segment
 from rollout_service.protocol.tensors import checkpoint_tensors
 from rollout_service.serve.coordinator import CommandResult, WeightsCoordinator
 from rollout_service.weights.intake import PushError
+from tests.support.waiting import until
 from trainer_client.push import layout
 
 CHECKPOINT = checkpoint_tensors(Path(ensure_model("tiny")))
@@ -100,9 +101,25 @@ async def _with(answers: dict[str, CommandResult | None], ack_timeout_s: float =
                                      ack_timeout_s=ack_timeout_s)
     replicas = {n: FakeReplica(coordinator, n, a) for n, a in answers.items()}
     tasks = [asyncio.create_task(r.run()) for r in replicas.values()]
-    while len(coordinator.replicas()) < len(replicas):
-        await asyncio.sleep(0.01)
+    await _until_registered(coordinator, len(replicas))
     return coordinator, replicas, tasks
+
+
+async def _until_registered(coordinator: WeightsCoordinator, count: int) -> None:
+    async def registered() -> int:
+        return len(coordinator.replicas())
+
+    await until(registered, lambda n: n >= count, timeout_s=30, interval_s=0.01)
+
+
+async def _until_committed(replicas: dict[str, FakeReplica],
+                           versions: tuple[int, int]) -> None:
+    """Until every replica has been told to commit ``versions`` (its next poll brings the
+    commit; a busy machine may take seconds)."""
+    async def committed() -> set[tuple[int | None, int | None] | None]:
+        return {r.committed for r in replicas.values()}
+
+    await until(committed, lambda seen: seen == {versions}, timeout_s=30, interval_s=0.05)
 
 
 LOADED = CommandResult(ok=True, finish=messages.PushFinishResponse(
@@ -113,8 +130,7 @@ async def test_every_replica_loads_then_all_commit(segment: Segment) -> None:
     coordinator, replicas, tasks = await _with({"a": LOADED, "b": LOADED})
     finished = await _push(coordinator, segment, version=1)
     assert sorted(finished.replicas) == ["a", "b"]
-    await asyncio.sleep(1.2)
-    assert {r.committed for r in replicas.values()} == {(1, 1)}
+    await _until_committed(replicas, (1, 1))
     assert coordinator.status().consistent and coordinator.status().main_version == 1
     for task in tasks:
         task.cancel()
@@ -129,9 +145,8 @@ async def test_a_replica_failing_names_it_and_the_others_roll_forward(segment: S
     assert failed.value.status == 500
     assert "replica b: the engine failed while loading" in str(failed.value)
     assert "loaded on a" in str(failed.value)
-    await asyncio.sleep(1.2)
     # the deployment's version moved with the replica that loaded; b must refuse (lagging)
-    assert {r.committed for r in replicas.values()} == {(1, 1)}
+    await _until_committed(replicas, (1, 1))
     assert replicas["b"].versions == (None, None)
     status = coordinator.status()
     assert status.main_version == 1 and not status.consistent
@@ -201,8 +216,7 @@ async def test_a_drafter_push_is_refused_at_begin_when_a_replica_has_no_pushable
     replicas = [FakeReplica(coordinator, "a", LOADED, mtp),
                 FakeReplica(coordinator, "b", LOADED, ngram)]
     tasks = [asyncio.create_task(r.run()) for r in replicas]
-    while len(coordinator.replicas()) < 2:
-        await asyncio.sleep(0.01)
+    await _until_registered(coordinator, 2)
     with pytest.raises(PushError, match="target: 'both' needs a drafter a push can load; "
                                         "replica b") as refused:
         await _begin(coordinator, segment, version=1)

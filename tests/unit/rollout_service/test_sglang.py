@@ -53,6 +53,7 @@ from rollout_service.protocol.tensors import TensorMeta
 from rollout_service.telemetry.weights import WeightMetrics
 from rollout_service.weights.manager import WeightPushManager
 from tests.support.fake_sglang import PROFILES, FakeSGLang
+from tests.support.waiting import until
 
 VERSIONS = ("0.5.10", "0.5.11", "0.5.12", "0.5.23")
 MTP = MTPSettings(num_speculative_tokens=3)
@@ -107,6 +108,14 @@ def greedy(max_tokens: int, **kwargs: object) -> SamplingOptions:
 
 def sent(fake: FakeSGLang, route: str) -> list[dict]:
     return [body for path, body in fake.calls if path == route]
+
+
+async def until_sent(fake: FakeSGLang, route: str, count: int = 1) -> None:
+    """Until the fake has received ``count`` requests on ``route``."""
+    async def calls() -> int:
+        return len(sent(fake, route))
+
+    await until(calls, lambda n: n >= count, timeout_s=30, interval_s=0.01)
 
 
 # --- info and generation ---
@@ -192,7 +201,7 @@ async def test_abort_pause_aborts_running_requests(checkpoint: str) -> None:
     fake.generate_delay_s = 10.0
     engine = await connect(fake)
     running = asyncio.create_task(engine.generate([1], greedy(4), "aborted"))
-    await asyncio.sleep(0.05)
+    await until_sent(fake, "/generate")
     await engine.pause("abort")
     result = await asyncio.wait_for(running, 5)
     assert (result.finish_reason, result.token_ids) == ("abort", ())
@@ -205,12 +214,13 @@ async def test_wait_pause_drains_and_holds_new_requests(checkpoint: str) -> None
     fake.generate_delay_s = 0.3
     engine = await connect(fake)
     running = asyncio.create_task(engine.generate([1], greedy(4), "drained"))
-    await asyncio.sleep(0.05)
+    await until_sent(fake, "/generate")
     await engine.pause("wait")
     assert running.done() and running.result().finish_reason == "length"
     assert sent(fake, "/pause_generation") == [{"mode": "retract"}]
     held = asyncio.create_task(engine.generate([1], greedy(4), "held"))
-    await asyncio.sleep(0.05)
+    await asyncio.sleep(0.05)  # a negative (nothing reaches the fake while paused): a slow
+    # machine can only let this pass wrongly, never fail it
     assert not held.done() and len(sent(fake, "/generate")) == 1
     await engine.resume()
     assert (await asyncio.wait_for(held, 5)).finish_reason == "length"

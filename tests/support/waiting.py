@@ -1,0 +1,45 @@
+"""Waiting for an observable condition with a deadline: how every test waits for an
+engine, a push, a scrape or a fake replica (never a bare ``sleep``)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
+
+T = TypeVar("T")
+
+
+def wait_for(probe: Callable[[], T], condition: Callable[[T], bool], *, timeout_s: float,
+             interval_s: float = 0.2) -> T:
+    """Probe until ``condition`` holds; return the value that satisfied it.
+
+    Raises:
+        TimeoutError: with the last value probed, after ``timeout_s``.
+    """
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = probe()
+        if condition(value):
+            return value
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"condition not met within {timeout_s:g} s; last: {value!r}")
+        time.sleep(interval_s)
+
+
+async def until(probe: Callable[[], Awaitable[T]], condition: Callable[[T], bool], *,
+                timeout_s: float, interval_s: float = 0.1) -> T:
+    """:func:`wait_for` for async probes, without blocking the event loop.
+
+    Raises:
+        TimeoutError: with the last value probed, after ``timeout_s``.
+    """
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = await probe()
+        if condition(value):
+            return value
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"condition not met within {timeout_s:g} s; last: {value!r}")
+        await asyncio.sleep(interval_s)
