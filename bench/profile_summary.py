@@ -1,8 +1,9 @@
 """Summarize a py-spy ``--format raw`` profile: where a process spent its samples.
 
 Runs on the developer's machine over the file ``bench/serving.py --profile-service``
-wrote. Each line of the file is ``frame;frame;...;leaf count``, outermost frame
-first (with ``--threads``, the thread is the first frame). Prints the share of
+or ``bench/speculation.py --profile-modes`` wrote. Each line of the file is
+``frame;frame;...;leaf count``, outermost frame first (with ``--threads``, the thread
+is the first frame, after the process's with ``--subprocesses``). Prints the share of
 samples per thread, the functions with the most samples on top of the stack
 (self), and those present anywhere in the stack (inclusive).
 
@@ -26,13 +27,25 @@ def read_stacks(path: Path) -> list[tuple[list[str], int]]:
     return stacks
 
 
+def thread_of(frames: list[str]) -> str:
+    """The sampled thread, named with its process when py-spy followed subprocesses
+    (``--subprocesses`` nests each child's stack under ``process <pid>:"<cmd>"`` frames):
+    the innermost process frame and the thread frame after it."""
+    process = max((i for i, f in enumerate(frames) if f.startswith("process ")), default=None)
+    if process is None:
+        return frames[0]
+    name = frames[process].split(":", 1)[-1].strip('"')[:60]
+    thread = frames[process + 1] if process + 1 < len(frames) else "?"
+    return f"{name} / {thread}"
+
+
 def summarize(stacks: list[tuple[list[str], int]], top: int) -> str:
     total = sum(count for _, count in stacks) or 1
     threads: Counter[str] = Counter()
     own: Counter[str] = Counter()
     inclusive: Counter[str] = Counter()
     for frames, count in stacks:
-        threads[frames[0]] += count
+        threads[thread_of(frames)] += count
         own[frames[-1]] += count
         for frame in set(frames[1:]):
             inclusive[frame] += count

@@ -40,6 +40,7 @@ import asyncio
 import dataclasses
 import json
 import os
+import shutil
 import signal
 import statistics
 import subprocess
@@ -375,20 +376,29 @@ async def run(opts: argparse.Namespace, console: Console) -> dict[int, Rates]:
             closers.append(close)
         return {c: await measure(rounds, front_ends, c, opts.rounds, console) for c in levels}
     finally:
-        if profiler is not None:  # py-spy writes its file on SIGINT
-            profiler.send_signal(signal.SIGINT)
-            profiler.wait(timeout=120)
+        if profiler is not None:
+            stop_profiler(profiler)
         for close in closers:
             await close()
 
 
-def start_profiler(pid: int, out_dir: Path) -> subprocess.Popen[bytes]:
-    """py-spy sampling the service process (and its children) until terminated."""
+def start_profiler(pid: int, out_dir: Path, name: str = "service", *,
+                   subprocesses: bool = False) -> subprocess.Popen[bytes]:
+    """py-spy sampling process ``pid`` (with ``subprocesses``, its children too: vLLM's
+    engine core) until SIGINT, into ``out_dir/<name>.collapsed.txt``."""
     out_dir.mkdir(parents=True, exist_ok=True)
     return subprocess.Popen(
-        ["py-spy", "record", "--pid", str(pid), "--format", "raw", "--rate", "200",
-         "--output", str(out_dir / "service.collapsed.txt"), "--threads"],
-        stdout=(out_dir / "py-spy.log").open("wb"), stderr=subprocess.STDOUT)
+        [shutil.which("py-spy") or str(Path(sys.executable).with_name("py-spy")),
+         "record", "--pid", str(pid), "--format", "raw", "--rate", "200",
+         "--output", str(out_dir / f"{name}.collapsed.txt"), "--threads",
+         *(["--subprocesses"] if subprocesses else [])],
+        stdout=(out_dir / f"{name}.py-spy.log").open("wb"), stderr=subprocess.STDOUT)
+
+
+def stop_profiler(profiler: subprocess.Popen[bytes]) -> None:
+    """SIGINT, on which py-spy writes its file; wait until it has."""
+    profiler.send_signal(signal.SIGINT)
+    profiler.wait(timeout=120)
 
 
 def add_device_arguments(parser: argparse.ArgumentParser, *, gpu_memory_utilization: float,

@@ -70,6 +70,8 @@ from bench.serving import (
     resolve_device,
     spread,
     start_http,
+    start_profiler,
+    stop_profiler,
 )
 from rollout_service.client import RolloutClient
 from rollout_service.config import (
@@ -138,6 +140,24 @@ def with_pin(client: RolloutClient, schedule: dict[int, int] | None, run: Round)
         return await run()
 
     return pinned_run
+
+
+def profiled(run: Round, pid: int, out_dir: Path, label: str) -> Round:
+    """``run`` under py-spy, the service ``pid`` and its engine core, one profile per call
+    (``<label>-<n>.collapsed.txt``). Attaching and writing take seconds and sampling slows
+    the process: a profiled mode's rates are for the profile, not for the table."""
+    calls = 0
+
+    async def profiled_run() -> int:
+        nonlocal calls
+        calls += 1
+        profiler = start_profiler(pid, out_dir, f"{label}-{calls}", subprocesses=True)
+        try:
+            return await run()
+        finally:
+            await asyncio.to_thread(stop_profiler, profiler)
+
+    return profiled_run
 
 
 def rollout_round(http: HttpMode, rollout: Rollout, temperature: float) -> Round:
@@ -215,9 +235,14 @@ async def run_drafter(opts: argparse.Namespace, noise: float, console: Console, 
         schedules["controller"] = None
         async with RolloutClient(spec.url, weights_token=WEIGHTS_TOKEN) as client:
 
-            def modes(on_off: Round, on_spec: Round) -> dict[str, Round]:
-                return {"spec-off": on_off, **{name: with_pin(client, schedule, on_spec)
-                                               for name, schedule in schedules.items()}}
+            def modes(on_off: Round, on_spec: Round, level: str) -> dict[str, Round]:
+                chosen = {"spec-off": on_off, **{name: with_pin(client, schedule, on_spec)
+                                                 for name, schedule in schedules.items()}}
+                for name in opts.profile_modes:  # checked against the modes in main()
+                    pid = (off if name == "spec-off" else spec).server.pid
+                    chosen[name] = profiled(chosen[name], pid, Path(opts.profile_dir),
+                                            f"{label}-{level}-{name}".replace(" ", "-"))
+                return chosen
 
             async def show_controller(after: str) -> None:
                 """What the controller has chosen so far, and why (printed after every
@@ -234,7 +259,7 @@ async def run_drafter(opts: argparse.Namespace, noise: float, console: Console, 
             for c in levels:
                 results[f"c={c}"] = await interleaved(
                     modes(functools.partial(off.run_round, c),
-                          functools.partial(spec.run_round, c)),
+                          functools.partial(spec.run_round, c), f"c{c}"),
                     opts.rounds, f"{label} c={c}", console)
                 await show_controller(f"c={c}")
             if opts.rollout_prompts:
@@ -243,7 +268,7 @@ async def run_drafter(opts: argparse.Namespace, noise: float, console: Console, 
                                                           opts.rollout_max_tokens))
                 results[f"rollout {opts.rollout_prompts}"] = await interleaved(
                     modes(rollout_round(off, rollout, opts.temperature),
-                          rollout_round(spec, rollout, opts.temperature)),
+                          rollout_round(spec, rollout, opts.temperature), "rollout"),
                     opts.rounds, f"{label} rollout", console)
                 await show_controller("the rollout")
         return results
@@ -289,6 +314,11 @@ def main() -> None:
     parser.add_argument("--static-k", default=None,
                         help="comma-separated K values to pin as static modes (default: "
                              "0 .. k-max)")
+    parser.add_argument("--profile-modes", default="",
+                        help="comma-separated modes (spec-off, k=<K>, controller) to sample "
+                             "with py-spy, service and engine core, every round")
+    parser.add_argument("--profile-dir", default="bench-speculation-profiles",
+                        help="where --profile-modes writes (read with bench.profile_summary)")
     parser.add_argument("--stale-drafter", action="store_true",
                         help="one more run: the first noise's drafter after a main push of "
                              "another seed's model")
@@ -319,6 +349,10 @@ def main() -> None:
         parser.error(f"--static-k: comma-separated integers, got {opts.static_k!r}")
     if any(not 0 <= k <= opts.k_max for k in opts.static_k):
         parser.error(f"--static-k: each K in 0 .. --k-max ({opts.k_max})")
+    opts.profile_modes = [m for m in opts.profile_modes.split(",") if m]
+    known = {"spec-off", "controller", *(f"k={k}" for k in opts.static_k)}
+    if unknown := set(opts.profile_modes) - known:
+        parser.error(f"--profile-modes: {sorted(unknown)} not among the modes {sorted(known)}")
     resolve_device(opts)
     # The services read it from the environment (a config file would carry it masked).
     os.environ[WEIGHTS_TOKEN_ENV] = WEIGHTS_TOKEN

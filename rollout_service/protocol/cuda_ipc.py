@@ -49,6 +49,8 @@ expandable-segment handles a few hundred."""
 BASE64 = r"^(?:[A-Za-z0-9+/]{4})*(?:[A-Za-z0-9+/]{4}|[A-Za-z0-9+/]{2}==|[A-Za-z0-9+/]{3}=)$"
 """A non-empty handle in padded base64: what the handle fields accept (the OpenAPI
 document states it; the validator says why a value is refused)."""
+_BASE64_PATTERN = re.compile(BASE64)
+"""Compiled once: a staged push validates three handles per tensor, ~900 for the 1.14B model."""
 Handle = Annotated[str, Field(max_length=MAX_HANDLE_CHARS, json_schema_extra={"pattern": BASE64})]
 
 
@@ -86,7 +88,7 @@ class CudaIpcHandle(BaseModel):
     def _base64(cls, value: str) -> str:
         if not value:
             raise ValueError("empty handle")
-        if re.fullmatch(BASE64, value) is None:
+        if _BASE64_PATTERN.fullmatch(value) is None:
             raise ValueError("not valid base64 (padded, in the standard alphabet)")
         return value
 

@@ -11,6 +11,7 @@
 #   bash tools/gpu/batch.sh serving             # ~6-8 min
 #   bash tools/gpu/batch.sh spec-tests          # ~5-9 min (graphs captured per start)
 #   bash tools/gpu/batch.sh spec                # ~5 min (spec-full: ~9 min)
+#   bash tools/gpu/batch.sh spec-profile        # ~5 min: where K = 0 costs (py-spy)
 #   bash tools/gpu/batch.sh load starts trainer # ~4 + 5 + 5 min
 set -uo pipefail
 out="${OUT:-/tmp/gpu-batch}"; mkdir -p "$out"; export OUT="$out"
@@ -62,10 +63,14 @@ for s in "$@"; do
             --draft-noise 0.1 --k-max 3 --static-k 0,1,2 --concurrency 1,16,256 \
             --max-tokens 256 --rounds 2 --rollout-prompts 256 --rollout-max-tokens 512 \
             --logs "$out/spec-logs" ;;
+    spec-profile) step spec-profile 420 python3 -m bench.speculation --model embedded:1b \
+            --draft-noise 0.1 --k-max 3 --static-k 0,1 --concurrency 16 --max-tokens 256 \
+            --rounds 2 --rollout-prompts 0 --profile-modes spec-off,k=0 \
+            --profile-dir "$out/spec-profiles" --logs "$out/spec-logs" ;;
     spec-full) step spec-full 540 python3 -m bench.speculation --model embedded:1b \
             --draft-noise 0.1,0.6 --k-max 3 --concurrency 1,16,256 --max-tokens 256 \
             --rounds 2 --rollout-prompts 512 --stale-drafter --logs "$out/spec-logs" ;;
-    *) echo "unknown step: $s (tests spec-tests trainer starts serving sync load spec spec-full)" >&2; exit 2 ;;
+    *) echo "unknown step: $s (tests spec-tests trainer starts serving sync load spec spec-profile spec-full)" >&2; exit 2 ;;
   esac
 done
 clean
