@@ -117,7 +117,7 @@ def service_config(opts: argparse.Namespace, model: Path, *, speculation: bool) 
     }
     if speculation:
         overrides["speculation_control"] = {
-            "enabled": True,
+            "enabled": True, "drafter_at_k0": opts.drafter_at_k0,
             "calibration": {"max_batch_size": opts.calibration_max_batch_size}}
     if opts.device == "cuda":
         overrides["engine_kwargs"] = {"dtype": "bfloat16", "enforce_eager": opts.eager,
@@ -314,6 +314,9 @@ def main() -> None:
     parser.add_argument("--static-k", default=None,
                         help="comma-separated K values to pin as static modes (default: "
                              "0 .. k-max)")
+    parser.add_argument("--drafter-at-k0", choices=("run", "skip"), default="run",
+                        help="the spec engine's speculation_control.drafter_at_k0 (skip: "
+                             "model runner V2 on CUDA only)")
     parser.add_argument("--profile-modes", default="",
                         help="comma-separated modes (spec-off, k=<K>, controller) to sample "
                              "with py-spy, service and engine core, every round")

@@ -98,6 +98,12 @@ class SpeculationControlSettings(BaseModel):
         "Buckets up to this batch size run K >= 1 while a new drafter is probed."))
     probe_num_drafts: int = Field(256, ge=1, description=(
         "Drafts of a new drafter after which probing ends."))
+    drafter_at_k0: Literal["run", "skip"] = Field("run", description=(
+        "The drafter on steps at K = 0. run: vLLM's own behaviour, the drafter runs every "
+        "step and keeps its KV cache in step, so K = 0 costs about one drafter pass. skip: "
+        "nothing of the drafter runs (vLLM 0.32.0's model runner V2 on CUDA only); the "
+        "positions generated at K = 0 leave the drafter's cache stale, which may lower "
+        "its acceptance once K comes back (docs/speculation-control.md)."))
 
     @field_validator("batch_size_buckets")
     @classmethod
@@ -105,6 +111,13 @@ class SpeculationControlSettings(BaseModel):
         if buckets[0] < 1 or any(b <= a for a, b in zip(buckets, buckets[1:])):
             raise ValueError(f"must be >= 1 and strictly increasing, got {buckets}")
         return buckets
+
+    @model_validator(mode="after")
+    def _skip_needs_the_controller(self) -> SpeculationControlSettings:
+        if self.drafter_at_k0 == "skip" and not self.enabled:
+            raise ValueError("drafter_at_k0: 'skip' acts on the steps the controller puts at "
+                             "K = 0; it needs enabled: true")
+        return self
 
 
 class ServiceConfig(BaseModel):

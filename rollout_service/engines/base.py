@@ -191,6 +191,9 @@ class EngineSpec:
     """Start so that the number of draft tokens per batch size can change at run time
     (:class:`SpecScheduleEngine`), and measure step costs; the speculation control
     (``speculation_control.enabled``) needs it."""
+    skip_drafter_at_k0: bool = False
+    """vLLM: steps at K = 0 run nothing of the drafter
+    (``speculation_control.drafter_at_k0: skip``; ``engines/vllm/drafter_at_k0.py``)."""
 
 
 def check_prompt(info: EngineInfo, prompt_ids: Sequence[int], max_tokens: int) -> None:

@@ -12,6 +12,7 @@
 #   bash tools/gpu/batch.sh spec-tests          # ~5-9 min (graphs captured per start)
 #   bash tools/gpu/batch.sh spec                # ~5 min (spec-full: ~9 min)
 #   bash tools/gpu/batch.sh spec-profile        # ~5 min: where K = 0 costs (py-spy)
+#   bash tools/gpu/batch.sh spec-skip           # ~6 min: spec with drafter_at_k0: skip
 #   bash tools/gpu/batch.sh load starts trainer # ~4 + 5 + 5 min
 set -uo pipefail
 out="${OUT:-/tmp/gpu-batch}"; mkdir -p "$out"; export OUT="$out"
@@ -59,10 +60,11 @@ for s in "$@"; do
             --modes cuda_ipc,cuda_ipc-unstaged,cuda_ipc-reload,shm,floor --rounds 5 ;;
     load) step load 300 python3 -m bench.push_under_load --model embedded:1b \
             --transport cuda_ipc --concurrency 128 --rounds 3 --round-s 20 ;;
-    spec) step spec 540 python3 -m bench.speculation --model embedded:1b \
-            --draft-noise 0.1 --k-max 3 --static-k 0,1,2 --concurrency 1,16,256 \
-            --max-tokens 256 --rounds 2 --rollout-prompts 256 --rollout-max-tokens 512 \
-            --logs "$out/spec-logs" ;;
+    spec|spec-skip)  # the same run, the drafter at K = 0 run (vLLM's way) or skipped
+      step "$s" 540 python3 -m bench.speculation --model embedded:1b --draft-noise 0.1 \
+        --k-max 3 --static-k 0,1,2 --concurrency 1,16,64 --max-tokens 256 --rounds 3 \
+        --rollout-prompts 256 --rollout-max-tokens 512 --logs "$out/$s-logs" \
+        --drafter-at-k0 "$([ "$s" = spec-skip ] && echo skip || echo run)" ;;
     spec-profile) step spec-profile 420 python3 -m bench.speculation --model embedded:1b \
             --draft-noise 0.1 --k-max 3 --static-k 0,1 --concurrency 16 --max-tokens 256 \
             --rounds 2 --rollout-prompts 0 --profile-modes spec-off,k=0 \
@@ -70,7 +72,7 @@ for s in "$@"; do
     spec-full) step spec-full 540 python3 -m bench.speculation --model embedded:1b \
             --draft-noise 0.1,0.6 --k-max 3 --concurrency 1,16,256 --max-tokens 256 \
             --rounds 2 --rollout-prompts 512 --stale-drafter --logs "$out/spec-logs" ;;
-    *) echo "unknown step: $s (tests spec-tests trainer starts serving sync load spec spec-profile spec-full)" >&2; exit 2 ;;
+    *) echo "unknown step: $s (tests spec-tests trainer starts serving sync load spec spec-skip spec-profile spec-full)" >&2; exit 2 ;;
   esac
 done
 clean

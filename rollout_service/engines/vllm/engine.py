@@ -147,6 +147,8 @@ async def start(spec: EngineSpec) -> VLLMEngine:
     try:
         if spec.runtime_spec_schedule:
             await engine.check_spec_schedule()
+        if spec.skip_drafter_at_k0:
+            await engine.skip_drafter_at_k0()
         await engine.measure_verify_cost(spec.verify_cost_batch_size)
     except BaseException:
         await engine.shutdown()
@@ -395,6 +397,21 @@ class VLLMEngine:
                     facts["max_num_seqs"], "" if facts["use_v2_model_runner"] else
                     " (V1 follows the scheduler's K every step; on CPU every K runs eager)")
         return facts
+
+    async def skip_drafter_at_k0(self) -> None:
+        """Every worker's speculator skips the drafter on steps at K = 0
+        (``drafter_at_k0.py``).
+
+        Raises:
+            ValueError: naming ``speculation_control.drafter_at_k0`` and why this engine
+                cannot (a CPU engine, another vLLM, another speculator).
+        """
+        try:
+            names = await self._llm.collective_rpc("rollout_skip_drafter_at_k0")
+        except Exception as exc:
+            raise ValueError(f"speculation_control.drafter_at_k0: 'skip' is not possible "
+                             f"on this engine: {exc}") from exc
+        logger.info("speculation control: steps at K = 0 skip the drafter (%s)", names[0])
 
     async def _call_core(self, method: str, *args: Any) -> Any:
         try:

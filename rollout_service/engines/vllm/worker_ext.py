@@ -1,9 +1,10 @@
 """Methods mixed into vLLM's worker processes (``worker_extension_cls``).
 
 The service process calls them through ``AsyncLLM.collective_rpc``; they run in
-every worker and read the worker's own models. Checks, measurements and the ``nccl``
+every worker and read the worker's own models. Checks, measurements, the ``nccl``
 transport's group and broadcast (which fill a buffer of the worker's own, never a
-parameter): nothing in this module changes a weight.
+parameter) and the opt-in drafter skip at K = 0 (``drafter_at_k0.py``): nothing in this
+module changes a weight.
 """
 
 from __future__ import annotations
@@ -44,6 +45,13 @@ class RolloutWorkerExtension:
         if not isinstance(engine, BroadcastWeightTransferEngine):
             raise RuntimeError("this engine was not started with weights_transport 'nccl'")
         return engine
+
+    def rollout_skip_drafter_at_k0(self) -> str:
+        """``speculation_control.drafter_at_k0: skip`` on this worker (``drafter_at_k0.py``);
+        returns the speculator's class name."""
+        from rollout_service.engines.vllm.drafter_at_k0 import skip_drafter_at_k0
+
+        return skip_drafter_at_k0(self.model_runner)  # type: ignore[attr-defined]
 
     def rollout_verify_cost(self, batch_size: int, num_speculative_tokens: int,
                           repeats: int) -> dict[str, float] | None:
