@@ -254,9 +254,14 @@ class Engine(Protocol):
         """
         ...
 
-    async def pause(self, mode: PauseMode = "wait") -> None:
+    async def pause(self, mode: PauseMode = "wait") -> int:
         """Stop scheduling: ``wait`` drains running requests, ``abort`` aborts them,
-        ``keep`` freezes them in place."""
+        ``keep`` freezes them in place.
+
+        Returns:
+            The requests still unfinished once paused, which finish on the weights loaded
+            next: with ``keep`` the frozen ones, with ``wait`` those queued meanwhile.
+        """
         ...
 
     async def resume(self) -> None:

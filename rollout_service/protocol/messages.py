@@ -444,6 +444,11 @@ class PushFinishResponse(BaseModel):
     target: PushTarget
     num_bytes: int
     timings: PushTimings = Field(description="Ray Serve: the slowest replica's.")
+    num_requests_held: int = Field(0, ge=0, description=(
+        "Requests unfinished when generation paused, which finish on the pushed weights: "
+        "with pause_mode 'keep' the ones frozen across the load (their version spans "
+        "switch at the push), with 'wait' the ones that queued during the drain. Ray "
+        "Serve: summed over the replicas."))
     replicas: list[str] | None = Field(None, description="Ray Serve: the replicas that loaded it.")
 
 

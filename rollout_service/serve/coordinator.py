@@ -274,7 +274,8 @@ class WeightsCoordinator:
         slowest = max(finishes, key=lambda f: f.timings.total_s if f else 0.0)
         assert slowest is not None
         self._intake.record(req, "loaded", f"{req.total_bytes} bytes on {len(loaded)} replicas")
-        return slowest.model_copy(update={"replicas": loaded})
+        held = sum(f.num_requests_held for f in finishes if f is not None)
+        return slowest.model_copy(update={"replicas": loaded, "num_requests_held": held})
 
     async def checksums(self) -> dict[str, dict[str, str]]:
         """Every live replica's parameter digests (``main``, ``draft``), by replica."""

@@ -187,7 +187,7 @@ class WeightPushManager:
                      ) -> messages.PushFinishResponse:
         """Load ``update``, then serve ``req.version`` for every model it targets."""
         try:
-            timings = await self._load(req.pause_mode, update, version=str(req.version))
+            timings, held = await self._load(req.pause_mode, update, version=str(req.version))
         except Exception as exc:
             self.is_consistent = False
             logger.exception("weight load failed; generation refused until a full push")
@@ -200,13 +200,15 @@ class WeightPushManager:
         self._metrics.loaded(self.main_version or 0, req.training_stats)
         self._metrics.observe_push(req.total_bytes, timings.total_s)
         return messages.PushFinishResponse(version=req.version, target=req.target,
-                                           num_bytes=req.total_bytes, timings=timings)
+                                           num_bytes=req.total_bytes, timings=timings,
+                                           num_requests_held=held)
 
     async def _load(self, pause_mode: messages.PauseMode, update: WeightUpdate, *,
-                    version: str) -> messages.PushTimings:
+                    version: str) -> tuple[messages.PushTimings, int]:
+        """Pause, load, resume: the timings, and the requests held across the load."""
         main = draft = _NO_LOAD
         t0 = time.perf_counter()
-        await self._engine.pause(pause_mode)
+        held = await self._engine.pause(pause_mode)
         t1 = time.perf_counter()
         try:
             if update.target in ("main", "both"):
@@ -223,4 +225,4 @@ class WeightPushManager:
         return messages.PushTimings(pause_s=t1 - t0, load_main_s=main.load_s,
                                     finalize_main_s=main.finalize_s, load_draft_s=draft.load_s,
                                     finalize_draft_s=draft.finalize_s, resume_s=t3 - t2,
-                                    total_s=t3 - t0)
+                                    total_s=t3 - t0), held

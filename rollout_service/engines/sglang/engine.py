@@ -274,7 +274,7 @@ class SGLangEngine:
             raise InvalidRequestError(error_message(response))
         return list(response.json()["tokens"])
 
-    async def pause(self, mode: PauseMode = "wait") -> None:
+    async def pause(self, mode: PauseMode = "wait") -> int:
         if mode not in _PAUSE_MODES:
             raise ValueError(f"pause mode: {mode!r} (accepted: {sorted(_PAUSE_MODES)})")
         self._resumed.clear()
@@ -287,6 +287,7 @@ class SGLangEngine:
         except BaseException:
             self._resumed.set()  # the caller resumes only after a successful pause
             raise
+        return self._num_in_flight  # generate calls not yet answered
 
     async def resume(self) -> None:
         await self._control("/continue_generation", {})

@@ -294,7 +294,7 @@ class VLLMEngine:
     async def chat_prompt(self, turns: Sequence[ChatTurn]) -> list[int]:
         return chat_prompt_ids(self._tokenizer, turns)
 
-    async def pause(self, mode: PauseMode = "wait") -> None:
+    async def pause(self, mode: PauseMode = "wait") -> int:
         """``AsyncLLM.pause_generation`` without its closing ``asyncio.sleep(0.02)``.
 
         vLLM sleeps there only so that the last outputs of drained requests reach their
@@ -305,6 +305,7 @@ class VLLMEngine:
         """
         await self._llm.renderer.clear_mm_cache_async()
         await self._llm.engine_core.pause_scheduler_async(mode=mode, clear_cache=True)
+        return self._llm.output_processor.get_num_unfinished_requests()
 
     async def resume(self) -> None:
         await self._llm.resume_generation()

@@ -356,15 +356,45 @@ def test_pusher_reports_rejection(service: ServiceProcess, pusher: WeightPusher,
 async def test_keep_mode_freezes_requests_and_spans_show_the_switch(
         service: ServiceProcess, client: RolloutClient, pusher: WeightPusher,
         original: dict[str, torch.Tensor], restore: None) -> None:
+    """Requests frozen by a ``keep`` push finish on the new weights, and their version spans
+    switch where the push came.
+
+    That needs requests that have tokens and are still running when the push pauses the
+    engine. On the busy 2-core CI machine the test process was seen frozen for seconds on
+    either side of the push: once every token came after it, once every request had
+    finished before it (vLLM's counter at +16000 and no request in the engine). Neither
+    tests keep mode, and the push says which happened: ``num_requests_held`` counts the
+    requests it froze. An attempt in which no request with tokens was frozen is repeated,
+    three attempts at most; everything an attempt shows is checked in every attempt.
+    """
+    attempts: list[str] = []
+    for _ in range(3):
+        held, spans, version, served = await _keep_mode_push(service, client, pusher, original)
+        crossed = [s for s in spans if s[-1].version == str(version)]
+        switched = [s for s in crossed if len(s) == 2]
+        assert len(crossed) <= held, (held, spans)  # only frozen requests see the new version
+        assert all(len(s) == 1 for s in spans if s not in crossed), spans
+        for old, new in switched:
+            assert (old.version, new.version) == (served, str(version)), (old, new)
+            assert old.start == 0 and old.end == new.start, (old, new)
+        if switched:
+            return
+        attempts.append(f"version {version}: {held} requests held, spans {spans}")
+    pytest.fail("no attempt froze a request that had tokens:\n" + "\n".join(attempts))
+
+
+async def _keep_mode_push(service: ServiceProcess, client: RolloutClient, pusher: WeightPusher,
+                          original: dict[str, torch.Tensor]
+                          ) -> tuple[int, list[list[messages.WeightVersionSpan]], int, str]:
+    """Sixteen long requests, a ``keep`` push once vLLM has counted 32 of their tokens:
+    the requests the push held, each request's version spans, the pushed version and the
+    version served before."""
     version = next_version(service)
     num_tokens = 1000
     # New tokens carry the served main version's label, or no switch could show.
     probe = await client.generate(messages.GenerateRequest(prompt_token_ids=[5, 6], max_tokens=2))
-    labels = [span.version for span in probe.outputs[0].weight_versions]
-    served = status(service)
-    assert labels == [str(served.main_version or "default")], (labels, served)
-    # Sixteen long requests, not four: on the 2-core CI machine the test process was seen
-    # frozen for seconds while the engine generated, and four requests finished unseen.
+    served = str(status(service).main_version or "default")
+    assert [span.version for span in probe.outputs[0].weight_versions] == [served]
     # Requests of earlier tests still in the engine would generate the tokens counted
     # below while these wait: start from an idle engine.
     await until(lambda: requests_in_engine(client), lambda n: n == 0, timeout_s=120)
@@ -372,19 +402,13 @@ async def test_keep_mode_freezes_requests_and_spans_show_the_switch(
     pending = asyncio.gather(*(client.generate(messages.GenerateRequest(
         prompt_token_ids=[4 + i, 11], max_tokens=num_tokens, temperature=1.0, seed=i,
         ignore_eos=True)) for i in range(16)))
-    await tokens_generated_reach(client, before + 32, pending)  # mid-generation now
-    at_push = await generated_tokens(client), await requests_in_engine(client)
-    await asyncio.to_thread(pusher.push, original.items(), version=version, pause_mode="keep")
+    await tokens_generated_reach(client, before + 32, pending)  # mid-generation, normally
+    report = await asyncio.to_thread(pusher.push, original.items(), version=version,
+                                     pause_mode="keep")
     responses = await pending
-    spans = [r.outputs[0].weight_versions for r in responses]
     assert all(len(r.outputs[0].token_ids) == num_tokens for r in responses)  # none aborted
-    switched = [s for s in spans if len(s) == 2]
-    assert switched, (f"no request crossed the push of version {version} (served before: "
-                      f"{served.main_version}, probe labels {labels}; vLLM's token counter "
-                      f"{before:.0f} before the requests, {at_push[0]:.0f} and "
-                      f"{at_push[1]:.0f} requests in the engine at the push): {spans}")
-    for old, new in switched:
-        assert new.version == str(version) and old.end == new.start
+    return (report.server.num_requests_held,
+            [list(r.outputs[0].weight_versions) for r in responses], version, served)
 
 
 async def generated_tokens(client: RolloutClient) -> float:

@@ -59,8 +59,9 @@ class FakeEngine:
                                 finish_reason="length", logprobs=None, weight_versions=(),
                                 spec_decode=self.spec_decode)
 
-    async def pause(self, mode: messages.PauseMode = "wait") -> None:
+    async def pause(self, mode: messages.PauseMode = "wait") -> int:
         self.calls.append("pause")
+        return 0
 
     async def resume(self) -> None:
         self.calls.append("resume")
