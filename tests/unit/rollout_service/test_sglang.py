@@ -215,7 +215,7 @@ async def test_wait_pause_drains_and_holds_new_requests(checkpoint: str) -> None
     engine = await connect(fake)
     running = asyncio.create_task(engine.generate([1], greedy(4), "drained"))
     await until_sent(fake, "/generate")
-    await engine.pause("wait")
+    assert await engine.pause("wait") == 0  # drained: nothing held across the load
     assert running.done() and running.result().finish_reason == "length"
     assert sent(fake, "/pause_generation") == [{"mode": "retract"}]
     held = asyncio.create_task(engine.generate([1], greedy(4), "held"))
@@ -224,6 +224,17 @@ async def test_wait_pause_drains_and_holds_new_requests(checkpoint: str) -> None
     assert not held.done() and len(sent(fake, "/generate")) == 1
     await engine.resume()
     assert (await asyncio.wait_for(held, 5)).finish_reason == "length"
+
+
+async def test_keep_pause_holds_the_requests_in_flight(checkpoint: str) -> None:
+    fake = make_fake("0.5.23", checkpoint)
+    fake.generate_delay_s = 0.5
+    engine = await connect(fake)
+    running = asyncio.create_task(engine.generate([1], greedy(4), "held"))
+    await until_sent(fake, "/generate")
+    assert await engine.pause("keep") == 1
+    await engine.resume()
+    assert (await asyncio.wait_for(running, 5)).finish_reason == "length"
 
 
 async def test_keep_pause_retracts(checkpoint: str) -> None:
