@@ -196,12 +196,20 @@ async def test_finish_reasons(checkpoint: str) -> None:
     assert (by_stop.finish_reason, by_stop.text, by_stop.token_ids) == ("stop", "bc", (1, 2, 3, 4))
 
 
-async def test_abort_pause_aborts_running_requests(checkpoint: str) -> None:
+async def generating(checkpoint: str, delay_s: float, request_id: str
+                     ) -> tuple[FakeSGLang, SGLangEngine, asyncio.Task]:
+    """An adapter on a fake 0.5.23 server whose generate answers after ``delay_s``, with
+    one request that has reached the server."""
     fake = make_fake("0.5.23", checkpoint)
-    fake.generate_delay_s = 10.0
+    fake.generate_delay_s = delay_s
     engine = await connect(fake)
-    running = asyncio.create_task(engine.generate([1], greedy(4), "aborted"))
+    running = asyncio.create_task(engine.generate([1], greedy(4), request_id))
     await until_sent(fake, "/generate")
+    return fake, engine, running
+
+
+async def test_abort_pause_aborts_running_requests(checkpoint: str) -> None:
+    fake, engine, running = await generating(checkpoint, 10.0, "aborted")
     await engine.pause("abort")
     result = await asyncio.wait_for(running, 5)
     assert (result.finish_reason, result.token_ids) == ("abort", ())
@@ -210,11 +218,7 @@ async def test_abort_pause_aborts_running_requests(checkpoint: str) -> None:
 
 
 async def test_wait_pause_drains_and_holds_new_requests(checkpoint: str) -> None:
-    fake = make_fake("0.5.23", checkpoint)
-    fake.generate_delay_s = 0.3
-    engine = await connect(fake)
-    running = asyncio.create_task(engine.generate([1], greedy(4), "drained"))
-    await until_sent(fake, "/generate")
+    fake, engine, running = await generating(checkpoint, 0.3, "drained")
     assert await engine.pause("wait") == 0  # drained: nothing held across the load
     assert running.done() and running.result().finish_reason == "length"
     assert sent(fake, "/pause_generation") == [{"mode": "retract"}]
@@ -227,11 +231,7 @@ async def test_wait_pause_drains_and_holds_new_requests(checkpoint: str) -> None
 
 
 async def test_keep_pause_holds_the_requests_in_flight(checkpoint: str) -> None:
-    fake = make_fake("0.5.23", checkpoint)
-    fake.generate_delay_s = 0.5
-    engine = await connect(fake)
-    running = asyncio.create_task(engine.generate([1], greedy(4), "held"))
-    await until_sent(fake, "/generate")
+    _, engine, running = await generating(checkpoint, 0.5, "held")
     assert await engine.pause("keep") == 1
     await engine.resume()
     assert (await asyncio.wait_for(running, 5)).finish_reason == "length"
