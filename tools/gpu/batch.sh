@@ -57,7 +57,7 @@ for s in "$@"; do
     serving) step serving 480 python3 -m bench.serving --model embedded:small \
                --concurrency 128,512 --max-tokens 256 --rounds 3 --logs "$out/serving-logs" ;;
     sync) step sync 240 python3 -m bench.weight_sync --size 1b --device cuda \
-            --modes cuda_ipc,cuda_ipc-unstaged,cuda_ipc-reload,shm,floor --rounds 5 ;;
+            --modes cuda_ipc,cuda_ipc-unstaged,cuda_ipc-reload,shm,floor --rounds 9 ;;
     load) step load 300 python3 -m bench.push_under_load --model embedded:1b \
             --transport cuda_ipc --concurrency 128 --rounds 3 --round-s 20 ;;
     spec|spec-skip)  # the same run, the drafter at K = 0 run (vLLM's way) or skipped
