@@ -153,7 +153,8 @@ def push_run(report: PushReport) -> Run:
     """A push's parts: the trainer's from ``PushReport``, the service's own timings."""
     server = report.server.timings
     parts = {"fill (trainer -> segment / export)": report.fill_s,
-             "control (begin + updates)": report.control_s,
+             "control: begin": report.begin_s,
+             "control: updates": report.control_s - report.begin_s,
              "receive (nccl broadcast, before the pause)": server.receive_s,
              "pause": server.pause_s,
              "load main": server.load_main_s, "finalize main": server.finalize_main_s,

@@ -56,6 +56,8 @@ class PushReport:
     tensor's handle)."""
     control_s: float
     """Begin and update calls."""
+    begin_s: float
+    """Of ``control_s``, the begin call (the announcement of every tensor)."""
     server: messages.PushFinishResponse
     """The service's own timings (pause, load per model, resume)."""
     total_s: float
@@ -266,6 +268,7 @@ class WeightPusher:
         segment = self._segment_for(segment_bytes) if self._transport == "shm" else None
         group = self._group
         total = sum(sizes)
+        begin_start = time.perf_counter()
         begin = self._begin(messages.PushBeginRequest(
             version=version, target=target, transport=self._transport,
             segment=segment.name if segment else None,
@@ -274,6 +277,7 @@ class WeightPusher:
             broadcast_bytes=segment_bytes if group else None,
             total_bytes=total, params=list(specs), pause_mode=pause_mode,
             training_stats=training_stats))
+        begin_s = time.perf_counter() - begin_start
         # cuda_ipc: the engine maps these tensors' memory until finish returns; a
         # handle does not keep its tensor alive, so this list does.
         exported: list[torch.Tensor] = []
@@ -370,6 +374,7 @@ class WeightPusher:
                 torch.cuda.ipc_collect()  # frees copies the engine has let go of
         return PushReport(version=version, num_bytes=total, num_tensors=len(specs),
                           num_buckets=num_buckets, fill_s=fill_s, control_s=control_s,
+                          begin_s=begin_s,
                           server=finished, total_s=time.perf_counter() - start)
 
     def _abort(self, push_id: str, reason: str) -> None:

@@ -115,6 +115,7 @@ async def test_main_push_changes_outputs_and_versions_not_drafter(
                          target="main")
     assert report.num_buckets > 1 and report.num_bytes == sum(
         t.numel() * t.element_size() for t in original.values())
+    assert 0 < report.begin_s < report.control_s < report.total_s  # begin, then the updates
     after = checksums(service)
     assert after["main"] != before["main"]
     assert after["draft"] == before["draft"]
