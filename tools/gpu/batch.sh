@@ -14,6 +14,7 @@
 #   bash tools/gpu/batch.sh spec-profile        # ~5 min: where K = 0 costs (py-spy)
 #   bash tools/gpu/batch.sh spec-skip           # ~6 min: spec with drafter_at_k0: skip
 #   bash tools/gpu/batch.sh load starts trainer # ~4 + 5 + 5 min
+#   bash tools/gpu/batch.sh sync7b              # ~6-9 min: the 7B shape (15 GB per push)
 set -uo pipefail
 out="${OUT:-/tmp/gpu-batch}"; mkdir -p "$out"; export OUT="$out"
 
@@ -58,6 +59,8 @@ for s in "$@"; do
                --concurrency 128,512 --max-tokens 256 --rounds 3 --logs "$out/serving-logs" ;;
     sync) step sync 240 python3 -m bench.weight_sync --size 1b --device cuda \
             --modes cuda_ipc,cuda_ipc-unstaged,cuda_ipc-reload,shm,floor --rounds 9 ;;
+    sync7b) step sync7b 540 python3 -m bench.weight_sync --size 7b --device cuda \
+            --modes cuda_ipc,cuda_ipc-reload,floor --rounds 5 ;;
     load) step load 300 python3 -m bench.push_under_load --model embedded:1b \
             --transport cuda_ipc --concurrency 128 --rounds 3 --round-s 20 ;;
     spec|spec-skip)  # the same run, the drafter at K = 0 run (vLLM's way) or skipped
@@ -72,7 +75,7 @@ for s in "$@"; do
     spec-full) step spec-full 540 python3 -m bench.speculation --model embedded:1b \
             --draft-noise 0.1,0.6 --k-max 3 --concurrency 1,16,256 --max-tokens 256 \
             --rounds 2 --rollout-prompts 512 --stale-drafter --logs "$out/spec-logs" ;;
-    *) echo "unknown step: $s (tests spec-tests trainer starts serving sync load spec spec-skip spec-profile spec-full)" >&2; exit 2 ;;
+    *) echo "unknown step: $s (tests spec-tests trainer starts serving sync sync7b load spec spec-skip spec-profile spec-full)" >&2; exit 2 ;;
   esac
 done
 clean
