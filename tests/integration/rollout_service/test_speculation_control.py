@@ -125,8 +125,9 @@ async def test_every_k_serves_at_every_batch_size(client: RolloutClient,
                                                   unpinned: None) -> None:
     """A K pinned at run time serves batches on both sides of the start-up schedule's
     tiers, where the engine captured its graphs for other K. On the H200 (CUDA graphs,
-    model runner V2) an engine died of an illegal memory access with K = 0 pinned at 17
-    requests (docs/speculation-control.md); each batch is a fresh set of prompts."""
+    model runner V2) an engine died of an illegal memory access with K = 0 pinned, in the
+    step after a 17th request joined 16 decoding ones (docs/speculation-control.md): fresh
+    batches of each size, then that step."""
     for k in range(NUM_SPECULATIVE_TOKENS + 1):
         await client.pin_schedule({1: k})
         for batch_size in (1, 5, 17, 40):
@@ -136,6 +137,18 @@ async def test_every_k_serves_at_every_batch_size(client: RolloutClient,
             assert all(o.spec_decode is not None
                        and o.spec_decode.num_draft_tokens == k * o.spec_decode.num_drafts
                        for o in outs), (k, batch_size)
+        # The H200's failing step: 16 requests decoding, then a 17th admitted among them.
+        before = sample_sum(await client.metrics_text(), "vllm:generation_tokens_total")
+        running = [asyncio.create_task(sequence(client, [9, i % 50 + 3, 4], max_tokens=64))
+                   for i in range(16)]
+
+        async def generated() -> float:
+            return sample_sum(await client.metrics_text(), "vllm:generation_tokens_total")
+
+        await until(generated, lambda n: n >= before + 32, timeout_s=120, interval_s=0.05)
+        joining = await sequence(client, [9, 8, 7], max_tokens=12)
+        outs = await asyncio.gather(*running)
+        assert [len(o.token_ids) for o in [*outs, joining]] == [64] * 16 + [12], k
     assert (await client.health()).status == "ok"
 
 
