@@ -8,7 +8,7 @@ JSON types as they are.
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator
 
@@ -85,6 +85,8 @@ class SpeculationControlStatus(BaseModel):
     """The speculation controller's state (``/health``)."""
 
     k_max: int = Field(description="The engine's num_speculative_tokens: the largest K.")
+    drafter_at_k0: Literal["run", "skip"] = Field("run", description=(
+        "Whether steps at K = 0 still run the drafter (speculation_control.drafter_at_k0)."))
     buckets: list[BucketStatus]
     is_collapsed: bool = Field(description="Acceptance collapsed: K = 0 everywhere.")
     is_probing: bool = Field(description="Small buckets run K >= 1 to measure a drafter.")

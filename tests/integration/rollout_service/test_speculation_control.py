@@ -100,6 +100,7 @@ async def test_the_calibration_filled_the_cost_table(client: RolloutClient) -> N
     covered = [b for b in status.buckets if b.batch_size <= CALIBRATED_BATCH_SIZES[-1]]
     assert covered and all(None not in b.tokens_per_s for b in covered)
     assert status.k_max == NUM_SPECULATIVE_TOKENS and status.num_refused == 0
+    assert status.drafter_at_k0 == "run"  # vLLM's own K = 0, the default
 
 
 async def test_the_pinned_k_is_the_drafted_k_and_greedy_outputs_do_not_change(
