@@ -123,13 +123,14 @@ async def _until_committed(replicas: dict[str, FakeReplica],
 
 
 LOADED = CommandResult(ok=True, finish=messages.PushFinishResponse(
-    version=1, target="both", num_bytes=1, timings=TIMINGS))
+    version=1, target="both", num_bytes=1, timings=TIMINGS, num_requests_held=3))
 
 
 async def test_every_replica_loads_then_all_commit(segment: Segment) -> None:
     coordinator, replicas, tasks = await _with({"a": LOADED, "b": LOADED})
     finished = await _push(coordinator, segment, version=1)
     assert sorted(finished.replicas) == ["a", "b"]
+    assert finished.num_requests_held == 6  # every replica's held requests crossed the push
     await _until_committed(replicas, (1, 1))
     assert coordinator.status().consistent and coordinator.status().main_version == 1
     for task in tasks:
