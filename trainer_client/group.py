@@ -11,6 +11,7 @@ leaves the group unusable on both sides; the next push makes a new one.
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable
 from typing import TypeVar
 
@@ -79,9 +80,14 @@ class TrainerGroup:
                 failure.append(exc)
 
         sender = threading.Thread(target=send, name="rollout-weights-broadcast", daemon=True)
+        started = time.monotonic()
         sender.start()
         try:
             result = finish()
+        except BaseException as exc:  # what the trainer's own side did, for the why
+            exc.add_note(f"the trainer's broadcast: {_sender_state(sender, failure)} "
+                         f"{time.monotonic() - started:.1f} s after it started")
+            raise
         finally:
             sender.join(group.spec.timeout_s + JOIN_MARGIN_S)
             if sender.is_alive() or failure:
@@ -95,3 +101,9 @@ class TrainerGroup:
         if self._group is not None:
             self._group.close()
             self._group = None
+
+
+def _sender_state(sender: threading.Thread, failure: list[BaseException]) -> str:
+    if failure:
+        return f"failed ({failure[0]!r})"
+    return "still running" if sender.is_alive() else "done"

@@ -119,9 +119,10 @@ class WeightGroups:
         deadline = time.monotonic() + self._timeout_s + 30
         while True:
             now = await states()
-            failed = [s for s in now if s not in ("running", "done")]
-            if failed:
-                raise RuntimeError(f"{what} failed: {failed[0]}")
+            if any(s not in ("running", "done") for s in now):  # every worker's, to tell
+                # a trainer that sent nothing from one that reached only some ranks
+                raise RuntimeError(f"{what} failed: " + "; ".join(
+                    f"worker {i}: {s}" for i, s in enumerate(now)))
             if all(s == "done" for s in now):
                 return
             if time.monotonic() > deadline:

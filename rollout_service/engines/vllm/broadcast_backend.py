@@ -21,6 +21,7 @@ Registered under the name ``rollout_nccl`` by :mod:`rollout_service.engines.vllm
 from __future__ import annotations
 
 import threading
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -45,6 +46,8 @@ class _Background:
         self.key = key
         self.result: Any = None
         self.error: BaseException | None = None
+        self._started = time.monotonic()
+        self._ended: float | None = None
         self._thread = threading.Thread(target=self._run, args=(target, *args), daemon=True,
                                         name=f"rollout-{key}")
         self._thread.start()
@@ -54,12 +57,17 @@ class _Background:
             self.result = target(*args)
         except BaseException as exc:  # reported through state(), never lost
             self.error = exc
+        finally:
+            self._ended = time.monotonic()
 
     def state(self) -> str:
-        """``running``, ``done`` or ``failed: <error>``."""
+        """``running``, ``done`` or ``failed after <seconds> s: <error>``."""
         if self._thread.is_alive():
             return "running"
-        return "done" if self.error is None else f"failed: {self.error!r}"
+        if self.error is None:
+            return "done"
+        assert self._ended is not None
+        return f"failed after {self._ended - self._started:.1f} s: {self.error!r}"
 
 
 class BroadcastWeightTransferEngine(SessionLoads,
