@@ -140,12 +140,13 @@ class WeightPusher:
             service's ``weights_transport``.
         bucket_bytes: bytes announced per update call; a larger tensor goes alone.
             Default: 512 MiB for ``shm``; for ``cuda_ipc`` every tensor in one call
-            (the bytes do not travel, only ~200 bytes of handle per tensor, and each
-            call costs a few milliseconds of HTTP and validation).
+            (the bytes do not travel, only an offset per tensor when staged, a ~600-byte
+            handle per tensor when not, and each call costs HTTP and validation).
         cuda_ipc_staging: ``cuda_ipc`` only. True (default): copy the tensors into a
-            staging buffer on the first tensor's GPU (kept for the next push) and export
-            it as one handle, so the engine opens one export per push instead of one per
-            tensor; costs one copy of the pushed weights in GPU memory. False: export
+            staging buffer on the current CUDA device (kept for the next push) and export
+            it as one handle, named once in begin (``cuda_ipc_buffer``), so the engine
+            opens one export per push instead of one per tensor and the updates carry
+            offsets only; costs one copy of the pushed weights in GPU memory. False: export
             each tensor in place (no extra memory; an export and an open per tensor).
         timeout_s: HTTP timeout; loading a large model can take a while.
     """
@@ -268,6 +269,16 @@ class WeightPusher:
         segment = self._segment_for(segment_bytes) if self._transport == "shm" else None
         group = self._group
         total = sum(sizes)
+        fill_s = 0.0
+        staging: torch.Tensor | None = None
+        staging_handle: CudaIpcHandle | None = None
+        if self._staging_enabled:
+            # Exported once and named once, in begin; the placements give offsets only.
+            t0 = time.perf_counter()
+            staging = self._staging_for(segment_bytes, torch.device(
+                "cuda", torch.cuda.current_device()))
+            staging_handle = export_handle(staging, "the staging buffer")
+            fill_s += time.perf_counter() - t0
         begin_start = time.perf_counter()
         begin = self._begin(messages.PushBeginRequest(
             version=version, target=target, transport=self._transport,
@@ -275,16 +286,15 @@ class WeightPusher:
             segment_bytes=segment.nbytes if segment else None,
             group_id=group.group_id if group else None,
             broadcast_bytes=segment_bytes if group else None,
+            cuda_ipc_buffer=staging_handle,
             total_bytes=total, params=list(specs), pause_mode=pause_mode,
             training_stats=training_stats))
         begin_s = time.perf_counter() - begin_start
         # cuda_ipc: the engine maps these tensors' memory until finish returns; a
         # handle does not keep its tensor alive, so this list does.
         exported: list[torch.Tensor] = []
-        fill_s = 0.0
         num_buckets = 0
         has_async_copies = False
-        staging: torch.Tensor | None = None
         staged: list[tuple[messages.ParamSpec, int]] = []
         try:
             bucket: list[TensorPlacement] = []
@@ -325,12 +335,10 @@ class WeightPusher:
                         has_async_copies = True
                     copy_into(segment, offset, tensor, nbytes)
                     location = ShmLocation(segment=segment.name, offset=offset)
-                elif self._staging_enabled:
-                    checked = shareable(tensor, name)
-                    if staging is None:
-                        staging = self._staging_for(segment_bytes, checked.device)
-                    view_in(staging, offset, spec.shape, spec.dtype).copy_(checked)
-                    staged.append((spec, offset))  # announced once the buffer is exported
+                elif staging is not None:
+                    view_in(staging, offset, spec.shape, spec.dtype).copy_(
+                        shareable(tensor, name))
+                    staged.append((spec, offset))  # announced once the copies are done
                 else:
                     exported.append(shareable(tensor, name))
                     location = CudaIpcLocation(handle=export_handle(exported[-1], name))
@@ -338,20 +346,19 @@ class WeightPusher:
                 if location is not None:
                     announce(TensorPlacement(name=name, dtype=spec.dtype,
                                              shape=tuple(spec.shape), location=location))
-            if staging is not None and group is None:
+            if staging_handle is not None:
+                assert staging is not None
                 t0 = time.perf_counter()
-                # The copies must be done before the engine reads: the export's event is
-                # not enough, as a receiver that still maps the buffer from the last push
-                # reuses that mapping without waiting on the new event (torch's
-                # rebuild_cuda_tensor, storage cache hit).
+                # The copies must be done before the engine reads: the export's event
+                # was recorded before them, and a receiver that still maps the buffer
+                # from the last push reuses that mapping without waiting on any event
+                # (torch's rebuild_cuda_tensor, storage cache hit).
                 torch.cuda.synchronize(staging.device)
-                handle: CudaIpcHandle = export_handle(staging, "the staging buffer")
                 fill_s += time.perf_counter() - t0
                 for spec, offset in staged:
                     announce(TensorPlacement(name=spec.name, dtype=spec.dtype,
                                              shape=tuple(spec.shape),
-                                             location=CudaIpcLocation(handle=handle,
-                                                                      offset=offset)))
+                                             location=CudaIpcLocation(offset=offset)))
             announce(None)
             control_s = time.perf_counter() - start - fill_s
 

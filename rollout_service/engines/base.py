@@ -19,6 +19,7 @@ from typing import Any, Literal, Protocol, runtime_checkable
 from rollout_service.engines.speculative import MTPSettings
 from rollout_service.protocol.acceptance import InvalidSpecDecodeStats, SpecDecodeStats
 from rollout_service.protocol.broadcast import Backend, GroupSpec
+from rollout_service.protocol.cuda_ipc import CudaIpcHandle
 from rollout_service.protocol.messages import PauseMode, PushTarget, WeightVersionSpan
 from rollout_service.protocol.placement import TensorPlacement, Transport
 from rollout_service.speculation.cost import StepCostSample
@@ -147,6 +148,9 @@ class WeightUpdate:
     """The transport of every placement (checked by the intake)."""
     tensors: tuple[TensorPlacement, ...]
     """Every tensor of the checkpoint, in announcement order."""
+    cuda_ipc_buffer: CudaIpcHandle | None = None
+    """``cuda_ipc``: the push's staging buffer, where the placements without a handle
+    lie (begin's ``cuda_ipc_buffer``)."""
 
     def is_last_load(self, *, draft: bool) -> bool:
         """Whether the load of this model is the last of the push (drafter after main)."""

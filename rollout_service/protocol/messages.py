@@ -15,6 +15,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
 
 from rollout_service.protocol.acceptance import BatchSummary, SpecDecodeStats
+from rollout_service.protocol.cuda_ipc import CudaIpcHandle
 from rollout_service.protocol.placement import TensorPlacement, Transport
 from rollout_service.protocol.shm import SEGMENT_NAME_PATTERN
 from rollout_service.protocol.speculation import SpeculationControlStatus
@@ -289,7 +290,7 @@ class ParamSpec(BaseModel):
 _TRANSPORT_FIELDS = {"oneOf": [
     {"properties": {"transport": {"const": "shm"}, "segment": {"type": "string"},
                     "segment_bytes": {"type": "integer"}, "group_id": {"type": "null"},
-                    "broadcast_bytes": {"type": "null"}},
+                    "broadcast_bytes": {"type": "null"}, "cuda_ipc_buffer": {"type": "null"}},
      "required": ["segment", "segment_bytes"]},
     {"properties": {"transport": {"const": "cuda_ipc"}, "segment": {"type": "null"},
                     "segment_bytes": {"type": "null"}, "group_id": {"type": "null"},
@@ -297,13 +298,15 @@ _TRANSPORT_FIELDS = {"oneOf": [
      "required": ["transport"]},
     {"properties": {"transport": {"const": "nccl"}, "segment": {"type": "null"},
                     "segment_bytes": {"type": "null"}, "group_id": {"type": "string"},
-                    "broadcast_bytes": {"type": "integer"}},
+                    "broadcast_bytes": {"type": "integer"}, "cuda_ipc_buffer": {"type": "null"}},
      "required": ["transport", "group_id", "broadcast_bytes"]},
 ]}
 """Which fields each transport needs and leaves out, in JSON Schema: 'shm' (the
-default) the segment, 'nccl' the group and the broadcast's size, 'cuda_ipc' none."""
+default) the segment, 'nccl' the group and the broadcast's size, 'cuda_ipc' none (its
+staging buffer is optional)."""
 _FIELDS_BY_TRANSPORT = {"shm": ("segment", "segment_bytes"), "cuda_ipc": (),
                         "nccl": ("group_id", "broadcast_bytes")}
+_OPTIONAL_FIELDS_BY_TRANSPORT = {"cuda_ipc": ("cuda_ipc_buffer",)}
 
 
 MAX_MTP_DEPTHS = 16
@@ -350,6 +353,10 @@ class PushBeginRequest(BaseModel):
         "nccl only (required there): the group the trainer joined (POST /weights/group)."))
     broadcast_bytes: Count | None = Field(None, description=(
         "nccl only (required there): size in bytes of the buffer the trainer broadcasts."))
+    cuda_ipc_buffer: CudaIpcHandle | None = Field(None, description=(
+        "cuda_ipc only (optional there): the trainer's staging buffer, a byte buffer (1-D "
+        "uint8) exported once; a placement without a handle lies in it at its offset. "
+        "The trainer writes it before the first update that names a tensor in it."))
     total_bytes: Int = Field(gt=0, description="Sum of the announced tensors' sizes.")
     params: list[ParamSpec] = Field(min_length=1)
     pause_mode: PauseMode = Field("wait", description=(
@@ -365,11 +372,16 @@ class PushBeginRequest(BaseModel):
         missing = [f for f in needed if getattr(self, f) is None]
         if missing:
             raise ValueError(f"{missing[0]}: required by transport {self.transport!r}")
-        given = [f for fields in _FIELDS_BY_TRANSPORT.values() for f in fields
-                 if f not in needed and getattr(self, f) is not None]
+        allowed = needed + _OPTIONAL_FIELDS_BY_TRANSPORT.get(self.transport, ())
+        every = [*_FIELDS_BY_TRANSPORT.values(), *_OPTIONAL_FIELDS_BY_TRANSPORT.values()]
+        given = [f for fields in every for f in fields
+                 if f not in allowed and getattr(self, f) is not None]
         if given:
             raise ValueError(f"{given[0]}: not used by transport {self.transport!r}; "
                              "leave it out")
+        if self.cuda_ipc_buffer is not None and not self.cuda_ipc_buffer.is_byte_buffer:
+            raise ValueError(f"cuda_ipc_buffer: a staging buffer is 1-D uint8, got "
+                             f"{self.cuda_ipc_buffer.dtype} {self.cuda_ipc_buffer.shape}")
         return self
 
 

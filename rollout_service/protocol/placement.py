@@ -51,16 +51,23 @@ class ShmLocation(BaseModel):
 
 class CudaIpcLocation(BaseModel):
     """The tensor's CUDA memory, shared by the trainer as an IPC handle: the tensor
-    itself, or a byte buffer holding it at ``offset`` (the trainer's staging buffer,
-    one handle for every tensor of a push)."""
+    itself, a byte buffer holding it at ``offset``, or, without a handle, the push's
+    staging buffer at ``offset`` (``cuda_ipc_buffer`` in begin).
+
+    The staging buffer is named once per push, not once per tensor: a 2 KB handle
+    repeated in ~300 placements made validating one bucket's JSON cost 15-23 ms on the
+    2-core machine, in the service and again in each worker, against 1 ms for the same
+    placements without it (``bench/push_messages.py``)."""
 
     model_config = _LOCATION
 
     transport: Literal["cuda_ipc"] = "cuda_ipc"
-    handle: CudaIpcHandle
+    handle: CudaIpcHandle | None = Field(None, description=(
+        "The tensor's own export, or a byte buffer (1-D uint8) holding it at offset; "
+        "absent: the tensor lies in the push's staging buffer (begin's cuda_ipc_buffer)."))
     offset: int = Field(0, ge=0, description=(
-        "Byte offset of the tensor in the handle's memory when the handle is a byte "
-        "buffer (1-D uint8); 0 when the handle is the tensor itself."))
+        "Byte offset of the tensor in the byte buffer (the handle's, or the push's staging "
+        "buffer); 0 when the handle is the tensor itself."))
 
 
 class BroadcastLocation(BaseModel):
@@ -89,7 +96,7 @@ class TensorPlacement(BaseModel):
 
     @model_validator(mode="after")
     def _handle_matches(self) -> TensorPlacement:
-        if isinstance(self.location, CudaIpcLocation):
+        if isinstance(self.location, CudaIpcLocation) and self.location.handle is not None:
             try:
                 self.location.handle.check_holds(self.shape, self.dtype, self.location.offset)
             except ValueError as exc:

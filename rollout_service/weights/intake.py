@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 
 from rollout_service.engines.base import WeightUpdate
 from rollout_service.protocol import messages
+from rollout_service.protocol.cuda_ipc import CudaIpcHandle
 from rollout_service.protocol.placement import (
     BroadcastLocation,
     CudaIpcLocation,
@@ -149,8 +150,8 @@ def _validate_segment(req: messages.PushBeginRequest, total: int) -> None:
 
 def validate_placement(push: ActivePush, placement: TensorPlacement) -> None:
     """Check one bucket entry against the announcement and the push's transport
-    (the segment's name and bounds; a CUDA IPC handle's shape and dtype are checked
-    by the placement itself).
+    (the segment's name and bounds, the staging buffer's bounds; a CUDA IPC handle's
+    shape and dtype are checked by the placement itself).
 
     Raises:
         PushError(400): naming the tensor.
@@ -170,6 +171,14 @@ def validate_placement(push: ActivePush, placement: TensorPlacement) -> None:
         raise PushError(400, f"tensors: {name!r} lies in {placement.transport!r}, and the "
                              f"push's transport is {req.transport!r}")
     location = placement.location
+    if isinstance(location, CudaIpcLocation):
+        if location.handle is None:  # in the push's staging buffer
+            if req.cuda_ipc_buffer is None:
+                raise PushError(400, f"tensors: {name!r} has no handle, and begin announced "
+                                     "no cuda_ipc_buffer for it to lie in")
+            _check_span(name, location.offset, placement, req.cuda_ipc_buffer.nbytes,
+                        "staging buffer (cuda_ipc_buffer)")
+        return
     if isinstance(location, BroadcastLocation):
         assert req.broadcast_bytes is not None  # nccl: required by message validation
         _check_span(name, location.offset, placement, req.broadcast_bytes, "broadcast buffer")
@@ -195,15 +204,19 @@ def _check_span(name: str, offset: int, placement: TensorPlacement, size: int,
                              f"{size}-byte {where}")
 
 
-def check_no_overlap(placements: Iterable[TensorPlacement]) -> None:
+def check_no_overlap(placements: Iterable[TensorPlacement],
+                     cuda_ipc_buffer: CudaIpcHandle | None = None) -> None:
     """Raises PushError(400) naming the first tensor that overlaps its predecessor in
     the segment, the broadcast buffer, or a CUDA IPC byte buffer (one export holding
-    several tensors)."""
+    several tensors: a placement's own, or the push's ``cuda_ipc_buffer``)."""
     by_memory: dict[object, list[tuple[int, int, str]]] = defaultdict(list)
     for p in placements:
         location = p.location
-        key = (location.handle.export_key if isinstance(location, CudaIpcLocation)
-               else location.transport)
+        key: object = location.transport
+        if isinstance(location, CudaIpcLocation):
+            handle = location.handle or cuda_ipc_buffer
+            assert handle is not None  # validate_placement refused a placement without one
+            key = handle.export_key
         by_memory[key].append((location.offset, location.offset + p.nbytes, p.name))
     for key, spans in by_memory.items():
         where = {"shm": "the segment", "nccl": "the broadcast buffer"}.get(
@@ -219,7 +232,8 @@ def build_update(push: ActivePush) -> WeightUpdate:
     announcement order."""
     req = push.request
     return WeightUpdate(push_id=push.push_id, target=req.target, transport=req.transport,
-                        tensors=tuple(push.placements[name] for name in push.expected))
+                        tensors=tuple(push.placements[name] for name in push.expected),
+                        cuda_ipc_buffer=req.cuda_ipc_buffer)
 
 
 class PushIntake:
@@ -329,7 +343,7 @@ class PushIntake:
             if missing:
                 raise PushError(400, f"finish: tensor {missing[0]!r} was never sent "
                                      f"({len(missing)} missing in all)")
-            check_no_overlap(push.placements.values())
+            check_no_overlap(push.placements.values(), push.request.cuda_ipc_buffer)
         except PushError as exc:
             self.end(push, "rejected", str(exc))
             raise

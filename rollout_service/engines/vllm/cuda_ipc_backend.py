@@ -31,7 +31,7 @@ import torch
 from vllm.distributed.weight_transfer.ipc_engine import IPCWeightTransferEngine
 
 from rollout_service.engines.vllm.transfer import PushUpdateInfo, SessionLoads
-from rollout_service.protocol.cuda_ipc import open_handle
+from rollout_service.protocol.cuda_ipc import CudaIpcHandle, open_handle
 from rollout_service.protocol.placement import CudaIpcLocation, TensorPlacement
 from rollout_service.protocol.tensors import view_in
 
@@ -58,7 +58,7 @@ class CudaIpcWeightTransferEngine(SessionLoads, IPCWeightTransferEngine):
         self._opened = None  # an earlier push that never reached its last load
         device_index = self.device.index
         assert device_index is not None, self.device
-        weights = open_placements(info.placements, device_index)
+        weights = open_placements(info.placements, device_index, info.staging_buffer)
         self._opened = (info.push_id, weights)
         return weights
 
@@ -67,17 +67,21 @@ class CudaIpcWeightTransferEngine(SessionLoads, IPCWeightTransferEngine):
         super().shutdown()
 
 
-def open_placements(placements: list[TensorPlacement], device_index: int
+def open_placements(placements: list[TensorPlacement], device_index: int,
+                    staging_buffer: CudaIpcHandle | None = None
                     ) -> list[tuple[str, torch.Tensor]]:
-    """Each placement's tensor, every export opened exactly once (torch counts opens)."""
+    """Each placement's tensor, every export opened exactly once (torch counts opens):
+    a placement's own handle, or the push's staging buffer for those without one."""
     opened: dict[tuple[str, str, int], torch.Tensor] = {}
     weights = []
     for placement in placements:
         location = placement.location
         assert isinstance(location, CudaIpcLocation)  # PushUpdateInfo checked the transport
-        key = location.handle.export_key
+        handle = location.handle or staging_buffer
+        assert handle is not None  # PushUpdateInfo checked there is a buffer
+        key = handle.export_key
         if key not in opened:
-            opened[key] = open_handle(location.handle, device_index=device_index)
+            opened[key] = open_handle(handle, device_index=device_index)
         weights.append((placement.name, view_in(opened[key], location.offset,
                                                 placement.shape, placement.dtype)))
     return weights

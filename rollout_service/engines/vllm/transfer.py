@@ -26,7 +26,8 @@ from pydantic import TypeAdapter
 from vllm.distributed.weight_transfer.base import WeightTransferUpdateInfo
 
 from rollout_service.engines.base import WeightUpdate
-from rollout_service.protocol.placement import TensorPlacement, Transport
+from rollout_service.protocol.cuda_ipc import CudaIpcHandle
+from rollout_service.protocol.placement import CudaIpcLocation, TensorPlacement, Transport
 
 _PLACEMENTS = TypeAdapter(list[TensorPlacement])
 
@@ -46,14 +47,25 @@ class PushUpdateInfo(WeightTransferUpdateInfo):
     in_place: bool = False
     """Copy into the existing parameters instead of a layerwise reload (module docstring);
     the service sets it only where the engine's weights are used as loaded."""
+    cuda_ipc_buffer: dict[str, Any] | None = None
+    """``cuda_ipc``: the push's staging buffer (a ``CudaIpcHandle`` as a dict), sent once
+    per load instead of once per tensor; parsed in ``__post_init__``."""
     placements: list[TensorPlacement] = field(init=False, repr=False)
+    staging_buffer: CudaIpcHandle | None = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         self.placements = _PLACEMENTS.validate_python(self.tensors)
+        self.staging_buffer = (None if self.cuda_ipc_buffer is None
+                               else CudaIpcHandle.model_validate(self.cuda_ipc_buffer))
         wrong = next((p for p in self.placements if p.transport != self.transport), None)
         if wrong is not None:
             raise ValueError(f"tensors: {wrong.name!r} lies in {wrong.transport!r}, the update "
                              f"is {self.transport!r}")
+        unplaced = next((p for p in self.placements if isinstance(p.location, CudaIpcLocation)
+                         and p.location.handle is None and self.staging_buffer is None), None)
+        if unplaced is not None:
+            raise ValueError(f"tensors: {unplaced.name!r} has no handle and the update no "
+                             "cuda_ipc_buffer")
 
     def check_transport(self, transport: Transport) -> None:
         """Raises ValueError unless this update is for ``transport`` (the backend's)."""
@@ -69,9 +81,11 @@ def update_info(update: WeightUpdate, *, is_last_load: bool, in_place: bool = Fa
     The main model and the drafter get the same placements: the same segment
     offsets, or the same CUDA IPC handles (opened once in the worker for both).
     """
+    buffer = update.cuda_ipc_buffer
     return {"push_id": update.push_id, "transport": update.transport,
             "tensors": [p.model_dump(mode="json") for p in update.tensors],
-            "is_last_load": is_last_load, "in_place": in_place}
+            "is_last_load": is_last_load, "in_place": in_place,
+            "cuda_ipc_buffer": None if buffer is None else buffer.model_dump(mode="json")}
 
 
 class LoadSession:

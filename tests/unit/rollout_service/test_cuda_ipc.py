@@ -360,3 +360,91 @@ def test_config_and_engine_args_select_the_backend() -> None:
                              weights_transport="nccl")
     assert args.weight_transfer_config.backend == "rollout_nccl"  # vLLM's own is "nccl"
     assert set(BACKENDS) == {"shm", "cuda_ipc", "rollout_nccl"}
+
+
+# --- the push's staging buffer (begin's cuda_ipc_buffer) -----------------------
+
+def in_buffer(name: str, offset: int) -> TensorPlacement:
+    """A placement without a handle: the tensor lies in the push's staging buffer."""
+    meta = CHECKPOINT[name]
+    return TensorPlacement(name=name, dtype=meta.dtype, shape=meta.shape,
+                           location=CudaIpcLocation(offset=offset))
+
+
+def test_the_staging_buffer_is_named_in_begin_for_cuda_ipc_only() -> None:
+    buffer = handle_fields(**BUFFER)
+    assert begin(cuda_ipc_buffer=buffer).cuda_ipc_buffer == CudaIpcHandle.model_validate(buffer)
+    with pytest.raises(ValidationError, match="cuda_ipc_buffer: not used by transport 'shm'"):
+        begin("shm", segment="mtp-seg", segment_bytes=64, cuda_ipc_buffer=buffer)
+    with pytest.raises(ValidationError, match=r"cuda_ipc_buffer: a staging buffer is 1-D "
+                                              r"uint8, got bfloat16 \[4, 3\]"):
+        begin(cuda_ipc_buffer=handle_fields())
+
+
+def test_placements_in_the_staging_buffer_are_checked_against_it() -> None:
+    push = active(begin(cuda_ipc_buffer=handle_fields(**BUFFER)))
+    validate_placement(push, in_buffer("w", 0))
+    validate_placement(push, in_buffer("b", 52))  # its last byte is the buffer's last
+    with pytest.raises(PushError, match=r"tensors: 'b' \[56, 68\) lies outside the 64-byte "
+                                        r"staging buffer \(cuda_ipc_buffer\)"):
+        validate_placement(push, in_buffer("b", 56))
+    with pytest.raises(PushError, match="'w' offset 3 is not aligned to its 2-byte"):
+        validate_placement(push, in_buffer("w", 3))
+    without = active(begin())
+    with pytest.raises(PushError, match="tensors: 'w' has no handle, and begin announced no "
+                                        "cuda_ipc_buffer"):
+        validate_placement(without, in_buffer("w", 0))
+
+
+def test_tensors_overlapping_in_the_staging_buffer_are_refused() -> None:
+    staged = CudaIpcHandle.model_validate(handle_fields(**BUFFER))
+    check_no_overlap([in_buffer("w", 0), in_buffer("b", 24)], staged)
+    with pytest.raises(PushError, match="tensors: 'b' overlaps 'w' in its CUDA IPC buffer"):
+        check_no_overlap([in_buffer("w", 0), in_buffer("b", 20)], staged)
+    # The same offsets in the buffer and in another export do not meet.
+    own = TensorPlacement(name="b", dtype="float32", shape=(3,), location=CudaIpcLocation(
+        handle=CudaIpcHandle.model_validate(handle_fields(
+            shape=[3], stride=[1], dtype="float32", storage_size_bytes=12,
+            ref_counter_offset=8))))
+    check_no_overlap([in_buffer("w", 0), own], staged)
+
+
+def test_the_staging_buffer_travels_once_to_the_worker_and_is_opened_once(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """From begin to the worker: the update carries the buffer's handle once, the
+    placements their offsets only, and the worker opens the buffer once for all."""
+    from rollout_service.engines.vllm import cuda_ipc_backend
+    from rollout_service.engines.vllm.transfer import PushUpdateInfo, update_info
+
+    staged = CudaIpcHandle.model_validate(handle_fields(**BUFFER))
+    push = active(begin(cuda_ipc_buffer=staged.model_dump(mode="json")))
+    for placement in (in_buffer("w", 0), in_buffer("b", 32)):
+        validate_placement(push, placement)
+        push.placements[placement.name] = placement
+    update = build_update(push)
+    assert update.cuda_ipc_buffer == staged
+    wire = json.dumps(update_info(update, is_last_load=True))
+    assert wire.count(staged.storage_handle) == 1
+    info = PushUpdateInfo(**json.loads(wire))
+    assert info.staging_buffer == staged
+
+    buffer = torch.zeros(64, dtype=torch.uint8)
+    w = torch.arange(12, dtype=torch.bfloat16).view(4, 3)
+    view_in(buffer, 0, [4, 3], "bfloat16").copy_(w)
+    opens: list[tuple[str, str, int]] = []
+
+    def open_handle(handle: CudaIpcHandle, *, device_index: int) -> torch.Tensor:
+        opens.append(handle.export_key)
+        return buffer
+
+    monkeypatch.setattr(cuda_ipc_backend, "open_handle", open_handle)
+    weights = dict(cuda_ipc_backend.open_placements(info.placements, 0, info.staging_buffer))
+    assert opens == [staged.export_key]
+    assert torch.equal(weights["w"], w)
+    assert weights["b"].data_ptr() == buffer.data_ptr() + 32
+
+    orphaned = json.loads(wire)
+    orphaned["cuda_ipc_buffer"] = None
+    with pytest.raises(ValueError, match="tensors: 'w' has no handle and the update no "
+                                         "cuda_ipc_buffer"):
+        PushUpdateInfo(**orphaned)
