@@ -18,20 +18,28 @@ attention reads stale entries there, and its acceptance may be lower on sequence
 ran through K = 0 (the controller sees that acceptance, as it sees any). What is generated keeps its
 distribution: verification decides every token.
 
-How, and fenced: the service calls :func:`skip_drafter_at_k0` in every worker once the
-engine has started (``worker_ext.py``). It replaces ``propose`` on the worker's one
-speculator *object* (nothing in vLLM's classes changes), only on the vLLM versions in
-:data:`SUPPORTED_VLLM_VERSIONS`, only for a speculator of the class whose K = 0 path is
-the one described above, only when ``propose`` still takes the arguments the wrapper
-reads, and not with data or context parallelism (whose ranks step the drafter
-together) or adaptive verification (which reads the drafter's confidences each step).
+How, and fenced: before the engine starts, :func:`check_engine_args` refuses what the
+resolved engine config already rules out (another vLLM, model runner V1, data or context
+parallelism, adaptive verification), so such a service fails in a second, not after a
+whole engine start. Once the engine has started, the service calls
+:func:`skip_drafter_at_k0` in every worker (``worker_ext.py``). It replaces
+``propose`` on the worker's one speculator *object* (nothing in vLLM's classes changes),
+only on the vLLM versions in :data:`SUPPORTED_VLLM_VERSIONS`, only for a speculator of
+the class whose K = 0 path is the one described above, only when ``propose`` still takes
+the arguments the wrapper reads, and not with data or context parallelism (whose ranks
+step the drafter together) or adaptive verification (which reads the drafter's
+confidences each step).
 Anything else refuses with the reason, and the service does not start.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from vllm.engine.arg_utils import AsyncEngineArgs
 
 SUPPORTED_VLLM_VERSIONS = ("0.32.0",)
 _MARK = "_rollout_skips_drafter_at_k0"
@@ -40,6 +48,36 @@ _ARGUMENTS = ("input_batch", "num_speculative_tokens", "dummy_run", "is_profile"
 
 class DrafterSkipUnsupported(RuntimeError):
     """This worker's vLLM, model runner or speculator is not the one the change is for."""
+
+
+def check_engine_args(args: AsyncEngineArgs) -> None:
+    """Refuse ``drafter_at_k0: skip`` for an engine its config already rules out (service
+    process, before the engine starts; the worker checks the rest once it runs).
+
+    Raises:
+        ValueError: naming ``speculation_control.drafter_at_k0`` and the reason.
+    """
+    from vllm import __version__ as vllm_version
+
+    from rollout_service.engines.vllm.usage_context import serving_usage_context
+
+    field = "speculation_control.drafter_at_k0"
+    if vllm_version not in SUPPORTED_VLLM_VERSIONS:
+        raise ValueError(f"{field}: 'skip' supports vLLM {SUPPORTED_VLLM_VERSIONS}, not "
+                         f"{vllm_version}")
+    config = dataclasses.replace(args).create_engine_config(serving_usage_context())
+    if not config.use_v2_model_runner:
+        raise ValueError(f"{field}: 'skip' changes model runner V2's speculator, and this "
+                         "engine runs model runner V1 (vLLM's CPU engine always does); "
+                         "use 'run'")
+    parallel = config.parallel_config
+    if parallel.data_parallel_size > 1 or parallel.prefill_context_parallel_size > 1:
+        raise ValueError(f"{field}: 'skip' is not possible with data or context "
+                         "parallelism (their ranks run the drafter together); use 'run'")
+    if config.speculative_config is not None and (
+            config.speculative_config.enable_adaptive_verification):
+        raise ValueError(f"{field}: 'skip' is not possible with adaptive verification "
+                         "(it reads the drafter's confidences every step); use 'run'")
 
 
 def skip_drafter_at_k0(model_runner: Any) -> str:

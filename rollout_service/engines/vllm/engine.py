@@ -58,6 +58,7 @@ from rollout_service.engines.speculative import (
     build_vllm_speculative_config,
     is_mtp_method,
 )
+from rollout_service.engines.vllm import drafter_at_k0
 from rollout_service.engines.vllm.patches import spec_schedule as schedule_rpc
 from rollout_service.engines.vllm.plugin import BACKEND_OF_TRANSPORT
 from rollout_service.engines.vllm.spec_schedule import (
@@ -137,6 +138,8 @@ async def start(spec: EngineSpec) -> VLLMEngine:
     args = build_engine_args(spec.model_path, spec.engine_kwargs, spec.mtp,
                              spec.checkpoint_config, served_model_name=spec.served_model_name,
                              weights_transport=spec.weights_transport)
+    if spec.skip_drafter_at_k0:
+        drafter_at_k0.check_engine_args(args)
     if not spec.runtime_spec_schedule:
         engine = VLLMEngine.start(args, served_model_name=spec.served_model_name,
                                   weights_load=spec.weights_load)

@@ -161,3 +161,13 @@ def test_engines_the_controller_cannot_drive_are_refused_naming_the_field(
         mtp: MTPSettings, engine_kwargs: dict, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         with_startup_schedule(service_args(mtp, **engine_kwargs))
+
+
+def test_skipping_the_drafter_at_k0_is_refused_before_a_v1_engine_starts() -> None:
+    """vLLM's CPU engine runs model runner V1, which has no speculator to change: the
+    service refuses ``drafter_at_k0: skip`` from the resolved config, before any start."""
+    from rollout_service.engines.vllm.drafter_at_k0 import check_engine_args
+
+    with pytest.raises(ValueError, match="speculation_control.drafter_at_k0: 'skip' changes "
+                                         "model runner V2's speculator.*runs model runner V1"):
+        check_engine_args(service_args(MTPSettings(num_speculative_tokens=2)))
