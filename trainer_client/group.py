@@ -63,8 +63,10 @@ class TrainerGroup:
             self._group = join(spec, rank=answer.trainer_rank, device=device)
         return self._group
 
-    def during_broadcast(self, buffer: torch.Tensor, finish: Callable[[], T]) -> T:
-        """Run ``finish`` (the push's finish call) while broadcasting ``buffer``.
+    def during_broadcast(self, push_id: str, buffer: torch.Tensor,
+                         finish: Callable[[], T]) -> T:
+        """Run ``finish`` (the push's finish call) while broadcasting ``buffer`` (sent
+        once every worker is receiving push ``push_id``: ``Group.send``).
 
         Raises:
             whatever ``finish`` raises (the group is closed unless the broadcast ended
@@ -75,7 +77,7 @@ class TrainerGroup:
 
         def send() -> None:
             try:
-                group.broadcast(buffer)
+                group.send(buffer, push_id)
             except BaseException as exc:  # handed to the caller below
                 failure.append(exc)
 
@@ -85,7 +87,10 @@ class TrainerGroup:
         try:
             result = finish()
         except BaseException as exc:  # what the trainer's own side did, for the why
-            exc.add_note(f"the trainer's broadcast: {_sender_state(sender, failure)} "
+            finished_s = time.monotonic() - started
+            sender.join(group.spec.timeout_s + JOIN_MARGIN_S)  # its own timeout ends it
+            exc.add_note(f"the trainer's broadcast, {finished_s:.1f} s after it started "
+                         f"(when finish failed): {_sender_state(sender, failure)} "
                          f"{time.monotonic() - started:.1f} s after it started")
             raise
         finally:

@@ -19,7 +19,7 @@ import ctypes
 import sys
 import time
 import uuid
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 import httpx
@@ -127,6 +127,115 @@ def _synchronize() -> float:
     start = time.perf_counter()
     torch.cuda.synchronize()
     return time.perf_counter() - start
+
+
+@dataclass(kw_only=True)
+class _PushMemory:
+    """Where one push's bytes go (``WeightPusher._memory_for``)."""
+
+    transport: Transport
+    segment: Segment | None = None
+    """``shm``: the pusher's segment."""
+    pin: Callable[[Segment], None] | None = None
+    """``shm``: pins the segment for asynchronous copies from a GPU."""
+    staging: torch.Tensor | None = None
+    """``nccl``: the broadcast buffer; ``cuda_ipc``: the staging buffer (None: each
+    tensor exported in place)."""
+    staging_handle: CudaIpcHandle | None = None
+    """``cuda_ipc``: the staging buffer's export, named in begin."""
+    setup_s: float = 0.0
+    """Allocating and exporting the staging buffer (part of the push's fill time)."""
+
+
+class _PushRun:
+    """One push's placing of tensors: copies them where ``memory`` says and sends their
+    placements, bucket by bucket (``send``: one ``/weights/update``).
+
+    A bucket is sent once it holds ``bucket_bytes``; placements in memory the engine reads
+    only after a synchronize (asynchronous copies into the segment, the staging buffer)
+    are sent after it.
+    """
+
+    def __init__(self, memory: _PushMemory, send: Callable[[list[TensorPlacement]], object],
+                 bucket_bytes: int) -> None:
+        self._memory = memory
+        self._send = send
+        self._bucket_bytes = bucket_bytes
+        self._bucket: list[TensorPlacement] = []
+        self._bucket_size = 0
+        self._async_copies = False
+        self._staged: list[TensorPlacement] = []
+        self._exported: list[torch.Tensor] = []
+        """``cuda_ipc`` in place: the engine maps these tensors' memory until finish
+        returns; a handle does not keep its tensor alive, so this list does."""
+        self.num_buckets = 0
+        self.fill_s = memory.setup_s
+
+    def place(self, tensor: torch.Tensor, spec: messages.ParamSpec, offset: int) -> None:
+        """Put ``tensor`` (announced as ``spec``) in place at ``offset`` and announce it."""
+        start = time.perf_counter()
+        memory, name = self._memory, spec.name
+        location: ShmLocation | CudaIpcLocation | BroadcastLocation
+        if memory.transport == "nccl":
+            assert memory.staging is not None
+            view_in(memory.staging, offset, spec.shape, spec.dtype).copy_(tensor.detach())
+            location = BroadcastLocation(offset=offset)
+        elif memory.segment is not None:
+            if tensor.device.type == "cuda":
+                assert memory.pin is not None
+                memory.pin(memory.segment)
+                self._async_copies = True
+            copy_into(memory.segment, offset, tensor, spec_nbytes(spec))
+            location = ShmLocation(segment=memory.segment.name, offset=offset)
+        elif memory.staging is not None:
+            view_in(memory.staging, offset, spec.shape, spec.dtype).copy_(
+                shareable(tensor, name))
+            location = CudaIpcLocation(offset=offset)
+        else:
+            self._exported.append(shareable(tensor, name))
+            location = CudaIpcLocation(handle=export_handle(self._exported[-1], name))
+        self.fill_s += time.perf_counter() - start
+        placement = TensorPlacement(name=name, dtype=spec.dtype, shape=tuple(spec.shape),
+                                    location=location)
+        if memory.staging_handle is not None:
+            self._staged.append(placement)  # announced once every copy is done
+        else:
+            self._announce(placement)
+
+    def finish_placing(self) -> None:
+        """Announce what is left: the staged tensors, once their copies are done (the
+        export's event was recorded before them, and a receiver that still maps the
+        buffer from the last push reuses that mapping without waiting on any event:
+        torch's ``rebuild_cuda_tensor``, storage cache hit), and the last bucket."""
+        if self._staged:
+            assert self._memory.staging is not None
+            start = time.perf_counter()
+            torch.cuda.synchronize(self._memory.staging.device)
+            self.fill_s += time.perf_counter() - start
+            for placement in self._staged:
+                self._announce(placement)
+        self._flush()
+
+    def release(self) -> None:
+        """Let go of the tensors exported in place (``cuda_ipc``, unstaged)."""
+        if self._exported:
+            self._exported.clear()
+            torch.cuda.ipc_collect()  # frees copies the engine has let go of
+
+    def _announce(self, placement: TensorPlacement) -> None:
+        self._bucket.append(placement)
+        self._bucket_size += placement.nbytes
+        if self._bucket_size >= self._bucket_bytes:
+            self._flush()
+
+    def _flush(self) -> None:
+        if not self._bucket:
+            return
+        if self._async_copies:  # the bytes must be in the segment when announced
+            self.fill_s += _synchronize()
+        self._send(self._bucket)
+        self.num_buckets += 1
+        self._bucket, self._bucket_size = [], 0
 
 
 class WeightPusher:
@@ -265,110 +374,41 @@ class WeightPusher:
             tensors = list(tensors)
             specs = [param_spec(name, t) for name, t in tensors]
         sizes = [spec_nbytes(spec) for spec in specs]
-        offsets, segment_bytes = layout(sizes)
-        segment = self._segment_for(segment_bytes) if self._transport == "shm" else None
-        group = self._group
-        total = sum(sizes)
-        fill_s = 0.0
-        staging: torch.Tensor | None = None
-        staging_handle: CudaIpcHandle | None = None
-        if self._staging_enabled:
-            # Exported once and named once, in begin; the placements give offsets only.
-            t0 = time.perf_counter()
-            staging = self._staging_for(segment_bytes, torch.device(
-                "cuda", torch.cuda.current_device()))
-            staging_handle = export_handle(staging, "the staging buffer")
-            fill_s += time.perf_counter() - t0
+        offsets, buffer_bytes = layout(sizes)
+        memory = self._memory_for(buffer_bytes)
         begin_start = time.perf_counter()
         begin = self._begin(messages.PushBeginRequest(
             version=version, target=target, transport=self._transport,
-            segment=segment.name if segment else None,
-            segment_bytes=segment.nbytes if segment else None,
-            group_id=group.group_id if group else None,
-            broadcast_bytes=segment_bytes if group else None,
-            cuda_ipc_buffer=staging_handle,
-            total_bytes=total, params=list(specs), pause_mode=pause_mode,
+            segment=memory.segment.name if memory.segment else None,
+            segment_bytes=memory.segment.nbytes if memory.segment else None,
+            group_id=self._group.group_id if self._group else None,
+            broadcast_bytes=buffer_bytes if self._group else None,
+            cuda_ipc_buffer=memory.staging_handle,
+            total_bytes=sum(sizes), params=list(specs), pause_mode=pause_mode,
             training_stats=training_stats))
         begin_s = time.perf_counter() - begin_start
-        # cuda_ipc: the engine maps these tensors' memory until finish returns; a
-        # handle does not keep its tensor alive, so this list does.
-        exported: list[torch.Tensor] = []
-        num_buckets = 0
-        has_async_copies = False
-        staged: list[tuple[messages.ParamSpec, int]] = []
+        run = _PushRun(memory, lambda bucket: self._call("/weights/update", (
+            messages.PushUpdateRequest(push_id=begin.push_id, tensors=bucket))),
+            self._bucket_bytes)
         try:
-            bucket: list[TensorPlacement] = []
-            bucket_bytes = 0
-
-            def announce(placement: TensorPlacement | None) -> None:
-                """Add ``placement`` to the bucket; send the bucket once full (or, with
-                None, whatever it holds)."""
-                nonlocal bucket, bucket_bytes, num_buckets, fill_s
-                if placement is not None:
-                    bucket.append(placement)
-                    bucket_bytes += placement.nbytes
-                if bucket and (placement is None or bucket_bytes >= self._bucket_bytes):
-                    if has_async_copies:  # the bytes must be in the segment when announced
-                        fill_s += _synchronize()
-                    self._call("/weights/update",
-                               messages.PushUpdateRequest(push_id=begin.push_id, tensors=bucket))
-                    num_buckets += 1
-                    bucket, bucket_bytes = [], 0
-
-            for (name, tensor), spec, offset, nbytes in zip(tensors, specs, offsets, sizes,
-                                                            strict=True):
+            for (name, tensor), spec, offset in zip(tensors, specs, offsets, strict=True):
                 if (name, list(tensor.shape), str(tensor.dtype)) != (
                         spec.name, spec.shape, f"torch.{spec.dtype}"):
                     raise ValueError(f"tensors: got {name!r} {list(tensor.shape)} {tensor.dtype} "
                                      f"where specs announced {spec.name!r} {spec.shape} "
                                      f"{spec.dtype}")
-                t0 = time.perf_counter()
-                location: ShmLocation | CudaIpcLocation | BroadcastLocation | None = None
-                if group is not None:
-                    if staging is None:
-                        staging = self._staging_for(segment_bytes, group.device)
-                    view_in(staging, offset, spec.shape, spec.dtype).copy_(tensor.detach())
-                    location = BroadcastLocation(offset=offset)
-                elif segment is not None:
-                    if tensor.device.type == "cuda":
-                        self._pin(segment)
-                        has_async_copies = True
-                    copy_into(segment, offset, tensor, nbytes)
-                    location = ShmLocation(segment=segment.name, offset=offset)
-                elif staging is not None:
-                    view_in(staging, offset, spec.shape, spec.dtype).copy_(
-                        shareable(tensor, name))
-                    staged.append((spec, offset))  # announced once the copies are done
-                else:
-                    exported.append(shareable(tensor, name))
-                    location = CudaIpcLocation(handle=export_handle(exported[-1], name))
-                fill_s += time.perf_counter() - t0
-                if location is not None:
-                    announce(TensorPlacement(name=name, dtype=spec.dtype,
-                                             shape=tuple(spec.shape), location=location))
-            if staging_handle is not None:
-                assert staging is not None
-                t0 = time.perf_counter()
-                # The copies must be done before the engine reads: the export's event
-                # was recorded before them, and a receiver that still maps the buffer
-                # from the last push reuses that mapping without waiting on any event
-                # (torch's rebuild_cuda_tensor, storage cache hit).
-                torch.cuda.synchronize(staging.device)
-                fill_s += time.perf_counter() - t0
-                for spec, offset in staged:
-                    announce(TensorPlacement(name=spec.name, dtype=spec.dtype,
-                                             shape=tuple(spec.shape),
-                                             location=CudaIpcLocation(offset=offset)))
-            announce(None)
-            control_s = time.perf_counter() - start - fill_s
+                run.place(tensor, spec, offset)
+            run.finish_placing()
+            control_s = time.perf_counter() - start - run.fill_s
 
             def finish() -> messages.PushFinishResponse:
                 return messages.PushFinishResponse.model_validate(self._call(
                     "/weights/finish", messages.PushFinishRequest(push_id=begin.push_id)))
 
-            if group is not None:
-                assert staging is not None
-                finished = group.during_broadcast(staging[:segment_bytes], finish)
+            if self._group is not None:
+                assert memory.staging is not None
+                finished = self._group.during_broadcast(
+                    begin.push_id, memory.staging[:buffer_bytes], finish)
             else:
                 finished = finish()
         except BaseException as exc:
@@ -376,13 +416,32 @@ class WeightPusher:
                 self._abort(begin.push_id, f"trainer error: {exc!r}")
             raise
         finally:
-            if exported:
-                exported.clear()
-                torch.cuda.ipc_collect()  # frees copies the engine has let go of
-        return PushReport(version=version, num_bytes=total, num_tensors=len(specs),
-                          num_buckets=num_buckets, fill_s=fill_s, control_s=control_s,
-                          begin_s=begin_s,
-                          server=finished, total_s=time.perf_counter() - start)
+            run.release()
+        return PushReport(version=version, num_bytes=sum(sizes), num_tensors=len(specs),
+                          num_buckets=run.num_buckets, fill_s=run.fill_s, control_s=control_s,
+                          begin_s=begin_s, server=finished,
+                          total_s=time.perf_counter() - start)
+
+    def _memory_for(self, nbytes: int) -> _PushMemory:
+        """Where this push's bytes go, ready before ``begin`` names it: the segment
+        (``shm``), the broadcast buffer (``nccl``), or the staging buffer and its export
+        (``cuda_ipc``, staged; exported once, named in begin, the placements then give
+        offsets only)."""
+        if self._transport == "shm":
+            return _PushMemory(transport="shm", segment=self._segment_for(nbytes),
+                               pin=self._pin)
+        if self._group is not None:
+            return _PushMemory(transport="nccl",
+                               staging=self._staging_for(nbytes, self._group.device))
+        if not self._staging_enabled or not torch.cuda.is_available():
+            # Without CUDA nothing can be staged; the service's refusal of a begin it
+            # cannot take, or the first tensor's (``shareable``), says why.
+            return _PushMemory(transport="cuda_ipc")
+        start = time.perf_counter()
+        staging = self._staging_for(nbytes, torch.device("cuda", torch.cuda.current_device()))
+        return _PushMemory(transport="cuda_ipc", staging=staging,
+                           staging_handle=export_handle(staging, "the staging buffer"),
+                           setup_s=time.perf_counter() - start)
 
     def _abort(self, push_id: str, reason: str) -> None:
         try:

@@ -7,10 +7,11 @@ Three processes use this module:
   and hands its address out in ``POST /weights/group`` (a
   :class:`~rollout_service.protocol.messages.WeightGroupResponse`);
 - the trainer (``WeightPusher(transport="nccl")``) joins as rank 0 with :func:`join`
-  and, once a push's ``finish`` is sent, broadcasts one byte buffer holding every
-  tensor at the offsets its placements name (:class:`~rollout_service.protocol.
-  placement.BroadcastLocation`);
-- each engine worker joins as rank ``1 + its rank`` and receives that buffer.
+  and, once a push's ``finish`` is sent and every worker is receiving, broadcasts one
+  byte buffer holding every tensor at the offsets its placements name
+  (:class:`~rollout_service.protocol.placement.BroadcastLocation`);
+- each engine worker joins as rank ``1 + its rank``, counts itself in the store as
+  receiving that push, and receives the buffer.
 
 The group is torch.distributed's own process group, built directly on the store (no
 default group, so the engine's own ``torch.distributed`` world is untouched): NCCL when
@@ -25,6 +26,7 @@ torch is imported lazily: the service validates messages without it.
 from __future__ import annotations
 
 import datetime
+import time
 import uuid
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any, Literal
@@ -35,6 +37,8 @@ if TYPE_CHECKING:
 Backend = Literal["nccl", "gloo"]
 TRAINER_RANK = 0
 """The broadcast's source."""
+RECEIVERS_POLL_S = 0.001
+"""How often the trainer reads the store's count of receiving workers before it sends."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -79,12 +83,15 @@ class Rendezvous:
 
 
 class Group:
-    """One rank's membership: :meth:`broadcast` sends (rank 0) or receives (the others)."""
+    """One rank's membership: the trainer sends each push (:meth:`send`), the workers
+    receive it (:meth:`receive`); :meth:`broadcast` is the plain collective (the join's
+    probe)."""
 
-    def __init__(self, spec: GroupSpec, rank: int, process_group: Any) -> None:
+    def __init__(self, spec: GroupSpec, rank: int, process_group: Any, store: Any) -> None:
         self.spec = spec
         self.rank = rank
         self._pg = process_group
+        self._store = store
 
     def broadcast(self, buffer: torch.Tensor) -> None:
         """Send ``buffer`` from the trainer to every rank, or receive into it; blocks until
@@ -93,11 +100,55 @@ class Group:
         Raises:
             RuntimeError: another rank did not take part within the group's timeout.
         """
+        self._wait(self._start(buffer), buffer)
+
+    def receive(self, buffer: torch.Tensor, key: str) -> None:
+        """A worker's part of the broadcast ``key`` (a push id): queue the receive into
+        ``buffer``, then tell the trainer (:meth:`send` waits for every worker), then
+        wait for the bytes.
+
+        Raises:
+            RuntimeError: the trainer did not send within the group's timeout.
+        """
+        work = self._start(buffer)
+        self._store.add(_receiving(key), 1)
+        try:
+            self._wait(work, buffer)
+        except RuntimeError as exc:
+            raise RuntimeError(f"{exc} (queued and counted as receiving; "
+                               f"{self._store.add(_receiving(key), 0)} of "
+                               f"{self.spec.world_size - 1} counted)") from exc
+
+    def send(self, buffer: torch.Tensor, key: str) -> None:
+        """The trainer's part of the broadcast ``key``: once every worker is receiving,
+        send ``buffer``.
+
+        Why wait: the trainer queues its side of the collective (on CUDA, an NCCL kernel
+        on its GPU) only once every worker can take it, so a worker that never starts
+        receiving fails the push at the group's timeout with a Python error that says
+        how many did, instead of leaving a collective waiting on the trainer's GPU.
+
+        Raises:
+            RuntimeError: not every worker started receiving, or they did not take part,
+                within the group's timeout.
+        """
+        deadline = time.monotonic() + self.spec.timeout_s
+        workers = self.spec.world_size - 1
+        while (ready := self._store.add(_receiving(key), 0)) < workers:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"broadcast {key}: {ready} of {workers} workers started "
+                                   f"receiving within {self.spec.timeout_s:g} s")
+            time.sleep(RECEIVERS_POLL_S)
+        self._wait(self._start(buffer), buffer)
+
+    def _start(self, buffer: torch.Tensor) -> Any:
         import torch.distributed as dist
 
         options = dist.BroadcastOptions()
         options.rootRank = TRAINER_RANK
-        work = self._pg.broadcast([buffer], options)
+        return self._pg.broadcast([buffer], options)
+
+    def _wait(self, work: Any, buffer: torch.Tensor) -> None:
         work.wait(datetime.timedelta(seconds=self.spec.timeout_s))
         if buffer.device.type == "cuda":
             import torch
@@ -110,6 +161,11 @@ class Group:
         if self.spec.backend == "nccl" and callable(abort):
             abort()
         self._pg = None
+
+
+def _receiving(key: str) -> str:
+    """The store counter of the workers receiving broadcast ``key``."""
+    return f"receiving/{key}"
 
 
 def join(spec: GroupSpec, rank: int, device: torch.device | None = None) -> Group:
@@ -139,6 +195,6 @@ def join(spec: GroupSpec, rank: int, device: torch.device | None = None) -> Grou
     # lazily otherwise) and a late rank fails the join, not the first push.
     probe = torch.zeros(1, dtype=torch.uint8,
                         device=device if spec.backend == "nccl" else "cpu")
-    group = Group(spec, rank, pg)
+    group = Group(spec, rank, pg, store)
     group.broadcast(probe)
     return group

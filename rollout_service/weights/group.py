@@ -26,9 +26,13 @@ from rollout_service.protocol.broadcast import (
 )
 from rollout_service.weights.intake import PushError
 
-POLL_S = 0.002
-"""How often the service asks the workers how their join or receive goes: a utility
-call each, between two engine steps."""
+FIRST_POLL_S = 0.002
+"""The first wait between two asks of the workers how their join or receive goes; each
+ask is an RPC to every worker, run between two engine steps."""
+MAX_POLL_S = 0.05
+"""The wait doubles up to this: a push of a small model is seen done within
+milliseconds, and a long broadcast (a large model, a slow trainer) costs the engine, which
+keeps generating meanwhile, 20 asks a second, not 500."""
 
 
 class WeightGroups:
@@ -117,6 +121,7 @@ class WeightGroups:
             RuntimeError: a worker failed, or not all were done by the deadline.
         """
         deadline = time.monotonic() + self._timeout_s + 30
+        poll_s = FIRST_POLL_S
         while True:
             now = await states()
             if any(s not in ("running", "done") for s in now):  # every worker's, to tell
@@ -127,7 +132,8 @@ class WeightGroups:
                 return
             if time.monotonic() > deadline:
                 raise RuntimeError(f"{what} did not end within {self._timeout_s + 30:g} s")
-            await asyncio.sleep(POLL_S)
+            await asyncio.sleep(poll_s)
+            poll_s = min(2 * poll_s, MAX_POLL_S)
 
     def close(self) -> None:
         """No current group: the next push needs a new one."""

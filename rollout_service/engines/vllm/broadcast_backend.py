@@ -109,7 +109,8 @@ class BroadcastWeightTransferEngine(SessionLoads,
                                f"({self.group_state(group_id)})")
         group: Group = self._join.result  # type: ignore[union-attr]
         device = self.device if group.spec.backend == "nccl" else torch.device("cpu")
-        self._receive = _Background(push_id, self._received_buffer, group, nbytes, device)
+        self._receive = _Background(push_id, self._received_buffer, group, push_id, nbytes,
+                                    device)
 
     def receive_state(self, push_id: str) -> str:
         """``running``, ``done``, ``failed: ...``, or ``unknown``."""
@@ -118,9 +119,10 @@ class BroadcastWeightTransferEngine(SessionLoads,
         return self._receive.state()
 
     @staticmethod
-    def _received_buffer(group: Group, nbytes: int, device: torch.device) -> torch.Tensor:
+    def _received_buffer(group: Group, push_id: str, nbytes: int, device: torch.device
+                         ) -> torch.Tensor:
         buffer = torch.empty(nbytes, dtype=torch.uint8, device=device)
-        group.broadcast(buffer)
+        group.receive(buffer, push_id)
         return buffer
 
     def _close_group(self) -> None:

@@ -16,7 +16,7 @@ from pydantic import ValidationError
 
 from rollout_service.config import ServiceConfig
 from rollout_service.protocol import messages
-from rollout_service.protocol.broadcast import GroupSpec, Rendezvous, join, new_group_id
+from rollout_service.protocol.broadcast import Group, GroupSpec, Rendezvous, join, new_group_id
 from rollout_service.protocol.placement import BroadcastLocation, TensorPlacement
 from rollout_service.protocol.tensors import TensorMeta
 from rollout_service.weights.intake import (
@@ -60,6 +60,68 @@ def test_every_rank_receives_the_trainers_bytes(rendezvous: Rendezvous) -> None:
         t.join(60)
     assert set(received) == {0, 1, 2}
     assert all(torch.equal(b, sent) for b in received.values())
+
+
+def test_the_trainer_sends_once_every_worker_is_receiving(rendezvous: Rendezvous) -> None:
+    """The workers start receiving one after the other, the second seconds late; the
+    trainer, which called send first, sends only once both are receiving."""
+    group = spec(rendezvous, world_size=3)
+    sent = torch.randint(0, 256, (1000,), dtype=torch.uint8)
+    members = _joined(group)
+    received: dict[int, torch.Tensor] = {}
+    receiving_at: dict[int, float] = {}
+    sent_by: list[float] = []
+
+    def trainer() -> None:
+        members[0].send(sent.clone(), "push-1")
+        sent_by.append(time.monotonic())
+
+    def worker(r: int) -> None:
+        buffer = torch.zeros_like(sent)
+        receiving_at[r] = time.monotonic()
+        members[r].receive(buffer, "push-1")
+        received[r] = buffer
+
+    sender = threading.Thread(target=trainer)
+    sender.start()
+    first = threading.Thread(target=worker, args=(1,))
+    first.start()
+    # The second worker starts once the first is counted in the store and the trainer
+    # is still waiting (it has sent nothing yet).
+    store = members[0]._store
+    deadline = time.monotonic() + 30
+    while store.add("receiving/push-1", 0) < 1 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert not sent_by and 1 not in received
+    worker(2)
+    for t in (sender, first):
+        t.join(60)
+    assert torch.equal(received[1], sent) and torch.equal(received[2], sent)
+    assert sent_by[0] > receiving_at[2]
+
+
+def test_a_trainer_whose_workers_never_receive_fails_naming_them(
+        rendezvous: Rendezvous) -> None:
+    group = spec(rendezvous, world_size=3, timeout_s=2.0)
+    members = _joined(group)
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match="broadcast push-2: 0 of 2 workers started "
+                                           "receiving within 2 s"):
+        members[0].send(torch.zeros(8, dtype=torch.uint8), "push-2")
+    assert time.monotonic() - start < 30
+
+
+def _joined(group: GroupSpec) -> dict[int, Group]:
+    """Every rank of ``group`` joined, each from a thread of its own."""
+    members: dict[int, Group] = {}
+    threads = [threading.Thread(target=lambda r=r: members.__setitem__(r, join(group, r)))
+               for r in range(group.world_size)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert set(members) == set(range(group.world_size))
+    return members
 
 
 def test_a_receiver_whose_trainer_never_sends_fails_within_the_timeout(
