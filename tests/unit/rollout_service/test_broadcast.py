@@ -188,3 +188,37 @@ def test_the_config_names_where_trainers_meet() -> None:
     with pytest.raises(ValidationError, match="weights_transport: 'nccl' is built for engine "
                                               "'vllm' only"):
         ServiceConfig(engine="sglang", weights_transport="nccl")
+
+
+class FakeWorkers:
+    """A fake :class:`~rollout_service.engines.base.BroadcastEngine`: two workers whose
+    receive ends ``receive_s`` after it starts; it records when it was asked."""
+
+    num_workers = 2
+    group_backend = "gloo"
+
+    def __init__(self, receive_s: float) -> None:
+        self.receive_s = receive_s
+        self.asks: list[float] = []
+        self._started = 0.0
+
+    async def start_receive(self, push_id: str, group_id: str, nbytes: int) -> None:
+        self._started = time.monotonic()
+
+    async def receive_state(self, push_id: str) -> list[str]:
+        self.asks.append(time.monotonic())
+        done = time.monotonic() - self._started >= self.receive_s
+        return ["done" if done else "running"] * self.num_workers
+
+
+async def test_a_long_receive_is_asked_after_less_and_less_often() -> None:
+    """Each ask is an RPC to every worker between two engine steps, which keep generating
+    while the broadcast runs: a 0.6 s receive is asked after about 20 times, not the 300
+    of a fixed 2 ms poll, and still seen done."""
+    from rollout_service.weights.group import WeightGroups
+
+    workers = FakeWorkers(receive_s=0.6)
+    groups = WeightGroups(workers, address="127.0.0.1", timeout_s=10.0)  # type: ignore[arg-type]
+    seconds = await groups.receive("push-1", "group-1", 64)
+    assert seconds >= 0.6
+    assert 5 <= len(workers.asks) <= 40, len(workers.asks)
