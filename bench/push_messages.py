@@ -44,7 +44,7 @@ from rich.table import Table
 from rollout_service.embedded.tiny_mimo import checkpoint_shapes, model_size
 from rollout_service.engines.vllm.transfer import PushUpdateInfo, update_info
 from rollout_service.protocol import messages
-from rollout_service.protocol.cuda_ipc import CudaIpcHandle
+from rollout_service.protocol.cuda_ipc import ByteBufferHandle
 from rollout_service.protocol.placement import CudaIpcLocation, TensorPlacement
 from rollout_service.protocol.tensors import DTYPE_BYTES, TensorMeta, numel
 from rollout_service.weights.intake import (
@@ -60,9 +60,10 @@ STEPS = ("trainer", "service", "workers")
 DTYPE = "bfloat16"
 
 
-def staging_handle(nbytes: int) -> CudaIpcHandle:
-    """A staging buffer's description as ``export_handle`` writes it (values made up)."""
-    return CudaIpcHandle(
+def staging_handle(nbytes: int) -> ByteBufferHandle:
+    """A staging buffer's description as ``export_byte_buffer`` writes it (values made
+    up)."""
+    return ByteBufferHandle(
         gpu_uuid="GPU-8c2a7e0e-1d3b-4f5a-9e6c-7b8d9a0b1c2d", shape=[nbytes], stride=[1],
         storage_offset=0, dtype="uint8", storage_handle=base64.b64encode(bytes(64)).decode(),
         storage_size_bytes=nbytes, storage_offset_bytes=0,
@@ -77,7 +78,7 @@ class Push:
 
     shapes: dict[str, tuple[int, ...]]
     offsets: dict[str, int]
-    buffer: CudaIpcHandle
+    buffer: ByteBufferHandle
 
     @classmethod
     def of(cls, size: str) -> Push:

@@ -27,7 +27,7 @@ import torch
 
 from rollout_service.client import ServiceError, bearer, raise_for_error
 from rollout_service.protocol import messages
-from rollout_service.protocol.cuda_ipc import CudaIpcHandle, export_handle
+from rollout_service.protocol.cuda_ipc import ByteBufferHandle, export_byte_buffer, export_handle
 from rollout_service.protocol.placement import (
     BroadcastLocation,
     CudaIpcLocation,
@@ -141,7 +141,7 @@ class _PushMemory:
     staging: torch.Tensor | None = None
     """``nccl``: the broadcast buffer; ``cuda_ipc``: the staging buffer (None: each
     tensor exported in place)."""
-    staging_handle: CudaIpcHandle | None = None
+    staging_handle: ByteBufferHandle | None = None
     """``cuda_ipc``: the staging buffer's export, named in begin."""
     setup_s: float = 0.0
     """Allocating and exporting the staging buffer (part of the push's fill time)."""
@@ -440,7 +440,7 @@ class WeightPusher:
         start = time.perf_counter()
         staging = self._staging_for(nbytes, torch.device("cuda", torch.cuda.current_device()))
         return _PushMemory(transport="cuda_ipc", staging=staging,
-                           staging_handle=export_handle(staging, "the staging buffer"),
+                           staging_handle=export_byte_buffer(staging, "the staging buffer"),
                            setup_s=time.perf_counter() - start)
 
     def _abort(self, push_id: str, reason: str) -> None:

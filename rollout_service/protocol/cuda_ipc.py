@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import base64
 import re
-from typing import TYPE_CHECKING, Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -183,6 +183,18 @@ class CudaIpcHandle(BaseModel):
         )
 
 
+class ByteBufferHandle(CudaIpcHandle):
+    """A handle of a byte buffer (1-D ``uint8``) that holds tensors at byte offsets: the
+    trainer's staging buffer, named once per push (begin's ``cuda_ipc_buffer``). The
+    schema states the shape and dtype, so a request that breaks them is refused as
+    invalid by the document itself."""
+
+    dtype: Literal["uint8"] = Field(description="Always 'uint8': bytes.")  # type: ignore[assignment]
+    shape: list[Dim] = Field(min_length=1, max_length=1, description=(
+        "[size in bytes]."))
+    stride: list[int] = Field(min_length=1, max_length=1, description="[1].")
+
+
 def gpu_uuid(device_index: int) -> str:
     """The physical GPU behind a CUDA device index of this process."""
     import torch
@@ -222,6 +234,20 @@ def export_handle(tensor: torch.Tensor, name: str) -> CudaIpcHandle:
         storage_offset_bytes=storage_offset_bytes, ref_counter_handle=_b64(ref_counter_handle),
         ref_counter_offset=ref_counter_offset, event_handle=_b64(event_handle),
         event_sync_required=bool(event_sync_required))
+
+
+def export_byte_buffer(buffer: torch.Tensor, name: str) -> ByteBufferHandle:
+    """:func:`export_handle` of a byte buffer (1-D ``uint8``), typed as one.
+
+    Raises:
+        ValueError: ``buffer`` is not a 1-D ``uint8`` CUDA tensor.
+    """
+    import torch
+
+    if buffer.dtype != torch.uint8 or buffer.dim() != 1:
+        raise ValueError(f"{name}: a byte buffer is 1-D uint8, got {buffer.dtype} "
+                         f"{list(buffer.shape)}")
+    return ByteBufferHandle.model_validate(export_handle(buffer, name).model_dump())
 
 
 def open_handle(handle: CudaIpcHandle, *, device_index: int) -> torch.Tensor:

@@ -15,7 +15,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
 
 from rollout_service.protocol.acceptance import BatchSummary, SpecDecodeStats
-from rollout_service.protocol.cuda_ipc import CudaIpcHandle
+from rollout_service.protocol.cuda_ipc import ByteBufferHandle
 from rollout_service.protocol.placement import TensorPlacement, Transport
 from rollout_service.protocol.shm import SEGMENT_NAME_PATTERN
 from rollout_service.protocol.speculation import SpeculationControlStatus
@@ -353,7 +353,7 @@ class PushBeginRequest(BaseModel):
         "nccl only (required there): the group the trainer joined (POST /weights/group)."))
     broadcast_bytes: Count | None = Field(None, description=(
         "nccl only (required there): size in bytes of the buffer the trainer broadcasts."))
-    cuda_ipc_buffer: CudaIpcHandle | None = Field(None, description=(
+    cuda_ipc_buffer: ByteBufferHandle | None = Field(None, description=(
         "cuda_ipc only (optional there): the trainer's staging buffer, a byte buffer (1-D "
         "uint8) exported once; a placement without a handle lies in it at its offset. "
         "The trainer writes it before the first update that names a tensor in it."))
@@ -379,9 +379,6 @@ class PushBeginRequest(BaseModel):
         if given:
             raise ValueError(f"{given[0]}: not used by transport {self.transport!r}; "
                              "leave it out")
-        if self.cuda_ipc_buffer is not None and not self.cuda_ipc_buffer.is_byte_buffer:
-            raise ValueError(f"cuda_ipc_buffer: a staging buffer is 1-D uint8, got "
-                             f"{self.cuda_ipc_buffer.dtype} {self.cuda_ipc_buffer.shape}")
         return self
 
 

@@ -78,12 +78,13 @@ INTENTIONAL = (
                "shared-memory segment and the active push's announcement: state, not schema "
                "(docs/weight-pushes.md)."),
     Intentional(
-        check="positive_data_acceptance", path=r"^/weights/update$",
+        check="positive_data_acceptance", path=r"^/weights/(begin|update)$",
         status=400, error_type="invalid_request_error",
         message=r"is not the contiguous stride|storage_size_bytes: \d+ cannot hold|"
                 r"the handle describes|lies in a byte buffer only|is not a multiple of|"
                 r"end past the buffer's",
-        reason="A CUDA IPC handle must agree with itself and with its placement (strides "
+        reason="A CUDA IPC handle, a placement's or begin's staging buffer, must agree "
+               "with itself and with its placement (strides "
                "contiguous for its shape, storage large enough, the placement's shape and "
                "dtype, or for a byte buffer the offset's alignment and bounds): relations "
                "between fields, which JSON Schema cannot state."),

@@ -19,7 +19,7 @@ from torch.multiprocessing.reductions import rebuild_cuda_tensor
 
 from rollout_service.config import ServiceConfig
 from rollout_service.protocol import messages
-from rollout_service.protocol.cuda_ipc import CudaIpcHandle, export_handle
+from rollout_service.protocol.cuda_ipc import CudaIpcHandle, export_byte_buffer, export_handle
 from rollout_service.protocol.placement import CudaIpcLocation, ShmLocation, TensorPlacement
 from rollout_service.protocol.tensors import TensorMeta, contiguous_stride, view_in
 from rollout_service.weights.intake import (
@@ -261,6 +261,9 @@ def test_cpu_tensors_are_refused_by_name() -> None:
         export_handle(torch.zeros(2, 2), "lm_head.weight")
     with pytest.raises(ValueError, match="'lm_head.weight' is on cpu.*use transport 'shm'"):
         shareable(torch.zeros(2, 2), "lm_head.weight")
+    with pytest.raises(ValueError, match=r"staging: a byte buffer is 1-D uint8, got "
+                                         r"torch.float32 \[2, 2\]"):
+        export_byte_buffer(torch.zeros(2, 2), "staging")
 
 
 # --- session ------------------------------------------------------------------
@@ -373,12 +376,13 @@ def in_buffer(name: str, offset: int) -> TensorPlacement:
 
 def test_the_staging_buffer_is_named_in_begin_for_cuda_ipc_only() -> None:
     buffer = handle_fields(**BUFFER)
-    assert begin(cuda_ipc_buffer=buffer).cuda_ipc_buffer == CudaIpcHandle.model_validate(buffer)
+    assert begin(cuda_ipc_buffer=buffer).cuda_ipc_buffer.model_dump() == buffer
     with pytest.raises(ValidationError, match="cuda_ipc_buffer: not used by transport 'shm'"):
         begin("shm", segment="mtp-seg", segment_bytes=64, cuda_ipc_buffer=buffer)
-    with pytest.raises(ValidationError, match=r"cuda_ipc_buffer: a staging buffer is 1-D "
-                                              r"uint8, got bfloat16 \[4, 3\]"):
+    with pytest.raises(ValidationError) as info:  # a staging buffer is 1-D uint8
         begin(cuda_ipc_buffer=handle_fields())
+    assert "cuda_ipc_buffer.dtype: Input should be 'uint8'" in field_errors(info.value)
+    assert "cuda_ipc_buffer.shape: List should have at most 1 item" in field_errors(info.value)
 
 
 def test_placements_in_the_staging_buffer_are_checked_against_it() -> None:
@@ -422,7 +426,8 @@ def test_the_staging_buffer_travels_once_to_the_worker_and_is_opened_once(
         validate_placement(push, placement)
         push.placements[placement.name] = placement
     update = build_update(push)
-    assert update.cuda_ipc_buffer == staged
+    assert update.cuda_ipc_buffer is not None
+    assert update.cuda_ipc_buffer.model_dump() == staged.model_dump()
     wire = json.dumps(update_info(update, is_last_load=True))
     assert wire.count(staged.storage_handle) == 1
     info = PushUpdateInfo(**json.loads(wire))
