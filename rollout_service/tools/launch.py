@@ -140,6 +140,12 @@ def wait_http_ok(url: str, child: ChildProcess, timeout_s: float) -> None:
                f"{url} answered 200")
 
 
+ADDRESS_IN_USE = "address already in use"
+"""What uvicorn logs when the service's port was taken before it could bind it."""
+MAX_STARTS = 3
+"""Starts of a service whose port was taken, on a new port each time."""
+
+
 class ServiceProcess:
     """``with ServiceProcess(...) as proc:`` runs the service until the block ends.
 
@@ -162,8 +168,8 @@ class ServiceProcess:
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
         self._command = command
-        self._args = [sys.executable, "-m", module, command,
-                      "--host", "127.0.0.1", "--port", str(self.port), *extra_args]
+        self._args = [sys.executable, "-m", module, command, "--host", "127.0.0.1",
+                      *extra_args]
         if config is not None:
             self._args += ["--config", str(config)]
         if model is not None:
@@ -172,10 +178,13 @@ class ServiceProcess:
         self._child: ChildProcess | None = None
 
     def __enter__(self) -> ServiceProcess:
-        # serve-ray first gets SIGTERM alone: it shuts Serve and Ray down in order.
-        self._child = ChildProcess(self._args, self.log_path, env=self._env,
-                                   graceful_leader=self._command == "serve-ray")
+        self._start()
         return self
+
+    def _start(self) -> None:
+        # serve-ray first gets SIGTERM alone: it shuts Serve and Ray down in order.
+        self._child = ChildProcess([*self._args, "--port", str(self.port)], self.log_path,
+                                   env=self._env, graceful_leader=self._command == "serve-ray")
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> None:
@@ -197,8 +206,21 @@ class ServiceProcess:
             RuntimeError: the process exited first (the log's tail is in the message).
             TimeoutError: not healthy within ``timeout_s`` (same).
         """
-        wait_until(lambda: httpx.get(f"{self.url}/health", timeout=30).json().get("status")
-                   == "ok", self.child, timeout_s, "healthy")
+        for start in range(1, MAX_STARTS + 1):
+            try:
+                wait_until(lambda: httpx.get(f"{self.url}/health", timeout=30).json().get(
+                    "status") == "ok", self.child, timeout_s, "healthy")
+                return
+            except RuntimeError as exc:
+                # The port was free when chosen, but the service binds it only once its
+                # engine is up, tens of seconds later; another process on the machine (a
+                # second test run) can take it meanwhile. Start again on another port.
+                if ADDRESS_IN_USE not in str(exc) or start == MAX_STARTS:
+                    raise
+                self.child.stop()
+                self.port = free_port()
+                self.url = f"http://127.0.0.1:{self.port}"
+                self._start()
 
     def log_tail(self, num_lines: int = 60) -> str:
         """The last lines of the child's log."""

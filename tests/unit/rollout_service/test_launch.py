@@ -1,14 +1,20 @@
-"""Children of the launch helpers end when their parent is stopped with SIGTERM."""
+"""The launch helpers: children end when their parent is stopped with SIGTERM, and a
+service whose port was taken before it bound it starts again on another port (a fake CLI
+that only answers ``/health``: ``tests/support/health_only_server.py``)."""
 
 from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 from pathlib import Path
 
+import httpx
 import pytest
+
+from rollout_service.tools.launch import ServiceProcess
 
 PARENT = """
 import signal, sys, time
@@ -50,3 +56,14 @@ def test_sigterm_to_the_parent_stops_its_child(tmp_path: Path, handler: str) -> 
         if alive(child):
             os.kill(child, signal.SIGKILL)
         parent.kill()
+
+
+def test_a_service_whose_port_is_taken_starts_again_on_another(tmp_path: Path) -> None:
+    proc = ServiceProcess(tmp_path / "service.log", module="tests.support.health_only_server")
+    taken = proc.port
+    with socket.socket() as squatter:  # another process's socket on the chosen port
+        squatter.bind(("127.0.0.1", taken))  # bound, not listening: probes are refused
+        with proc:
+            proc.wait_healthy(timeout_s=60)
+            assert proc.port != taken
+            assert httpx.get(f"{proc.url}/health", timeout=10).json() == {"status": "ok"}
