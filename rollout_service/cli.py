@@ -11,6 +11,7 @@ the embedded checkpoint.
 from __future__ import annotations
 
 import logging
+import socket
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -43,8 +44,35 @@ def serve(
         app_ = create_app(cfg)
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from exc
-    uvicorn.run(app_, host=cfg.host, port=cfg.port, log_level="info",
-                timeout_keep_alive=cfg.http_keep_alive_s)
+    # The port is taken now, before the engine starts (a minute or more), not when
+    # uvicorn listens after it: a port already in use fails at once, and no other
+    # process can take it meanwhile. Bound, not listening: until the service is up,
+    # connections are refused instead of waiting in a backlog.
+    try:
+        sock = reserve_port(cfg.host, cfg.port)
+    except OSError as exc:
+        raise typer.BadParameter(f"{cfg.host}:{cfg.port}: {exc.strerror}",
+                                 param_hint="--port") from exc
+    server = uvicorn.Server(uvicorn.Config(app_, log_level="info",
+                                           timeout_keep_alive=cfg.http_keep_alive_s))
+    server.run(sockets=[sock])
+
+
+def reserve_port(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to ``host:port``, not yet listening (uvicorn listens on it).
+
+    Raises:
+        OSError: the address is in use or cannot be bound.
+    """
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError:
+        sock.close()
+        raise
+    return sock
 
 
 @app.command("serve-ray")

@@ -141,7 +141,7 @@ def wait_http_ok(url: str, child: ChildProcess, timeout_s: float) -> None:
 
 
 ADDRESS_IN_USE = "address already in use"
-"""What uvicorn logs when the service's port was taken before it could bind it."""
+"""What a service whose port is taken logs (any case): the CLI's refusal, uvicorn's."""
 MAX_STARTS = 3
 """Starts of a service whose port was taken, on a new port each time."""
 
@@ -212,10 +212,10 @@ class ServiceProcess:
                     "status") == "ok", self.child, timeout_s, "healthy")
                 return
             except RuntimeError as exc:
-                # The port was free when chosen, but the service binds it only once its
-                # engine is up, tens of seconds later; another process on the machine (a
-                # second test run) can take it meanwhile. Start again on another port.
-                if ADDRESS_IN_USE not in str(exc) or start == MAX_STARTS:
+                # The port was free when chosen, and another process on the machine (a
+                # second test run) took it before the service bound it. Start again on
+                # another port.
+                if ADDRESS_IN_USE not in str(exc).lower() or start == MAX_STARTS:
                     raise
                 self.child.stop()
                 self.port = free_port()
