@@ -103,7 +103,7 @@ def one_push(push: Push, named_buffer: bool) -> dict[str, float]:
     begin = push.begin(named_buffer)
     checkpoint = {n: TensorMeta(shape=s, dtype=DTYPE) for n, s in push.shapes.items()}
     active = ActivePush(push_id="p" * 32, request=begin, expected=validate_announcement(
-        begin, checkpoint, transport="cuda_ipc"))
+        begin, checkpoint, transport="cuda_ipc"), timeout_s=60.0)
     seconds: dict[str, float] = {}
 
     def timed(step: str, work: Callable[[], object]) -> object:

@@ -258,11 +258,15 @@ class WeightPusher:
             offsets only; costs one copy of the pushed weights in GPU memory. False: export
             each tensor in place (no extra memory; an export and an open per tensor).
         timeout_s: HTTP timeout; loading a large model can take a while.
+        push_timeout_s: how long the service waits for this trainer's next call of a
+            push before aborting it (``PushBeginRequest.timeout_s``); None: the service's
+            ``push_timeout_s``. Ask for more when the trainer gathers a large model
+            between buckets (a pipeline-parallel export), or sits on a busy host.
     """
 
     def __init__(self, url: str, token: str, *, transport: Transport = "shm",
                  bucket_bytes: int | None = None, cuda_ipc_staging: bool = True,
-                 timeout_s: float = 600.0) -> None:
+                 timeout_s: float = 600.0, push_timeout_s: float | None = None) -> None:
         if transport not in ("shm", "cuda_ipc", "nccl"):
             raise ValueError(f"transport: {transport!r} is not supported (accepted: 'shm', "
                              "'cuda_ipc', 'nccl')")
@@ -270,7 +274,11 @@ class WeightPusher:
             bucket_bytes = DEFAULT_BUCKET_BYTES if transport == "shm" else sys.maxsize
         if bucket_bytes <= 0:
             raise ValueError(f"bucket_bytes: must be > 0, got {bucket_bytes}")
+        if push_timeout_s is not None and not 0 < push_timeout_s <= messages.MAX_PUSH_TIMEOUT_S:
+            raise ValueError(f"push_timeout_s: must be in (0, {messages.MAX_PUSH_TIMEOUT_S:g}] "
+                             f"seconds, got {push_timeout_s}")
         self._http = httpx.Client(base_url=url, timeout=timeout_s, headers=bearer(token))
+        self._push_timeout_s = push_timeout_s
         self._bucket_bytes = bucket_bytes
         self._transport = transport
         self._segment: Segment | None = None
@@ -385,7 +393,7 @@ class WeightPusher:
             broadcast_bytes=buffer_bytes if self._group else None,
             cuda_ipc_buffer=memory.staging_handle,
             total_bytes=sum(sizes), params=list(specs), pause_mode=pause_mode,
-            training_stats=training_stats))
+            training_stats=training_stats, timeout_s=self._push_timeout_s))
         begin_s = time.perf_counter() - begin_start
         run = _PushRun(memory, lambda bucket: self._call("/weights/update", (
             messages.PushUpdateRequest(push_id=begin.push_id, tensors=bucket))),

@@ -331,6 +331,12 @@ class TrainingStats(BaseModel):
     num_tokens: Int = Field(ge=0, description="Response tokens the depth-1 accuracy counts.")
 
 
+MAX_PUSH_TIMEOUT_S = 3600.0
+"""The longest a trainer may ask the service to wait between two calls of one push: a
+push holds the only push slot, and a trainer that died with a day-long timeout would
+block every other trainer (an operator can still abort it: ``/weights/abort``)."""
+
+
 class PushBeginRequest(BaseModel):
     """Announce a push: everything is validated before any byte is loaded."""
 
@@ -364,6 +370,11 @@ class PushBeginRequest(BaseModel):
         "finish, 'abort' aborts them, 'keep' freezes them until the load is done."))
     training_stats: TrainingStats | None = Field(None, description=(
         "The trainer's MTP accuracy on its last batch; exported once the push loads."))
+    timeout_s: float | None = Field(None, gt=0, le=MAX_PUSH_TIMEOUT_S, description=(
+        "Abort the push after this long without a call from the trainer (nothing loads, "
+        "the old weights stay served). Default: the service's push_timeout_s. A trainer "
+        "that gathers a large model between buckets asks for more; a test of a vanished "
+        "trainer, for less."))
 
 
     @model_validator(mode="after")
@@ -402,7 +413,9 @@ class WeightGroupResponse(BaseModel):
 
 class PushBeginResponse(BaseModel):
     push_id: str
-    timeout_s: float = Field(description="The push is aborted after this long without a call.")
+    timeout_s: float = Field(description=(
+        "The push is aborted after this long without a call (the begin's timeout_s, or the "
+        "service's push_timeout_s)."))
 
 
 class PushUpdateRequest(BaseModel):

@@ -63,6 +63,8 @@ class ActivePush:
     push_id: str
     request: messages.PushBeginRequest
     expected: dict[str, TensorMeta]
+    timeout_s: float
+    """Aborted after this long without a call (the begin's, or the service's default)."""
     placements: dict[str, TensorPlacement] = field(default_factory=dict)
     last_call_s: float = field(default_factory=time.monotonic)
     is_loading: bool = False
@@ -246,7 +248,8 @@ class PushIntake:
 
     Args:
         checkpoint: the served checkpoint's tensors (names as the loader accepts).
-        timeout_s: a push with no call for this long is aborted.
+        timeout_s: a push with no call for this long is aborted, unless its begin asks
+            for another timeout.
         has_draft: whether the engines have a drafter a push can load (an MTP drafter
             read from the served checkpoint: ``EngineInfo.has_pushable_drafter``).
         transport: the transport the engines were started with.
@@ -264,6 +267,9 @@ class PushIntake:
         self._watchdog: asyncio.Task[None] | None = None
         self.active: ActivePush | None = None
         self.last_push: messages.LastPush | None = None
+        self._last_ended: tuple[str, str] | None = None
+        """(push_id, outcome and detail) of the push that ended last: a call that comes
+        after its push ended says why it ended, not only that it is not active."""
 
     def begin(self, req: messages.PushBeginRequest,
               versions: dict[str, int | None]) -> messages.PushBeginResponse:
@@ -299,17 +305,22 @@ class PushIntake:
         except PushError as exc:
             self.record(req, "rejected", str(exc))
             raise
-        self.active = ActivePush(push_id=uuid.uuid4().hex, request=req, expected=expected)
+        timeout_s = req.timeout_s if req.timeout_s is not None else self._timeout_s
+        self.active = ActivePush(push_id=uuid.uuid4().hex, request=req, expected=expected,
+                                 timeout_s=timeout_s)
         self._watchdog = asyncio.create_task(self._expire(self.active))
-        return messages.PushBeginResponse(push_id=self.active.push_id, timeout_s=self._timeout_s)
+        return messages.PushBeginResponse(push_id=self.active.push_id, timeout_s=timeout_s)
 
     def get(self, push_id: str) -> ActivePush:
         """The active push if ``push_id`` names it and it is not loading; a call resets
         its timeout."""
         push = self.active
         if push is None or push.push_id != push_id:
+            ended = ""
+            if self._last_ended is not None and self._last_ended[0] == push_id:
+                ended = f"; it ended: {self._last_ended[1]}"
             raise PushError(404, f"push_id: {push_id!r} is not the active push "
-                                 f"(active: {push.push_id if push else None})")
+                                 f"(active: {push.push_id if push else None}){ended}")
         if push.is_loading:
             raise PushError(409, f"push {push_id} is already loading")
         push.last_call_s = time.monotonic()
@@ -365,6 +376,7 @@ class PushIntake:
     def end(self, push: ActivePush, outcome: str, detail: str) -> None:
         """Record ``push``'s outcome; it is no longer active."""
         self.record(push.request, outcome, detail)
+        self._last_ended = (push.push_id, f"{outcome}, {detail}")
         if self.active is push:
             self.active = None
         if self._watchdog is not None and self._watchdog is not asyncio.current_task():
@@ -372,14 +384,14 @@ class PushIntake:
         self._watchdog = None
 
     async def _expire(self, push: ActivePush) -> None:
-        """Abort ``push`` once it has gone ``timeout_s`` without a call."""
+        """Abort ``push`` once it has gone its ``timeout_s`` without a call."""
         while True:
-            remaining = push.last_call_s + self._timeout_s - time.monotonic()
+            remaining = push.last_call_s + push.timeout_s - time.monotonic()
             if remaining <= 0:
                 break
             await asyncio.sleep(remaining)
         if self.active is push and not push.is_loading:
-            self.end(push, "aborted", f"no call from the trainer for {self._timeout_s:g} s; "
+            self.end(push, "aborted", f"no call from the trainer for {push.timeout_s:g} s; "
                                       "nothing was loaded, the old weights are still served")
 
 

@@ -23,8 +23,8 @@ from rollout_service.protocol.shm import Segment
 from rollout_service.tools.launch import ServiceProcess
 from rollout_service.tools.scrape import sample_sum
 from tests.integration.conftest import (
-    PUSH_TIMEOUT_S,
     TARGET,
+    VANISHED_TRAINER_TIMEOUT_S,
     WEIGHTS_TOKEN,
     served_version,
     shm_only,
@@ -266,8 +266,10 @@ def test_finish_with_missing_tensors_changes_nothing(service: ServiceProcess,
                                                      original: dict[str, torch.Tensor]) -> None:
     before = checksums(service)
     with http(service) as c:
-        begin = c.post("/weights/begin",
-                       json=_begin_body(original, segment.name, next_version(service))).json()
+        begin = c.post("/weights/begin", json=_begin_body(
+            original, segment.name, next_version(service),
+            timeout_s=VANISHED_TRAINER_TIMEOUT_S)).json()
+        assert begin["timeout_s"] == VANISHED_TRAINER_TIMEOUT_S
         response = c.post("/weights/finish", json={"push_id": begin["push_id"]})
     assert response.status_code == 400 and "never sent" in response.json()["error"]["message"]
     assert checksums(service) == before
@@ -300,14 +302,16 @@ def test_vanished_client_is_timed_out_and_changes_nothing(
     before, state = checksums(service), status(service)
     name, tensor = next(iter(original.items()))
     with http(service) as c:
-        begin = c.post("/weights/begin",
-                       json=_begin_body(original, segment.name, next_version(service))).json()
+        begin = c.post("/weights/begin", json=_begin_body(
+            original, segment.name, next_version(service),
+            timeout_s=VANISHED_TRAINER_TIMEOUT_S)).json()
+        assert begin["timeout_s"] == VANISHED_TRAINER_TIMEOUT_S
         if TARGET.transport == "shm":  # half the stream is in place when the trainer dies
             c.post("/weights/update", json={"push_id": begin["push_id"], "tensors": [
                 placed(name, tensor, segment.name)]})
-    # The trainer "dies" here; the service gives up after PUSH_TIMEOUT_S without a call.
+    # The trainer "dies" here; the service gives up after the timeout it asked for.
     after = wait_for(lambda: status(service), lambda s: s.active_push_id is None,
-                     timeout_s=PUSH_TIMEOUT_S + 60)
+                     timeout_s=VANISHED_TRAINER_TIMEOUT_S + 60)
     assert after.last_push.outcome == "aborted" and "no call" in after.last_push.detail
     assert after.main_version == state.main_version
     assert checksums(service) == before

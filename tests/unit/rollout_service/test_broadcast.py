@@ -168,7 +168,8 @@ def test_announcement_fields_follow_the_transport() -> None:
 def test_placements_lie_aligned_inside_the_buffer_without_overlap() -> None:
     request = begin()
     push = ActivePush(push_id="p", request=request,
-                      expected=validate_announcement(request, CHECKPOINT, transport="nccl"))
+                      expected=validate_announcement(request, CHECKPOINT, transport="nccl"),
+                      timeout_s=60.0)
     validate_placement(push, at("w", 0))
     validate_placement(push, at("b", 32))
     with pytest.raises(PushError, match="offset 2 is not aligned to its 4-byte float32"):

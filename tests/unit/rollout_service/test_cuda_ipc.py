@@ -270,7 +270,7 @@ def test_cpu_tensors_are_refused_by_name() -> None:
 
 def active(req: messages.PushBeginRequest) -> ActivePush:
     expected = validate_announcement(req, CHECKPOINT, transport=req.transport)
-    return ActivePush(push_id="p1", request=req, expected=expected)
+    return ActivePush(push_id="p1", request=req, expected=expected, timeout_s=60.0)
 
 
 def test_announcement_transport_must_be_the_services() -> None:

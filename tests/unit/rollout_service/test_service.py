@@ -15,6 +15,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
+from pydantic import ValidationError
 
 from rollout_service.config import ServiceConfig
 from rollout_service.embedded import ensure_model
@@ -28,10 +29,12 @@ from rollout_service.engines.base import (
 from rollout_service.local import build_local_service
 from rollout_service.protocol import messages
 from rollout_service.protocol.acceptance import InvalidSpecDecodeStats, SpecDecodeStats
+from rollout_service.protocol.placement import ShmLocation, TensorPlacement
 from rollout_service.protocol.shm import Segment
 from rollout_service.protocol.tensors import checkpoint_tensors
 from rollout_service.service import RolloutService
 from rollout_service.weights.intake import PushError
+from tests.support.waiting import until
 from trainer_client.push import layout
 
 MODEL = str(Path(ensure_model("tiny")))
@@ -133,6 +136,41 @@ async def test_both_begins_with_the_checkpoints_mtp_drafter(segment: Segment) ->
     weights = local_service(FakeEngine(MTP)).weights
     begun = await weights.begin(begin_request(segment, "both"))
     await weights.abort(messages.PushAbortRequest(push_id=begun.push_id))
+
+
+async def test_a_push_times_out_after_the_timeout_its_begin_asked_for(
+        segment: Segment) -> None:
+    """A begin's ``timeout_s`` replaces the service's ``push_timeout_s`` for that push;
+    a call after the push expired says why it ended (ci26: a trainer starved on a busy
+    machine saw only 'not the active push'), and nothing was loaded."""
+    engine = FakeEngine(MTP)
+    weights = local_service(engine).weights
+    default = await weights.begin(begin_request(segment, "both"))
+    assert default.timeout_s == ServiceConfig().push_timeout_s
+    await weights.abort(messages.PushAbortRequest(push_id=default.push_id))
+    request = begin_request(segment, "both").model_copy(update={"timeout_s": 0.05})
+    begun = await weights.begin(request)
+    assert begun.timeout_s == 0.05
+
+    async def active_push() -> str | None:
+        return weights.status().active_push_id
+
+    await until(active_push, lambda push_id: push_id is None, timeout_s=30, interval_s=0.01)
+    with pytest.raises(PushError) as late:
+        await weights.update(messages.PushUpdateRequest(push_id=begun.push_id, tensors=[
+            TensorPlacement(name=name, dtype=meta.dtype, shape=tuple(meta.shape),
+                            location=ShmLocation(segment=segment.name, offset=0))
+            for name, meta in list(CHECKPOINT.items())[:1]]))
+    assert late.value.status == 404
+    assert "it ended: aborted, no call from the trainer for 0.05 s" in str(late.value)
+    assert weights.status().last_push.outcome == "aborted" and engine.calls == []
+
+
+def test_a_begin_refuses_a_timeout_out_of_range(segment: Segment) -> None:
+    for timeout_s in (0, -1.0, messages.MAX_PUSH_TIMEOUT_S + 1):
+        with pytest.raises(ValidationError, match="timeout_s"):
+            begin_request(segment, "both").model_validate(
+                {**begin_request(segment, "both").model_dump(), "timeout_s": timeout_s})
 
 
 async def test_replica_load_refuses_a_drafter_target_before_pausing(segment: Segment) -> None:
