@@ -1,14 +1,15 @@
 """CUDA IPC handles across two processes on one GPU, through their JSON form.
 
-Process A (spawned) plays the trainer: it makes bf16 and fp32 tensors on cuda:0
-(plain, sliced from a larger tensor, several views of one allocation, and a byte
-buffer holding two of them, as the trainer's staging buffer does), exports
-each with :func:`export_handle`, and sends ``model_dump_json()`` strings, the
-tensors' bytes and their SHA-256 over a multiprocessing queue. This process
-plays the engine worker: it parses the JSON, opens every handle with
-:func:`open_handle` and checks the bytes are bit-identical; then A overwrites a
-tensor and this process sees the change through its mapping (no copy was made).
-A handle naming another GPU is refused before anything is mapped.
+Process A (spawned) plays the trainer: it makes bf16 and fp32 tensors on cuda:0 (plain,
+sliced from a larger tensor, several views of one allocation, and a byte buffer holding
+two of them, as the trainer's staging buffer does), exports each with
+:func:`export_handle` (the byte buffer with :func:`export_byte_buffer`, as
+``WeightPusher`` does for begin's ``cuda_ipc_buffer``), and sends ``model_dump_json()``
+strings, the tensors' bytes and their SHA-256 over a multiprocessing queue. This process
+plays the engine worker: it parses the JSON, opens every handle with :func:`open_handle`
+and checks the bytes are bit-identical; then A overwrites a tensor and this process sees
+the change through its mapping (no copy was made). A handle naming another GPU is
+refused before anything is mapped.
 
 Imports only torch, pydantic, pytest, the stdlib and ``rollout_service.protocol``
 (no vLLM, no fastapi). Skipped without CUDA. Run alone (tests/integration/conftest.py needs
@@ -26,7 +27,13 @@ from typing import Any
 import pytest
 import torch
 
-from rollout_service.protocol.cuda_ipc import CudaIpcHandle, export_handle, open_handle
+from rollout_service.protocol.cuda_ipc import (
+    ByteBufferHandle,
+    CudaIpcHandle,
+    export_byte_buffer,
+    export_handle,
+    open_handle,
+)
 from rollout_service.protocol.tensors import view_in
 
 pytestmark = [pytest.mark.gpu,
@@ -74,7 +81,8 @@ def trainer(queue: Any, verified: Any, written: Any, done: Any) -> None:
     tensors["staged"] = _staged(tensors)
     torch.cuda.synchronize()
     for name, tensor in tensors.items():
-        handle = export_handle(tensor, name)
+        export = export_byte_buffer if name == "staged" else export_handle
+        handle = export(tensor, name)
         raw = _raw(tensor)
         queue.put((name, handle.model_dump_json(), raw, hashlib.sha256(raw).hexdigest()))
     # Not a new export (every export must be opened once, or torch keeps the memory):
@@ -102,7 +110,8 @@ def test_handles_cross_processes_as_json_bit_identical() -> None:
         while (item := queue.get(timeout=TIMEOUT_S)) is not None:
             name, text, raw, digest = item
             assert isinstance(text, str)  # JSON only crosses the process boundary
-            handle = CudaIpcHandle.model_validate_json(text)
+            kind = ByteBufferHandle if name == "staged" else CudaIpcHandle
+            handle = kind.model_validate_json(text)
             if name == "wrong-gpu":
                 wrong = handle
                 continue
