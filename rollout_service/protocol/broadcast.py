@@ -26,7 +26,6 @@ torch is imported lazily: the service validates messages without it.
 from __future__ import annotations
 
 import datetime
-import time
 import uuid
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any, Literal
@@ -37,8 +36,6 @@ if TYPE_CHECKING:
 Backend = Literal["nccl", "gloo"]
 TRAINER_RANK = 0
 """The broadcast's source."""
-RECEIVERS_POLL_S = 0.001
-"""How often the trainer reads the store's count of receiving workers before it sends."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -111,7 +108,8 @@ class Group:
             RuntimeError: the trainer did not send within the group's timeout.
         """
         work = self._start(buffer)
-        self._store.add(_receiving(key), 1)
+        if self._store.add(_receiving(key), 1) == self.spec.world_size - 1:
+            self._store.set(_all_receiving(key), b"1")  # the last one wakes the trainer
         try:
             self._wait(work, buffer)
         except RuntimeError as exc:
@@ -132,13 +130,14 @@ class Group:
             RuntimeError: not every worker started receiving, or they did not take part,
                 within the group's timeout.
         """
-        deadline = time.monotonic() + self.spec.timeout_s
-        workers = self.spec.world_size - 1
-        while (ready := self._store.add(_receiving(key), 0)) < workers:
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"broadcast {key}: {ready} of {workers} workers started "
-                                   f"receiving within {self.spec.timeout_s:g} s")
-            time.sleep(RECEIVERS_POLL_S)
+        try:
+            self._store.wait([_all_receiving(key)],
+                             datetime.timedelta(seconds=self.spec.timeout_s))
+        except RuntimeError as exc:  # torch's DistStoreError is one
+            ready = self._store.add(_receiving(key), 0)
+            raise RuntimeError(f"broadcast {key}: {ready} of {self.spec.world_size - 1} "
+                               f"workers started receiving within {self.spec.timeout_s:g} s"
+                               ) from exc
         self._wait(self._start(buffer), buffer)
 
     def _start(self, buffer: torch.Tensor) -> Any:
@@ -166,6 +165,12 @@ class Group:
 def _receiving(key: str) -> str:
     """The store counter of the workers receiving broadcast ``key``."""
     return f"receiving/{key}"
+
+
+def _all_receiving(key: str) -> str:
+    """The store key the last worker to receive broadcast ``key`` sets; the trainer
+    waits on it (a blocking wait in the store, no polling)."""
+    return f"all-receiving/{key}"
 
 
 def join(spec: GroupSpec, rank: int, device: torch.device | None = None) -> Group:

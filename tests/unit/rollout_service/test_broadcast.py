@@ -7,11 +7,13 @@ The whole path through the real CPU engine is
 
 from __future__ import annotations
 
+import datetime
 import threading
 import time
 
 import pytest
 import torch
+import torch.distributed as dist
 from pydantic import ValidationError
 
 from rollout_service.config import ServiceConfig
@@ -40,6 +42,13 @@ def spec(rendezvous: Rendezvous, world_size: int, timeout_s: float = 10.0) -> Gr
     return GroupSpec(group_id=new_group_id(), master_address=rendezvous.address,
                      master_port=rendezvous.port, world_size=world_size, backend="gloo",
                      timeout_s=timeout_s)
+
+
+def observer(group: GroupSpec) -> dist.Store:
+    """A store client of ``group``'s keys that is no rank's."""
+    return dist.PrefixStore(group.group_id, dist.TCPStore(
+        group.master_address, group.master_port, None, False,
+        datetime.timedelta(seconds=group.timeout_s)))
 
 
 def test_every_rank_receives_the_trainers_bytes(rendezvous: Rendezvous) -> None:
@@ -87,8 +96,9 @@ def test_the_trainer_sends_once_every_worker_is_receiving(rendezvous: Rendezvous
     first = threading.Thread(target=worker, args=(1,))
     first.start()
     # The second worker starts once the first is counted in the store and the trainer
-    # is still waiting (it has sent nothing yet).
-    store = members[0]._store
+    # is still waiting (it has sent nothing yet). An observer's own store client: the
+    # trainer's is blocked in its wait, and a client is one socket.
+    store = observer(group)
     deadline = time.monotonic() + 30
     while store.add("receiving/push-1", 0) < 1 and time.monotonic() < deadline:
         time.sleep(0.01)
