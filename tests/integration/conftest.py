@@ -40,7 +40,7 @@ WEIGHTS_TOKEN = "test-weights-token"
 VANISHED_TRAINER_TIMEOUT_S = 3.0
 """The push timeout the vanished-trainer test asks for in its begin (``timeout_s``). The
 session service keeps the default (60 s): with 3 s for every push, a trainer starved for
-3 s on the busy 2-core CI machine had its push aborted mid-stream (ci26)."""
+3 s on the busy 2-core CI machine had its push aborted mid-stream (the CI of 66ae4e9)."""
 CATEGORIES = ["math", "code"]
 """The session service's allow-list of request categories (the fuzzer's land in 'other')."""
 

@@ -141,8 +141,8 @@ async def test_both_begins_with_the_checkpoints_mtp_drafter(segment: Segment) ->
 async def test_a_push_times_out_after_the_timeout_its_begin_asked_for(
         segment: Segment) -> None:
     """A begin's ``timeout_s`` replaces the service's ``push_timeout_s`` for that push;
-    a call after the push expired says why it ended (ci26: a trainer starved on a busy
-    machine saw only 'not the active push'), and nothing was loaded."""
+    a call after the push expired says why it ended (the CI of 66ae4e9: a trainer
+    starved on a busy machine saw only 'not the active push'), and nothing was loaded."""
     engine = FakeEngine(MTP)
     weights = local_service(engine).weights
     default = await weights.begin(begin_request(segment, "both"))
