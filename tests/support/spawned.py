@@ -9,14 +9,13 @@ from __future__ import annotations
 
 import multiprocessing
 import queue
+import tempfile
 import time
 import traceback
 from collections.abc import Callable
 from typing import Any
 
 import pytest
-
-from rollout_service.tools.launch import free_port
 
 
 def run_spawned(target: Callable[..., None], *args: Any, timeout_s: float) -> None:
@@ -87,6 +86,12 @@ def _report(target: Callable[..., Any], rank: int, args: tuple, results: Any) ->
     results.put((rank, None, value))
 
 
-def free_address() -> str:
-    """A ``tcp://127.0.0.1:port`` rendezvous address on a free port."""
-    return f"tcp://127.0.0.1:{free_port()}"
+def rendezvous_address() -> str:
+    """A ``file://`` rendezvous address for ``torch.distributed.init_process_group``: a
+    new file in a new temporary folder, which the ranks' store creates and removes.
+
+    Not a free TCP port: a port found free here is bound by rank 0 only seconds later,
+    once its interpreter has started, and a test run beside another took it meanwhile
+    (EADDRINUSE in a clean-clone run, 2026-12-02). A file cannot be taken.
+    """
+    return f"file://{tempfile.mkdtemp(prefix='rollout-rendezvous-')}/store"

@@ -34,7 +34,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.support.spawned import free_address
+from tests.support.spawned import rendezvous_address
 from tests.unit.trainer_client.test_mtp_forward import (
     BATCH,
     SEQ,
@@ -65,7 +65,7 @@ def megatron_cuda() -> Iterator[torch.device]:
 
     device = torch.device("cuda", 0)
     torch.cuda.set_device(device)
-    dist.init_process_group("nccl", init_method=free_address(), rank=0, world_size=1)
+    dist.init_process_group("nccl", init_method=rendezvous_address(), rank=0, world_size=1)
     try:
         parallel_state.initialize_model_parallel(tensor_model_parallel_size=1)
         tensor_parallel.model_parallel_cuda_manual_seed(0)

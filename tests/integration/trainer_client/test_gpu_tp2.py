@@ -15,7 +15,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.support.spawned import free_address, run_ranks
+from tests.support.spawned import rendezvous_address, run_ranks
 from tests.support.tp_checks import check_tp2_matches_tp1, check_train_step_and_push
 from tests.unit.trainer_client.test_mtp_forward import tiny_config
 
@@ -29,8 +29,9 @@ TOLERANCES = {"bfloat16": {"loss": 1e-2, "grad": 5e-2}, "float32": {"loss": 1e-5
 
 @pytest.mark.parametrize("params_dtype", ["bfloat16", "float32"])
 def test_tp2_matches_tp1_on_two_gpus(params_dtype: str) -> None:
-    result = run_ranks(check_tp2_matches_tp1, 2, [free_address(), free_address()], "cuda",
-                       params_dtype, tiny_config(num_depths=2), timeout_s=300)[0]
+    addresses = [rendezvous_address(), rendezvous_address()]
+    result = run_ranks(check_tp2_matches_tp1, 2, addresses, "cuda", params_dtype,
+                       tiny_config(num_depths=2), timeout_s=300)[0]
     print(f"\n{params_dtype}: losses TP1 {[round(x, 5) for x in result['losses_tp1']]} "
           f"TP2 {[round(x, 5) for x in result['losses_tp2']]}; relative errors "
           f"{[f'{e:.1e}' for e in result['loss_rel_errors']]}; gradients from the MTP loss: "
@@ -46,7 +47,7 @@ def test_tp2_matches_tp1_on_two_gpus(params_dtype: str) -> None:
 def test_tp2_training_step_and_push_timed_on_two_gpus() -> None:
     from rollout_service.embedded.tiny_mimo import hf_config, model_size
 
-    result = run_ranks(check_train_step_and_push, 2, free_address(), "cuda", "bfloat16",
+    result = run_ranks(check_train_step_and_push, 2, rendezvous_address(), "cuda", "bfloat16",
                        hf_config(model_size("small")), 3, timeout_s=400)[0]
     mb = result["num_bytes"] / 1e6
     print(f"\nsmall model, TP 2, bf16: first training step (with CUDA warm-up) "

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.support.spawned import free_address, run_spawned
+from tests.support.spawned import rendezvous_address, run_spawned
 from tests.unit.trainer_client.test_mtp_forward import tiny_config
 
 
@@ -68,4 +68,4 @@ def _worker(address: str, errors: object) -> None:
 
 def test_train_step_with_the_default_config_moves_only_the_mtp_layers() -> None:
     pytest.importorskip("megatron.core")
-    run_spawned(_worker, free_address(), timeout_s=300)
+    run_spawned(_worker, rendezvous_address(), timeout_s=300)

@@ -26,7 +26,7 @@ from safetensors.torch import load_file
 
 from rollout_service.embedded import ensure_model
 from rollout_service.embedded.tiny_mimo import TINY, checkpoint_shapes
-from tests.support.spawned import free_address, run_ranks
+from tests.support.spawned import rendezvous_address, run_ranks
 from trainer_client.megatron.convert import hf_to_megatron, megatron_to_hf
 
 Checkpoint = tuple[dict[str, torch.Tensor], dict]
@@ -320,4 +320,4 @@ def _worker(rank: int, addresses: list[str]) -> None:
 def test_megatron_model_matches_references_with_tp_2_and_tp_1() -> None:
     pytest.importorskip("megatron.core")
     load_tiny()  # generate the checkpoint once, before two processes race for it
-    run_ranks(_worker, 2, [free_address(), free_address()], timeout_s=300)
+    run_ranks(_worker, 2, [rendezvous_address(), rendezvous_address()], timeout_s=300)

@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 from hypothesis import given, settings
 
-from tests.support.spawned import free_address, run_ranks
+from tests.support.spawned import rendezvous_address, run_ranks
 from tests.unit.trainer_client.test_mtp_loss import problems
 from trainer_client.mtp_loss import (
     MTPLossConfig,
@@ -79,4 +79,4 @@ def _top1_on_shards(rank: int, address: str) -> bool:
 
 
 def test_top1_over_vocabulary_shards_is_the_full_argmax_ties_included() -> None:
-    assert run_ranks(_top1_on_shards, 2, free_address(), timeout_s=120) == {0: True, 1: True}
+    assert run_ranks(_top1_on_shards, 2, rendezvous_address(), timeout_s=120) == {0: True, 1: True}

@@ -28,14 +28,13 @@ from __future__ import annotations
 
 import importlib.util
 import multiprocessing
-import socket
 import warnings
 from typing import Any
 
 import pytest
 import torch
 
-from tests.support.spawned import run_spawned
+from tests.support.spawned import rendezvous_address, run_spawned
 
 BATCH, SEQ, NUM_DEPTHS = 2, 16, 2
 RECOMPUTE = {"recompute_granularity": "full", "recompute_method": "uniform",
@@ -315,12 +314,6 @@ def test_a_module_without_an_mtp_block_is_refused() -> None:
 
 # --------------------------------------------------------------------------- CPU process
 
-def _free_address() -> str:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return f"tcp://127.0.0.1:{sock.getsockname()[1]}"
-
-
 def _worker(checks: list, address: str, errors: multiprocessing.Queue) -> None:
     try:
         warnings.filterwarnings("ignore")
@@ -369,14 +362,14 @@ def _check_logits_and_errors(device: torch.device) -> None:
 def test_mtp_forward_matches_gpt_model_in_a_megatron_process() -> None:
     pytest.importorskip("megatron.core")
     run_spawned(_worker, [check_mtp_forward_against_gpt_model, _check_logits_and_errors],
-                _free_address(), timeout_s=300)
+                rendezvous_address(), timeout_s=300)
 
 
 def test_detach_trunk_leaves_every_non_mtp_gradient_exactly_zero() -> None:
     pytest.importorskip("megatron.core")
-    run_spawned(_worker, [check_mtp_only_grad], _free_address(), timeout_s=300)
+    run_spawned(_worker, [check_mtp_only_grad], rendezvous_address(), timeout_s=300)
 
 
 def test_recompute_of_decoder_and_mtp_layers_matches_no_recompute() -> None:
     pytest.importorskip("megatron.core")
-    run_spawned(_worker, [check_bshd_recompute], _free_address(), timeout_s=300)
+    run_spawned(_worker, [check_bshd_recompute], rendezvous_address(), timeout_s=300)

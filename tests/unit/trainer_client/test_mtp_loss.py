@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import math
 import multiprocessing
-import socket
 import warnings
 
 import pytest
@@ -18,7 +17,7 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tests.support.spawned import run_spawned
+from tests.support.spawned import rendezvous_address, run_spawned
 from trainer_client import mtp_loss
 from trainer_client.batch import Rollout, pack_padded, pack_thd
 from trainer_client.mtp_loss import (
@@ -400,16 +399,10 @@ def test_config_refuses_bad_values_naming_the_field() -> None:
 
 # --------------------------------------------------------------------------- Megatron itself
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def _gpt_model_worker(port: int, errors: multiprocessing.Queue) -> None:
+def _gpt_model_worker(address: str, errors: multiprocessing.Queue) -> None:
     """In a fresh process: tiny GPTModel + 2 MTP layers on CPU; compare with Megatron."""
     try:
-        _check_against_gpt_model(port)
+        _check_against_gpt_model(address)
     except BaseException as exc:  # noqa: BLE001 - reported to the parent with its traceback
         import traceback
         errors.put(f"{exc!r}\n{traceback.format_exc()}")
@@ -417,7 +410,7 @@ def _gpt_model_worker(port: int, errors: multiprocessing.Queue) -> None:
     errors.put(None)
 
 
-def _check_against_gpt_model(port: int) -> None:
+def _check_against_gpt_model(address: str) -> None:
     warnings.filterwarnings("ignore")
     import torch.distributed as dist
     from megatron.core import parallel_state
@@ -434,7 +427,7 @@ def _check_against_gpt_model(port: int) -> None:
 
     from trainer_client.megatron.cpu_compat import megatron_on_cpu
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    dist.init_process_group("gloo", init_method=address, rank=0, world_size=1)
     parallel_state.initialize_model_parallel()
     assert mtp_loss._autoscaler() is MTPLossAutoScaler
     assert mtp_loss.megatron_has_process_mtp_loss() == hasattr(
@@ -534,4 +527,4 @@ def _check_against_gpt_model(port: int) -> None:
                            "on CUDA test_gpu.py runs the same comparison through mtp_forward")
 def test_against_megatron_gpt_model_with_mtp_block() -> None:
     pytest.importorskip("megatron.core")
-    run_spawned(_gpt_model_worker, _free_port(), timeout_s=240)
+    run_spawned(_gpt_model_worker, rendezvous_address(), timeout_s=240)

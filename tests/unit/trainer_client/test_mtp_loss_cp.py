@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import datetime
 import queue
-import socket
 import time
 import warnings
 
@@ -19,6 +18,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from tests.support.spawned import rendezvous_address
 from trainer_client.mtp_loss import MTPLossConfig, mtp_depth_losses, reduce_for_logging
 from trainer_client.padding import zigzag_split, zigzag_split_packed
 from trainer_client.roll import roll_left
@@ -31,14 +31,8 @@ class RanksTimedOut(Exception):
     """The ranks started but did not all finish within the timeout: a hang."""
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def run_ranks(fn, *args, timeout_s: float) -> None:
-    """Run ``fn(rank, port, ready, *args)`` on CP ranks; fail if they do not finish in time.
+    """Run ``fn(rank, address, ready, *args)`` on CP ranks; fail if they do not finish in time.
 
     ``timeout_s`` counts from the moment every rank has joined the process group (each
     puts its rank on ``ready``), so slow interpreter start-up on a busy machine is not
@@ -50,7 +44,7 @@ def run_ranks(fn, *args, timeout_s: float) -> None:
     """
     ctx = mp.get_context("spawn")
     ready = ctx.Queue()
-    procs = mp.start_processes(fn, args=(_free_port(), ready, *args), nprocs=CP, join=False,
+    procs = mp.start_processes(fn, args=(rendezvous_address(), ready, *args), nprocs=CP, join=False,
                                start_method="spawn")
     try:
         deadline = time.monotonic() + STARTUP_TIMEOUT_S
@@ -76,9 +70,9 @@ def run_ranks(fn, *args, timeout_s: float) -> None:
             p.join()
 
 
-def _init(rank: int, port: int, ready, timeout_s: float = 60.0) -> None:
+def _init(rank: int, address: str, ready, timeout_s: float = 60.0) -> None:
     warnings.filterwarnings("ignore")
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+    dist.init_process_group("gloo", init_method=address, rank=rank,
                             world_size=CP, timeout=datetime.timedelta(seconds=timeout_s))
     ready.put(rank)
 
@@ -149,13 +143,13 @@ def _check_zigzag_shards(rank: int) -> None:
         assert logged is None
 
 
-def _worker(rank: int, port: int, ready, step_done, *, zigzag: bool,
+def _worker(rank: int, address: str, ready, step_done, *, zigzag: bool,
             skip_on_rank_1: bool) -> None:
     """Optionally the zigzag checks, then three training steps where only rank 0 logs.
 
     ``skip_on_rank_1`` reproduces verl's bug: the collective gated on ``cp_rank == 0``.
     """
-    _init(rank, port, ready, timeout_s=300.0)
+    _init(rank, address, ready, timeout_s=300.0)
     if zigzag:
         _check_zigzag_shards(rank)
     cfg = MTPLossConfig(num_layers=2)
@@ -178,12 +172,12 @@ def _worker(rank: int, port: int, ready, step_done, *, zigzag: bool,
     dist.destroy_process_group()
 
 
-def _zigzag_then_steps(rank: int, port: int, ready, step_done) -> None:
-    _worker(rank, port, ready, step_done, zigzag=True, skip_on_rank_1=False)
+def _zigzag_then_steps(rank: int, address: str, ready, step_done) -> None:
+    _worker(rank, address, ready, step_done, zigzag=True, skip_on_rank_1=False)
 
 
-def _steps_skipping_rank_1(rank: int, port: int, ready, step_done) -> None:
-    _worker(rank, port, ready, step_done, zigzag=False, skip_on_rank_1=True)
+def _steps_skipping_rank_1(rank: int, address: str, ready, step_done) -> None:
+    _worker(rank, address, ready, step_done, zigzag=False, skip_on_rank_1=True)
 
 
 # --------------------------------------------------------------------------- tests

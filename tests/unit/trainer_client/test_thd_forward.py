@@ -30,7 +30,7 @@ import warnings
 import pytest
 import torch
 
-from tests.support.spawned import free_address, run_spawned
+from tests.support.spawned import rendezvous_address, run_spawned
 from tests.unit.trainer_client.test_mtp_forward import (
     NUM_DEPTHS,
     RECOMPUTE,
@@ -296,7 +296,7 @@ def _worker(checks: list, address: str, errors: object) -> None:
 
 def test_packed_batch_through_gpt_model_matches_padded_per_sequence() -> None:
     pytest.importorskip("megatron.core")
-    run_spawned(_worker, [check_thd_matches_bshd], free_address(), timeout_s=300)
+    run_spawned(_worker, [check_thd_matches_bshd], rendezvous_address(), timeout_s=300)
 
 
 def _expect_refused(device: torch.device) -> None:
@@ -305,4 +305,4 @@ def _expect_refused(device: torch.device) -> None:
 
 def test_mtp_recompute_with_a_packed_batch_is_refused_on_megatron_core_0_16() -> None:
     pytest.importorskip("megatron.core")
-    run_spawned(_worker, [_expect_refused], free_address(), timeout_s=300)
+    run_spawned(_worker, [_expect_refused], rendezvous_address(), timeout_s=300)

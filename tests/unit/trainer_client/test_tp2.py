@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.support.spawned import free_address, run_ranks
+from tests.support.spawned import rendezvous_address, run_ranks
 from tests.support.tp_checks import check_tp2_matches_tp1, check_train_step_and_push
 from tests.unit.trainer_client.test_mtp_forward import tiny_config
 
@@ -20,8 +20,9 @@ pytestmark = pytest.mark.skipif(
 
 
 def test_tp2_losses_gradients_and_export_match_tp1() -> None:
-    results = run_ranks(check_tp2_matches_tp1, 2, [free_address(), free_address()], "cpu",
-                        "float32", tiny_config(num_depths=2), timeout_s=300)
+    addresses = [rendezvous_address(), rendezvous_address()]
+    results = run_ranks(check_tp2_matches_tp1, 2, addresses, "cpu", "float32",
+                        tiny_config(num_depths=2), timeout_s=300)
     result = results[0]
     assert max(result["loss_rel_errors"]) < 1e-5, result
     assert result["max_grad_rel_error"] < 1e-4, result
@@ -29,6 +30,6 @@ def test_tp2_losses_gradients_and_export_match_tp1() -> None:
 
 
 def test_tp2_training_step_then_push_delivers_the_export() -> None:
-    result = run_ranks(check_train_step_and_push, 2, free_address(), "cpu", "bfloat16",
+    result = run_ranks(check_train_step_and_push, 2, rendezvous_address(), "cpu", "bfloat16",
                        tiny_config(num_depths=1), 1, timeout_s=300)[0]
     assert result["num_tensors"] > 20 and result["num_bytes"] > 0
