@@ -7,8 +7,10 @@ queue: ``None`` for success, else the formatted traceback.
 
 from __future__ import annotations
 
+import atexit
 import multiprocessing
 import queue
+import shutil
 import tempfile
 import time
 import traceback
@@ -94,4 +96,6 @@ def rendezvous_address() -> str:
     once its interpreter has started, and a test run beside another took it meanwhile
     (EADDRINUSE in a clean-clone run, 2026-12-02). A file cannot be taken.
     """
-    return f"file://{tempfile.mkdtemp(prefix='rollout-rendezvous-')}/store"
+    folder = tempfile.mkdtemp(prefix="rollout-rendezvous-")
+    atexit.register(shutil.rmtree, folder, ignore_errors=True)  # what killed ranks leave
+    return f"file://{folder}/store"
