@@ -258,8 +258,8 @@ async def run_drafter(opts: argparse.Namespace, noise: float, console: Console, 
             results: dict[str, dict[str, list[float]]] = {}
             for c in levels:
                 results[f"c={c}"] = await interleaved(
-                    modes(functools.partial(off.run_round, c),
-                          functools.partial(spec.run_round, c), f"c{c}"),
+                    modes(functools.partial(off.run_round, c, c),  # one wave of c
+                          functools.partial(spec.run_round, c, c), f"c{c}"),
                     opts.rounds, f"{label} c={c}", console)
                 await show_controller(f"c={c}")
             if opts.rollout_prompts:

@@ -17,6 +17,7 @@
 #   bash tools/gpu/batch.sh sync7b              # ~6-9 min: the 7B shape (15 GB per push)
 set -uo pipefail
 out="${OUT:-/tmp/gpu-batch}"; mkdir -p "$out"; export OUT="$out"
+export COLUMNS="${COLUMNS:-200}"  # rich tables in full in the logs, not cut at 80
 
 clean() {  # what an earlier step or call left running (not this script's shells)
   pkill -9 -f "^(/[^ ]*/)?python3? -m (rollout_service|bench|pytest|vllm)|^VLLM::" 2>/dev/null
@@ -56,7 +57,8 @@ for s in "$@"; do
     trainer) STALL_S=100000 step trainer 330 bash tools/gpu/run_gpu_tests.sh trainer ;;
     starts) ROUNDS=3 DEADLINE_S=120 step starts 300 bash tools/gpu/start_ab.sh spawn fork ;;
     serving) step serving 480 python3 -m bench.serving --model embedded:small \
-               --concurrency 128,512 --max-tokens 256 --rounds 3 --logs "$out/serving-logs" ;;
+               --concurrency 128,512 --max-tokens 256 --rounds 3 --waves 2 \
+               --logs "$out/serving-logs" ;;
     sync) step sync 240 python3 -m bench.weight_sync --size 1b --device cuda \
             --modes cuda_ipc,cuda_ipc-unstaged,cuda_ipc-reload,shm,floor --rounds 9 ;;
     sync7b) step sync7b 540 python3 -m bench.weight_sync --size 7b --device cuda \
