@@ -11,7 +11,8 @@ Three processes use this module:
   byte buffer holding every tensor at the offsets its placements name
   (:class:`~rollout_service.protocol.placement.BroadcastLocation`);
 - each engine worker joins as rank ``1 + its rank``, counts itself in the store as
-  receiving that push, and receives the buffer.
+  receiving that push, receives the buffer, and counts itself as finished (received or
+  failed), which is what the service waits on (:meth:`Rendezvous.finished`).
 
 The group is torch.distributed's own process group, built directly on the store (no
 default group, so the engine's own ``torch.distributed`` world is untouched): NCCL when
@@ -78,6 +79,18 @@ class Rendezvous:
     def port(self) -> int:
         return int(self._store.port)
 
+    def finished(self, group_id: str, key: str) -> int:
+        """How many workers of ``group_id`` have finished receiving broadcast ``key``
+        (received it or failed): the service's wait reads this counter in its own store,
+        not the workers' state through the engine. Why: vLLM's workers spin on their
+        message queue for a second after every engine RPC (``SpinCondition`` in
+        ``vllm/distributed/device_communicators/shm_broadcast.py``), so asking them every
+        few milliseconds kept every worker busy-waiting through the broadcast and, on a
+        2-core machine, starved the trainer that had to send it."""
+        import torch.distributed as dist
+
+        return int(dist.PrefixStore(group_id, self._store).add(_finished(key), 0))
+
 
 class Group:
     """One rank's membership: the trainer sends each push (:meth:`send`), the workers
@@ -116,6 +129,15 @@ class Group:
             raise RuntimeError(f"{exc} (queued and counted as receiving; "
                                f"{self._store.add(_receiving(key), 0)} of "
                                f"{self.spec.world_size - 1} counted)") from exc
+        finally:
+            self._count_finished(key)
+
+    def _count_finished(self, key: str) -> None:
+        """Tell the service this worker's receive of ``key`` ended, whichever way."""
+        try:
+            self._store.add(_finished(key), 1)
+        except RuntimeError:  # the store gone: the service's own deadline ends its wait
+            pass
 
     def send(self, buffer: torch.Tensor, key: str) -> None:
         """The trainer's part of the broadcast ``key``: once every worker is receiving,
@@ -165,6 +187,11 @@ class Group:
 def _receiving(key: str) -> str:
     """The store counter of the workers receiving broadcast ``key``."""
     return f"receiving/{key}"
+
+
+def _finished(key: str) -> str:
+    """The store counter of the workers whose receive of broadcast ``key`` ended."""
+    return f"finished/{key}"
 
 
 def _all_receiving(key: str) -> str:

@@ -27,12 +27,13 @@ from rollout_service.protocol.broadcast import (
 from rollout_service.weights.intake import PushError
 
 FIRST_POLL_S = 0.002
-"""The first wait between two asks of the workers how their join or receive goes; each
-ask is an RPC to every worker, run between two engine steps."""
+"""The first wait between two asks how a join or a receive goes: of the workers (an RPC
+to every worker, run between two engine steps) for a join, of the rendezvous store (this
+process's own) for a receive."""
 MAX_POLL_S = 0.05
 """The wait doubles up to this: a push of a small model is seen done within
-milliseconds, and a long broadcast (a large model, a slow trainer) costs the engine, which
-keeps generating meanwhile, 20 asks a second, not 500."""
+milliseconds, and a long join costs the engine, which keeps generating meanwhile, 20 RPCs
+a second, not 500."""
 
 
 class WeightGroups:
@@ -102,6 +103,7 @@ class WeightGroups:
         start = time.perf_counter()
         try:
             await self._engine.start_receive(push_id, group_id, nbytes)
+            await self._until_finished(push_id, group_id)
             await self._until_done(lambda: self._engine.receive_state(push_id),
                                    f"the broadcast of push {push_id}")
         except RuntimeError as exc:
@@ -110,6 +112,22 @@ class WeightGroups:
                                  "are still served; the group is closed (the next push "
                                  "makes a new one)") from exc
         return time.perf_counter() - start
+
+    async def _until_finished(self, push_id: str, group_id: str) -> None:
+        """Wait until every worker counts its receive of ``push_id`` as finished in the
+        rendezvous store, without asking the workers (``Rendezvous.finished`` says why);
+        :meth:`_until_done` then asks them once how it ended. A worker that never counts
+        itself (its process gone) is asked at the deadline."""
+        assert self._rendezvous is not None  # a receive follows a group's create
+        rendezvous = self._rendezvous
+        deadline = time.monotonic() + self._timeout_s + 30
+        poll_s = FIRST_POLL_S
+        while time.monotonic() < deadline:
+            finished = await asyncio.to_thread(rendezvous.finished, group_id, push_id)
+            if finished >= self._engine.num_workers:
+                return
+            await asyncio.sleep(poll_s)
+            poll_s = min(2 * poll_s, MAX_POLL_S)
 
     async def _until_done(self, states: Callable[[], Awaitable[list[str]]], what: str) -> None:
         """Poll every worker's state until all are ``done``.

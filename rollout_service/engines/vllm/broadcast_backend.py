@@ -7,10 +7,12 @@ views into that buffer (``transfer.LoadSession``, in place or by reload as for t
 backends), so the drafter receives nothing a second time; the buffer is let go after
 the push's last load.
 
-Joining and receiving block on the other ranks, so both run on a thread of their own and
-the service polls their state (``rollout_group_state``, ``rollout_broadcast_state`` of
-``worker_ext.py``): vLLM's engine core keeps stepping while a worker waits for the
-trainer, and generation pauses only for the copy into the parameters. Receiving into the
+Joining and receiving block on the other ranks, so both run on a thread of their own:
+vLLM's engine core keeps stepping while a worker waits for the trainer, and generation
+pauses only for the copy into the parameters. The service follows a join through the
+workers' state (``rollout_group_state`` of ``worker_ext.py``) and a receive through the
+rendezvous store, where each worker counts itself when its receive ends, asking the
+workers how it ended (``rollout_broadcast_state``) only then. Receiving into the
 buffer touches no parameter, so a broadcast that fails (a trainer gone mid-way) leaves
 the served weights exactly as they were.
 

@@ -202,8 +202,10 @@ def test_the_config_names_where_trainers_meet() -> None:
 
 
 class FakeWorkers:
-    """A fake :class:`~rollout_service.engines.base.BroadcastEngine`: two workers whose
-    receive ends ``receive_s`` after it starts; it records when it was asked."""
+    """A fake :class:`~rollout_service.engines.base.BroadcastEngine`: two workers that
+    join at once and whose receive ends ``receive_s`` after it starts, counted in the
+    group's real rendezvous store as the real workers do (``Group.receive``); it records
+    when it was asked for its workers' state."""
 
     num_workers = 2
     group_backend = "gloo"
@@ -211,25 +213,44 @@ class FakeWorkers:
     def __init__(self, receive_s: float) -> None:
         self.receive_s = receive_s
         self.asks: list[float] = []
-        self._started = 0.0
+        self._spec: GroupSpec | None = None
+        self._ended = threading.Event()
+
+    async def join_group(self, spec: GroupSpec) -> None:
+        self._spec = spec
+
+    async def group_state(self, group_id: str) -> list[str]:
+        return ["done"] * self.num_workers
 
     async def start_receive(self, push_id: str, group_id: str, nbytes: int) -> None:
-        self._started = time.monotonic()
+        assert self._spec is not None and self._spec.group_id == group_id
+        store = observer(self._spec)
+
+        def receive() -> None:
+            time.sleep(self.receive_s)  # the broadcast, as long as it takes
+            self._ended.set()
+            for _ in range(self.num_workers):
+                store.add(f"finished/{push_id}", 1)
+
+        threading.Thread(target=receive, daemon=True).start()
 
     async def receive_state(self, push_id: str) -> list[str]:
         self.asks.append(time.monotonic())
-        done = time.monotonic() - self._started >= self.receive_s
-        return ["done" if done else "running"] * self.num_workers
+        return ["done" if self._ended.is_set() else "running"] * self.num_workers
 
 
-async def test_a_long_receive_is_asked_after_less_and_less_often() -> None:
-    """Each ask is an RPC to every worker between two engine steps, which keep generating
-    while the broadcast runs: a 0.6 s receive is asked after about 20 times, not the 300
-    of a fixed 2 ms poll, and still seen done."""
+async def test_a_receive_is_waited_for_in_the_store_and_the_workers_asked_once() -> None:
+    """vLLM's workers busy-wait for a second after each RPC, so asking them during a
+    broadcast kept both spinning and starved the trainer on a 2-core machine (a TP = 2
+    push stalled until the group's timeout). The service waits in its store instead: a
+    0.6 s receive is seen done, and the workers are asked only after it ended."""
     from rollout_service.weights.group import WeightGroups
 
     workers = FakeWorkers(receive_s=0.6)
     groups = WeightGroups(workers, address="127.0.0.1", timeout_s=10.0)  # type: ignore[arg-type]
-    seconds = await groups.receive("push-1", "group-1", 64)
+    group = await groups.create()
+    started = time.monotonic()
+    seconds = await groups.receive("push-1", group.group_id, 64)
     assert seconds >= 0.6
-    assert 5 <= len(workers.asks) <= 40, len(workers.asks)
+    assert workers.asks and all(t >= started + 0.6 for t in workers.asks), workers.asks
+    assert len(workers.asks) <= 3, len(workers.asks)
