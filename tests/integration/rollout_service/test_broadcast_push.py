@@ -228,12 +228,13 @@ async def test_a_tensor_parallel_engine_takes_the_push_on_every_rank(
     ranks 1 and 2: a push changes the outputs both shards produce, and the original
     pushed back gives the first outputs again, token for token.
 
-    On gloo with these three ranks, a loaded 2-core machine sometimes stalls a broadcast
-    inside gloo with every side queued: both workers counted as receiving, the trainer's
-    send never completing (docs/what-ran-where.md; cause not found). The push then ends
-    as any failed broadcast does, 408 with nothing loaded and the group closed, and the
-    next push makes a new group. Such an attempt is checked for exactly that and
-    repeated, three attempts per push at most (:func:`_push_past_gloo_stalls`).
+    On a loaded 2-core machine a broadcast used to stall with every side queued: the
+    service's asks kept both workers busy-waiting and the trainer never got the CPU to
+    send (docs/what-ran-where.md; fixed in 7a2c9bc, the service now waits in its store).
+    A stalled push ends as any failed broadcast does, 408 with nothing loaded and the
+    group closed, and the next push makes a new group; until clean-clone runs have shown
+    no stall for a while, such an attempt is checked for exactly that and repeated, three
+    attempts per push at most (:func:`_push_past_gloo_stalls`).
     """
     config = service_config(tmp_path, weights_transport="nccl",
                             weights_group_timeout_s=GROUP_TIMEOUT_S,
