@@ -87,7 +87,7 @@ class WeightGroups:
             return
         try:
             await self._until_done(lambda: self._engine.group_state(group_id),
-                                   f"the workers' join of {group_id!r}")
+                                   f"the workers' join of {group_id!r}", self._deadline())
         except RuntimeError as exc:
             self.close()
             raise PushError(409, f"group_id: {exc} (did the trainer join?); make a new "
@@ -103,9 +103,10 @@ class WeightGroups:
         start = time.perf_counter()
         try:
             await self._engine.start_receive(push_id, group_id, nbytes)
-            await self._until_finished(push_id, group_id)
+            deadline = self._deadline()  # one for both waits: a silent worker costs it once
+            await self._until_finished(push_id, group_id, deadline)
             await self._until_done(lambda: self._engine.receive_state(push_id),
-                                   f"the broadcast of push {push_id}")
+                                   f"the broadcast of push {push_id}", deadline)
         except RuntimeError as exc:
             self.close()
             raise PushError(408, f"broadcast: {exc}; nothing was loaded, the old weights "
@@ -113,46 +114,58 @@ class WeightGroups:
                                  "makes a new one)") from exc
         return time.perf_counter() - start
 
-    async def _until_finished(self, push_id: str, group_id: str) -> None:
+    def _deadline(self) -> float:
+        """When a wait on the workers gives up: the workers' own timeout (the group's)
+        ends a wait for a silent trainer; 30 s more only bounds a worker that never
+        reports."""
+        return time.monotonic() + self._timeout_s + 30
+
+    async def _until_finished(self, push_id: str, group_id: str, deadline: float) -> None:
         """Wait until every worker counts its receive of ``push_id`` as finished in the
         rendezvous store, without asking the workers (``Rendezvous.finished`` says why);
         :meth:`_until_done` then asks them once how it ended. A worker that never counts
         itself (its process gone) is asked at the deadline."""
         assert self._rendezvous is not None  # a receive follows a group's create
         rendezvous = self._rendezvous
-        deadline = time.monotonic() + self._timeout_s + 30
-        poll_s = FIRST_POLL_S
-        while time.monotonic() < deadline:
+
+        async def all_finished() -> bool:
             finished = await asyncio.to_thread(rendezvous.finished, group_id, push_id)
-            if finished >= self._engine.num_workers:
-                return
-            await asyncio.sleep(poll_s)
-            poll_s = min(2 * poll_s, MAX_POLL_S)
+            return finished >= self._engine.num_workers
 
-    async def _until_done(self, states: Callable[[], Awaitable[list[str]]], what: str) -> None:
+        await _poll(all_finished, deadline)
+
+    async def _until_done(self, states: Callable[[], Awaitable[list[str]]], what: str,
+                          deadline: float) -> None:
         """Poll every worker's state until all are ``done``.
-
-        The workers' own timeout (the group's) ends a wait for a silent trainer; the
-        deadline here, 30 s later, only bounds a worker that never reports.
 
         Raises:
             RuntimeError: a worker failed, or not all were done by the deadline.
         """
-        deadline = time.monotonic() + self._timeout_s + 30
-        poll_s = FIRST_POLL_S
-        while True:
+
+        async def all_done() -> bool:
             now = await states()
             if any(s not in ("running", "done") for s in now):  # every worker's, to tell
                 # a trainer that sent nothing from one that reached only some ranks
                 raise RuntimeError(f"{what} failed: " + "; ".join(
                     f"worker {i}: {s}" for i, s in enumerate(now)))
-            if all(s == "done" for s in now):
-                return
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"{what} did not end within {self._timeout_s + 30:g} s")
-            await asyncio.sleep(poll_s)
-            poll_s = min(2 * poll_s, MAX_POLL_S)
+            return all(s == "done" for s in now)
+
+        if not await _poll(all_done, deadline):
+            raise RuntimeError(f"{what} did not end within {self._timeout_s + 30:g} s")
 
     def close(self) -> None:
         """No current group: the next push needs a new one."""
         self.current, self._joined = None, False
+
+
+async def _poll(ready: Callable[[], Awaitable[bool]], deadline: float) -> bool:
+    """Call ``ready`` until it says yes (True) or ``deadline`` (monotonic) passes (False),
+    waiting from ``FIRST_POLL_S`` doubling up to ``MAX_POLL_S`` between calls."""
+    poll_s = FIRST_POLL_S
+    while True:
+        if await ready():
+            return True
+        if time.monotonic() > deadline:
+            return False
+        await asyncio.sleep(poll_s)
+        poll_s = min(2 * poll_s, MAX_POLL_S)
