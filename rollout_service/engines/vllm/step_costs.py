@@ -90,6 +90,8 @@ class StepCostMonitor:
         self._previous: tuple[int, int] | None = None
         self.batch_size = 0
         """Requests that produced an output in the last step with outputs."""
+        self.num_steps = 0
+        """Steps with outputs seen so far: what a caller counts to act every few steps."""
 
     def subscribe(self, sink: StepCostSink) -> None:
         """Send every clean decode step's sample to ``sink`` from now on."""
@@ -102,6 +104,7 @@ class StepCostMonitor:
                            + len(iteration_stats.time_to_first_tokens_iter))
             if num_outputs:
                 self.batch_size = num_outputs
+                self.num_steps += 1
         sample = decode_step(scheduler_stats, iteration_stats)
         key = None if sample is None else (sample.k, sample.batch_size)
         is_steady = key is not None and key == self._previous

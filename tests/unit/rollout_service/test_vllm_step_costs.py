@@ -86,6 +86,17 @@ def test_only_steady_steps_reach_the_subscribers() -> None:
                     StepCostSample(k=1, batch_size=2, step_s=STEP_S),
                     StepCostSample(k=1, batch_size=2, step_s=STEP_S)]
     assert monitor.batch_size == 2
+    assert monitor.num_steps == 7
+
+
+def test_steps_without_outputs_are_not_counted() -> None:
+    """The step count is what a caller waits on to act every few engine steps."""
+    monitor = StepCostMonitor()
+    monitor.record(*step([]))  # nothing came out of this step
+    monitor.record(None, None)
+    assert (monitor.num_steps, monitor.batch_size) == (0, 0)
+    monitor.record(*step([], num_first_tokens=3, num_prompt_tokens=24))
+    assert (monitor.num_steps, monitor.batch_size) == (1, 3)
 
 
 def test_a_failing_subscriber_never_reaches_vllm() -> None:
