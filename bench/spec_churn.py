@@ -234,11 +234,13 @@ def start_engine(model: str, *, k_max: int, drafter_at_k0: str, engine_kwargs: d
 
 
 async def prepare(engine: VLLMEngine, *, static: bool, skip: bool) -> None:
-    """What ``start`` does once the engine runs: check its schedule, skip the drafter."""
+    """What ``start`` does once the engine runs: check its schedule, skip the drafter,
+    time a verify step with the model runner's dummy batches."""
     if not static:
         await engine.check_spec_schedule()
     if skip:
         await engine.skip_drafter_at_k0()
+    await engine.measure_verify_cost(8)  # the service's default verify_cost_batch_size
 
 
 def _ints(text: str) -> tuple[int, int]:

@@ -1,22 +1,18 @@
 """The speculation control against static K and no speculation: does it ever slow rollout?
 
 Runs in the caller's terminal process. Per drafter (one generated checkpoint per
-``--draft-noise``: the embedded generator's knob for the drafter's accuracy), two
-services run at once as child processes (``rollout-service serve``):
+``--draft-noise``: the embedded generator's knob for the drafter's accuracy), services
+run at once as child processes (``rollout-service serve``):
 
 - ``off``: the same checkpoint with ``mtp.enabled: false``, an engine without a drafter;
-- ``spec``: ``--k-max`` draft tokens with the speculation control on
-  (``speculation_control.enabled``), calibrated at start as configured.
+- ``spec``: ``--k-max`` draft tokens with the speculation control on, calibrated at
+  start; one per ``--drafter-at-k0`` value (``run,skip``: modes named ``k=0 run`` ...).
 
-The modes, all on those two engines:
-
-- ``spec-off``: the ``off`` service;
-- ``k=0`` .. ``k=<k-max>``: the ``spec`` service pinned to one K at every batch size
-  (``POST /speculation/schedule``), so a static K costs no engine of its own. ``k=0``
-  is the floor of what the controller can reach on that engine: vLLM still runs the
-  MTP drafter at K = 0 (it keeps the drafter's KV cache in step), so ``k=0`` against
-  ``spec-off`` is that cost. The best static K of a rollout is taken over K >= 1;
-- ``controller``: the ``spec`` service unpinned, K chosen by the controller.
+The modes: ``spec-off`` (the ``off`` service); ``k=0`` .. ``k=<k-max>``, the ``spec``
+service pinned to one K at every batch size (``POST /speculation/schedule``), so a static
+K costs no engine of its own (``k=0`` against ``spec-off`` is the floor the controller can
+reach: with ``drafter_at_k0: run`` vLLM still runs the MTP drafter at K = 0; the best
+static K of a rollout is taken over K >= 1); ``controller``, the ``spec`` service unpinned.
 
 Two workloads, each measured round by round with the modes' order rotated (drift of the
 machine hits every mode alike; a pin is applied before its mode's round and is in force
@@ -29,11 +25,9 @@ when the pin call returns):
   ``--rollout-max-tokens``, so concurrency decays from all prompts to one; the wall time
   to finish all, as tokens/s.
 
-A stale drafter (``--stale-drafter``): one more run on the checkpoint of the first
-``--draft-noise``, whose main model is then replaced on both services by another seed's
-(a ``main`` push; the drafter stays), so the drafter predicts a policy that is gone, as
-when a trainer stops syncing it. The controller must fall back to K = 0 and stay at
-spec-off's speed.
+A stale drafter (``--stale-drafter``): one more run on the first ``--draft-noise``'s
+checkpoint after a ``main`` push of another seed's model to every service (the drafter
+stays), as when a trainer stops syncing it: the controller must keep spec-off's speed.
 
 Ratios printed: the controller over spec-off (target >= 0.98 at every concurrency), and on
 the decaying rollout the controller over the best static K of that run (target >= 1.10).
@@ -41,13 +35,14 @@ the decaying rollout the controller over the best static K of that run (target >
     python -m bench.speculation --model embedded:tiny --draft-noise 0.25 --k-max 2 \\
         --concurrency 1,8 --max-tokens 32 --rounds 2 --rollout-prompts 32
     python -m bench.speculation --model embedded:1b --draft-noise 0.1,0.3,0.6 --k-max 3 \\
-        --concurrency 1,4,16,64,256,512 --max-tokens 256 --rollout-prompts 512 --stale-drafter
+        --concurrency 1,16,64,256 --max-tokens 256 --rollout-prompts 512 --stale-drafter
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import dataclasses
 import functools
 import os
@@ -109,15 +104,17 @@ def rollout_lengths(num: int, max_tokens: int, *, seed: int = 0, shape: float = 
     return tuple(int(min(max_tokens, max(1, round(x)))) for x in raw)
 
 
-def service_config(opts: argparse.Namespace, model: Path, *, speculation: bool) -> ServiceConfig:
-    """The ``spec`` or ``off`` service's config (same engine kwargs for both)."""
+def service_config(opts: argparse.Namespace, model: Path, *,
+                   drafter_at_k0: str | None) -> ServiceConfig:
+    """The ``off`` service's config (``drafter_at_k0`` None) or a ``spec`` one."""
+    speculation = drafter_at_k0 is not None
     overrides: dict[str, Any] = {
         "mtp": ({"num_speculative_tokens": opts.k_max} if speculation
                 else {"enabled": False}),
     }
     if speculation:
         overrides["speculation_control"] = {
-            "enabled": True, "drafter_at_k0": opts.drafter_at_k0,
+            "enabled": True, "drafter_at_k0": drafter_at_k0,
             "calibration": {"max_batch_size": opts.calibration_max_batch_size}}
     if opts.device == "cuda":
         overrides["engine_kwargs"] = {"dtype": "bfloat16", "enforce_eager": opts.eager,
@@ -132,8 +129,7 @@ Round = Callable[[], Awaitable[int]]
 
 
 def with_pin(client: RolloutClient, schedule: dict[int, int] | None, run: Round) -> Round:
-    """``run`` with ``schedule`` pinned first (None: the controller decides); the pin is in
-    force when the call returns."""
+    """``run`` with ``schedule`` pinned first (None: the controller decides)."""
 
     async def pinned_run() -> int:
         await client.pin_schedule(schedule)
@@ -216,50 +212,61 @@ async def run_drafter(opts: argparse.Namespace, noise: float, console: Console, 
     scratch = (Path(opts.logs or tempfile.mkdtemp(prefix="bench-speculation-"))
                / label.replace(" ", "-"))
     scratch.mkdir(parents=True, exist_ok=True)
-    spec_cfg = service_config(opts, model, speculation=True)
-    buckets = spec_cfg.speculation_control.batch_size_buckets
-    servers: list[HttpMode] = []
+    buckets = service_config(opts, model, drafter_at_k0="run"
+                             ).speculation_control.batch_size_buckets
+    servers: dict[str, HttpMode] = {}
     try:
-        for name, speculation in (("off", False), ("spec", True)):
+        for name, drafter_at_k0 in (("off", None),
+                                    *((f"spec-{d}", d) for d in opts.drafter_at_k0)):
             console.print(f"{label}: starting the {name} service ...")
             (scratch / name).mkdir(exist_ok=True)
-            servers.append(await start_http(
-                "service", service_config(opts, model, speculation=speculation),
-                workload, scratch / name, max_level))
-        off, spec = servers
+            servers[name] = await start_http(
+                "service", service_config(opts, model, drafter_at_k0=drafter_at_k0),
+                workload, scratch / name, max_level)
+        off = servers["off"]
+        specs = {d: servers[f"spec-{d}"] for d in opts.drafter_at_k0}
         if stale:
             console.print(f"{label}: moving the policy away from the drafter ...")
-            await asyncio.to_thread(move_the_policy, [off.url, spec.url], size, noise)
+            await asyncio.to_thread(move_the_policy, [s.url for s in servers.values()],
+                                    size, noise)
         schedules: dict[str, dict[int, int] | None] = {
             f"k={k}": dict.fromkeys(buckets, k) for k in opts.static_k}
         schedules["controller"] = None
-        async with RolloutClient(spec.url, weights_token=WEIGHTS_TOKEN) as client:
+        async with contextlib.AsyncExitStack() as stack:
+            clients = {d: await stack.enter_async_context(
+                RolloutClient(s.url, weights_token=WEIGHTS_TOKEN)) for d, s in specs.items()}
 
-            def modes(on_off: Round, on_spec: Round, level: str) -> dict[str, Round]:
-                chosen = {"spec-off": on_off, **{name: with_pin(client, schedule, on_spec)
-                                                 for name, schedule in schedules.items()}}
+            def modes(on_off: Round, on_spec: Callable[[HttpMode], Round],
+                      level: str) -> dict[str, Round]:
+                chosen = {"spec-off": on_off}
+                for d, spec in specs.items():
+                    for name, schedule in schedules.items():
+                        chosen[mode_name(name, d, opts.drafter_at_k0)] = with_pin(
+                            clients[d], schedule, on_spec(spec))
                 for name in opts.profile_modes:  # checked against the modes in main()
-                    pid = (off if name == "spec-off" else spec).server.pid
+                    pid = (off if name == "spec-off" else specs[opts.drafter_at_k0[0]]
+                           ).server.pid
                     chosen[name] = profiled(chosen[name], pid, Path(opts.profile_dir),
                                             f"{label}-{level}-{name}".replace(" ", "-"))
                 return chosen
 
             async def show_controller(after: str) -> None:
-                """What the controller has chosen so far, and why (printed after every
+                """What each controller has chosen so far, and why (printed after every
                 workload, so a later failure does not lose it)."""
-                await client.pin_schedule(None)
-                control = (await client.health()).speculation_control
-                if control is not None:
-                    console.print(f"  {label} after {after}: controller K "
-                                  + ", ".join(f"B<={b.batch_size}: {b.k} ({b.reason})"
-                                              for b in control.buckets)
-                                  + f"; first-position acceptance {control.acceptance[:1]}")
+                for d, client in clients.items():
+                    await client.pin_schedule(None)
+                    control = (await client.health()).speculation_control
+                    if control is not None:
+                        console.print(f"  {label} after {after}: controller ({d}) K "
+                                      + ", ".join(f"B<={b.batch_size}: {b.k} ({b.reason})"
+                                                  for b in control.buckets)
+                                      + f"; first-position acceptance {control.acceptance[:1]}")
 
             results: dict[str, dict[str, list[float]]] = {}
             for c in levels:
                 results[f"c={c}"] = await interleaved(
                     modes(functools.partial(off.run_round, c, c),  # one wave of c
-                          functools.partial(spec.run_round, c, c), f"c{c}"),
+                          lambda spec, c=c: functools.partial(spec.run_round, c, c), f"c{c}"),
                     opts.rounds, f"{label} c={c}", console)
                 await show_controller(f"c={c}")
             if opts.rollout_prompts:
@@ -268,13 +275,19 @@ async def run_drafter(opts: argparse.Namespace, noise: float, console: Console, 
                                                           opts.rollout_max_tokens))
                 results[f"rollout {opts.rollout_prompts}"] = await interleaved(
                     modes(rollout_round(off, rollout, opts.temperature),
-                          rollout_round(spec, rollout, opts.temperature), "rollout"),
+                          lambda spec: rollout_round(spec, rollout, opts.temperature),
+                          "rollout"),
                     opts.rounds, f"{label} rollout", console)
                 await show_controller("the rollout")
         return results
     finally:
-        for server in servers:
+        for server in servers.values():
             await server.close()
+
+
+def mode_name(name: str, drafter_at_k0: str, all_values: list[str]) -> str:
+    """``k=0`` with one spec engine; ``k=0 skip`` when several ``drafter_at_k0`` run."""
+    return name if len(all_values) == 1 else f"{name} {drafter_at_k0}"
 
 
 def print_report(console: Console, drafter: str,
@@ -282,24 +295,32 @@ def print_report(console: Console, drafter: str,
     table = Table("workload", "mode", "median tok/s", "range", title=drafter)
     ratios = Table("workload", "ratio", "median", "range", "target", "met",
                    title=f"{drafter}: ratios (per round)")
+
+    def ratio(label: str, name: str, num: list[float], den: list[float],
+              target: float | None) -> None:
+        per_round = [a / b for a, b in zip(num, den)]
+        median = statistics.median(per_round)
+        met = "" if target is None else "yes" if median >= target else "NO"
+        ratios.add_row(label, name, f"{median:.3f}", spread(per_round),
+                       "" if target is None else f">= {target}", met)
+
     for label, rates in results.items():
         for mode, values in rates.items():
             table.add_row(label, mode, f"{statistics.median(values):.0f}", spread(values))
-        controller = rates["controller"]
-        pairs = [("spec-off", rates["spec-off"], CONTROLLER_OVER_OFF)]
-        static = {m: v for m, v in rates.items() if m.startswith("k=") and m != "k=0"}
-        if label.startswith("rollout") and static:
-            best = max(static, key=lambda m: statistics.median(static[m]))
-            pairs.append((f"best static ({best})", static[best], CONTROLLER_OVER_BEST_STATIC))
-        for name, values, target in pairs:
-            per_round = [a / b for a, b in zip(controller, values)]
-            median = statistics.median(per_round)
-            ratios.add_row(label, f"controller / {name}", f"{median:.3f}", spread(per_round),
-                           f">= {target}", "yes" if median >= target else "NO")
-        if "k=0" in rates:  # the floor: what the drafter costs the engine at K = 0
-            per_round = [a / b for a, b in zip(rates["k=0"], rates["spec-off"])]
-            ratios.add_row(label, "k=0 / spec-off (floor)",
-                           f"{statistics.median(per_round):.3f}", spread(per_round), "", "")
+        # One spec engine per drafter_at_k0: "controller" alone, or "controller run" ...
+        for controller in (m for m in rates if m.startswith("controller")):
+            suffix = controller.removeprefix("controller")
+            ratio(label, f"{controller} / spec-off", rates[controller], rates["spec-off"],
+                  CONTROLLER_OVER_OFF)
+            static = {m: v for m, v in rates.items() if m.startswith("k=") and
+                      m.endswith(suffix) and not m.startswith("k=0")}
+            if label.startswith("rollout") and static:
+                best = max(static, key=lambda m: statistics.median(static[m]))
+                ratio(label, f"{controller} / best static ({best})", rates[controller],
+                      static[best], CONTROLLER_OVER_BEST_STATIC)
+            if f"k=0{suffix}" in rates:  # the floor: what the drafter costs at K = 0
+                ratio(label, f"k=0{suffix} / spec-off (floor)", rates[f"k=0{suffix}"],
+                      rates["spec-off"], None)
     console.print(table)
     console.print(ratios)
 
@@ -314,8 +335,9 @@ def main() -> None:
     parser.add_argument("--static-k", default=None,
                         help="comma-separated K values to pin as static modes (default: "
                              "0 .. k-max)")
-    parser.add_argument("--drafter-at-k0", choices=("run", "skip"), default="run",
-                        help="the spec engine's speculation_control.drafter_at_k0 (skip: "
+    parser.add_argument("--drafter-at-k0", default="run",
+                        help="comma-separated speculation_control.drafter_at_k0 values, one "
+                             "spec engine each (run,skip: the A/B on one run; skip: "
                              "model runner V2 on CUDA only)")
     parser.add_argument("--profile-modes", default="",
                         help="comma-separated modes (spec-off, k=<K>, controller) to sample "
@@ -352,8 +374,13 @@ def main() -> None:
         parser.error(f"--static-k: comma-separated integers, got {opts.static_k!r}")
     if any(not 0 <= k <= opts.k_max for k in opts.static_k):
         parser.error(f"--static-k: each K in 0 .. --k-max ({opts.k_max})")
+    opts.drafter_at_k0 = opts.drafter_at_k0.split(",")
+    if not opts.drafter_at_k0 or set(opts.drafter_at_k0) - {"run", "skip"} or len(
+            set(opts.drafter_at_k0)) != len(opts.drafter_at_k0):
+        parser.error("--drafter-at-k0: distinct values among run, skip")
     opts.profile_modes = [m for m in opts.profile_modes.split(",") if m]
-    known = {"spec-off", "controller", *(f"k={k}" for k in opts.static_k)}
+    known = {"spec-off", *(mode_name(m, d, opts.drafter_at_k0) for d in opts.drafter_at_k0
+                           for m in ("controller", *(f"k={k}" for k in opts.static_k)))}
     if unknown := set(opts.profile_modes) - known:
         parser.error(f"--profile-modes: {sorted(unknown)} not among the modes {sorted(known)}")
     resolve_device(opts)

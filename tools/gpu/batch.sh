@@ -13,6 +13,9 @@
 #   bash tools/gpu/batch.sh spec                # ~5 min (spec-full: ~9 min)
 #   bash tools/gpu/batch.sh spec-profile        # ~5 min: where K = 0 costs (py-spy)
 #   bash tools/gpu/batch.sh spec-skip           # ~6 min: spec with drafter_at_k0: skip
+#   bash tools/gpu/batch.sh spec-repro churn    # ~5 + 4 min: the illegal memory access
+#   bash tools/gpu/batch.sh churn-tests         # ~5 min: test_spec_churn.py, run and skip
+#   bash tools/gpu/batch.sh spec-ab             # ~9 min: drafter_at_k0 run vs skip at K = 0
 #   bash tools/gpu/batch.sh load starts trainer # ~4 + 5 + 5 min
 #   bash tools/gpu/batch.sh sync7b              # ~6-9 min: the 7B shape (15 GB per push)
 set -uo pipefail
@@ -70,6 +73,21 @@ for s in "$@"; do
         --k-max 3 --static-k 0,1,2 --concurrency 1,16,64 --max-tokens 256 --rounds 3 \
         --rollout-prompts 256 --rollout-max-tokens 512 --logs "$out/$s-logs" \
         --drafter-at-k0 "$([ "$s" = spec-skip ] && echo skip || echo run)" ;;
+    spec-repro)  # the H200's illegal memory access: k=0 pinned at c=64 after c=16, kernels
+      # launched synchronously so that the engine core's traceback names the faulting one
+      step spec-repro 330 env CUDA_LAUNCH_BLOCKING=1 python3 -m bench.speculation \
+        --model embedded:1b --draft-noise 0.1 --k-max 3 --static-k 0 --concurrency 16,64 \
+        --max-tokens 256 --rounds 1 --rollout-prompts 0 --logs "$out/spec-repro-logs" ;;
+    churn)  # random K schedules every 3 steps under 256 requests (bench/spec_churn.py)
+      step churn 300 env CUDA_LAUNCH_BLOCKING="${BLOCKING:-1}" python3 -m bench.spec_churn \
+        --model embedded:1b --k-max 3 --concurrency 256 --changes 1000 \
+        --drafter-at-k0 "${DRAFTER_AT_K0:-run}" ;;
+    churn-tests) STALL_S=100000 step churn-tests 560 python3 -m pytest -q -p no:cacheprovider \
+        -m gpu -rA tests/integration/rollout_service/test_spec_churn.py ;;
+    spec-ab)  # drafter_at_k0 run vs skip: k=0 against spec-off on one run, 3 engines
+      step spec-ab 570 python3 -m bench.speculation --model embedded:1b --draft-noise 0.1 \
+        --k-max 3 --static-k 0 --concurrency 16,64 --max-tokens 256 --rounds 5 \
+        --rollout-prompts 0 --drafter-at-k0 run,skip --logs "$out/spec-ab-logs" ;;
     spec-profile) step spec-profile 420 python3 -m bench.speculation --model embedded:1b \
             --draft-noise 0.1 --k-max 3 --static-k 0,1 --concurrency 16 --max-tokens 256 \
             --rounds 2 --rollout-prompts 0 --profile-modes spec-off,k=0 \
@@ -77,7 +95,7 @@ for s in "$@"; do
     spec-full) step spec-full 540 python3 -m bench.speculation --model embedded:1b \
             --draft-noise 0.1,0.6 --k-max 3 --concurrency 1,16,256 --max-tokens 256 \
             --rounds 2 --rollout-prompts 512 --stale-drafter --logs "$out/spec-logs" ;;
-    *) echo "unknown step: $s (tests spec-tests trainer starts serving sync sync7b load spec spec-skip spec-profile spec-full)" >&2; exit 2 ;;
+    *) echo "unknown step: $s (tests spec-tests trainer starts serving sync sync7b load spec spec-skip spec-profile spec-full spec-repro churn churn-tests spec-ab)" >&2; exit 2 ;;
   esac
 done
 clean
