@@ -78,9 +78,14 @@ for s in "$@"; do
       step spec-repro 330 env CUDA_LAUNCH_BLOCKING=1 python3 -m bench.speculation \
         --model embedded:1b --draft-noise 0.1 --k-max 3 --static-k 0 --concurrency 16,64 \
         --max-tokens 256 --rounds 1 --rollout-prompts 0 --logs "$out/spec-repro-logs" ;;
+    spec-repro-eager)  # the same without compile and CUDA graphs: are the graphs in it?
+      step spec-repro-eager 200 env CUDA_LAUNCH_BLOCKING=1 python3 -m bench.speculation \
+        --model embedded:1b --draft-noise 0.1 --k-max 3 --static-k 0 --concurrency 16,64 \
+        --max-tokens 256 --rounds 1 --rollout-prompts 0 --eager \
+        --logs "$out/spec-repro-eager-logs" ;;
     churn)  # random K schedules every 3 steps under 256 requests (bench/spec_churn.py)
       step churn 300 env CUDA_LAUNCH_BLOCKING="${BLOCKING:-1}" python3 -m bench.spec_churn \
-        --model embedded:1b --k-max 3 --concurrency 256 --changes 1000 \
+        --model embedded:1b --k-max 3 --concurrency 256 --changes "${CHANGES:-1000}" \
         --drafter-at-k0 "${DRAFTER_AT_K0:-run}" ;;
     churn-tests) STALL_S=100000 step churn-tests 560 python3 -m pytest -q -p no:cacheprovider \
         -m gpu -rA tests/integration/rollout_service/test_spec_churn.py ;;
@@ -95,7 +100,7 @@ for s in "$@"; do
     spec-full) step spec-full 540 python3 -m bench.speculation --model embedded:1b \
             --draft-noise 0.1,0.6 --k-max 3 --concurrency 1,16,256 --max-tokens 256 \
             --rounds 2 --rollout-prompts 512 --stale-drafter --logs "$out/spec-logs" ;;
-    *) echo "unknown step: $s (tests spec-tests trainer starts serving sync sync7b load spec spec-skip spec-profile spec-full spec-repro churn churn-tests spec-ab)" >&2; exit 2 ;;
+    *) echo "unknown step: $s (tests spec-tests trainer starts serving sync sync7b load spec spec-skip spec-profile spec-full spec-repro spec-repro-eager churn churn-tests spec-ab)" >&2; exit 2 ;;
   esac
 done
 clean
