@@ -174,17 +174,31 @@ class ServiceConfig(BaseModel):
         "Data path of weight pushes, and the vLLM weight-transfer backend the engine starts "
         "with: 'shm' (a shared-memory segment on this host; CPU or GPU), 'cuda_ipc' (CUDA "
         "IPC handles; trainer and engine on the same GPU, vLLM's CUDA build, engine 'vllm' "
-        "standalone) or 'nccl' (the trainer broadcasts to every engine worker in a "
-        "collective group it joins through POST /weights/group: NCCL on CUDA, gloo on the "
-        "CPU; any host that reaches this one; engine 'vllm' standalone). A push announcing "
-        "another transport is refused (400)."))
-    weights_group_address: str | None = Field(None, description=(
-        "nccl only: the address trainers reach this host at for the group's rendezvous. "
-        "Default: 'host', or 127.0.0.1 when 'host' is a wildcard (0.0.0.0, ::)."))
+        "standalone) or 'nccl' (the trainer broadcasts each bucket to every engine worker in "
+        "a collective group it owns and this service joins through POST /weights/group: "
+        "NCCL on CUDA, gloo on the CPU; a trainer on any host; engine 'vllm', standalone or "
+        "under Ray Serve). A push announcing another transport is refused (400)."))
     weights_group_timeout_s: float = Field(60.0, gt=0, description=(
-        "nccl only: how long the group's join and each push's broadcast wait for the other "
-        "ranks. A trainer silent for longer fails its push (nothing loaded) and ends the "
-        "group; the trainer's next push creates a new one."))
+        "nccl only: how long the group's join and each bucket's broadcast wait for the "
+        "other ranks, unless the trainer's group asks for another (timeout_s). A trainer "
+        "silent for longer fails its push (nothing loaded) and ends the group; the "
+        "trainer's next push makes a new one."))
+    weights_group_lease_s: float = Field(3600.0, gt=0, description=(
+        "nccl only: a group with no call naming it for this long is released (its trainer "
+        "died without releasing it), unless the group asks for another lease (lease_s); "
+        "until then a second trainer's group is refused (409)."))
+    weights_bucket_bytes: int = Field(256 * 1024**2, ge=64, description=(
+        "nccl only: the largest bucket a trainer may broadcast, unless its group asks for "
+        "another (bucket_bytes): the size of each worker's receive slots."))
+    weights_num_buckets: int = Field(2, ge=1, le=8, description=(
+        "nccl only: receive slots per engine worker (a ring: with 2, the next bucket "
+        "arrives while the last one is written to the stored copy), unless the group asks "
+        "for another number (num_buckets). A worker's receive memory is at most this many "
+        "buckets."))
+    weights_store_dir: Path | None = Field(None, description=(
+        "nccl only: the folder where each push's received copy is stored on this host (the "
+        "push loads from it; the served version's copy stays until the next push, for "
+        "replicas that restart). Not under /dev/shm. Default: a new temporary folder."))
     weights_load: WeightsLoad = Field("auto", description=(
         "How vLLM loads a push. 'reload': vLLM's layerwise reload (re-initialises each layer "
         "and re-runs its post-load processing: needed where vLLM transforms weights after "
@@ -204,13 +218,6 @@ class ServiceConfig(BaseModel):
             raise ValueError(f"weights_transport: {self.weights_transport!r} is built for "
                              f"engine 'vllm' only, not {self.engine!r}")
         return self
-
-    @property
-    def group_address(self) -> str:
-        """Where trainers reach the ``nccl`` group's rendezvous (``weights_group_address``)."""
-        if self.weights_group_address:
-            return self.weights_group_address
-        return "127.0.0.1" if self.host in ("0.0.0.0", "::", "") else self.host
 
     @model_validator(mode="after")
     def _speculation_control_engine(self) -> ServiceConfig:

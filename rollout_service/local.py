@@ -38,6 +38,7 @@ from rollout_service.telemetry.speculation import SpeculationMetrics
 from rollout_service.telemetry.weights import WeightMetrics
 from rollout_service.weights.group import WeightGroups
 from rollout_service.weights.manager import WeightPushManager
+from rollout_service.weights.stored_copies import StoredCopies
 
 ENGINE_MODULES = {"vllm": "rollout_service.engines.vllm.engine",
                   "sglang": "rollout_service.engines.sglang.engine"}
@@ -80,8 +81,11 @@ def weight_groups(engine: Engine, config: ServiceConfig) -> WeightGroups | None:
     if not isinstance(engine, BroadcastEngine):
         raise ValueError(f"weights_transport: 'nccl' needs an engine whose workers join a "
                          f"group, and {type(engine).__name__} has none")
-    return WeightGroups(engine, address=config.group_address,
-                        timeout_s=config.weights_group_timeout_s)
+    return WeightGroups(engine, StoredCopies(config.weights_store_dir),
+                        timeout_s=config.weights_group_timeout_s,
+                        lease_s=config.weights_group_lease_s,
+                        bucket_bytes=config.weights_bucket_bytes,
+                        num_buckets=config.weights_num_buckets)
 
 
 def build_local_service(engine: Engine, config: ServiceConfig

@@ -71,8 +71,19 @@ class WeightPushes(Protocol):
 
     async def get_status(self) -> messages.WeightStatus: ...
 
-    async def create_group(self) -> messages.WeightGroupResponse:
-        """A new collective group for the ``nccl`` transport (``POST /weights/group``)."""
+    async def create_group(self, req: messages.WeightGroupRequest
+                           ) -> messages.WeightGroupResponse:
+        """Join the trainer's collective group for the ``nccl`` transport
+        (``POST /weights/group``)."""
+        ...
+
+    async def release_group(self, req: messages.WeightGroupRelease
+                            ) -> messages.WeightGroupState:
+        """Let the trainer's group go (``POST /weights/group/release``)."""
+        ...
+
+    async def group_state(self) -> messages.WeightGroupState:
+        """The ranks this service needs and its current group (``GET /weights/group``)."""
         ...
 
 

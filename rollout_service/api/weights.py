@@ -34,18 +34,32 @@ def weights_router(weights_token: str | None) -> APIRouter:
     router = APIRouter(prefix="/weights", dependencies=[Depends(guard or disabled)],
                        responses=documented(401 if guard else 403))
 
-    @router.post("/group", responses=documented(403, 409))
-    async def group(mgr: WeightPushes = Depends(pushes)) -> messages.WeightGroupResponse:
-        """A new collective group for the 'nccl' transport: join it as rank 0 at the
-        address given, then name it in each push's begin (docs/weight-pushes.md)."""
-        return await mgr.create_group()
+    @router.post("/group", responses=documented(400, 403, 409))
+    async def group(req: messages.WeightGroupRequest,
+                    mgr: WeightPushes = Depends(pushes)) -> messages.WeightGroupResponse:
+        """Join the trainer's collective group for the 'nccl' transport (the trainer hosts
+        its rendezvous and is rank 0; this service's workers take num_ranks ranks from
+        rank_offset), then name it in each push's begin (docs/weight-pushes.md)."""
+        return await mgr.create_group(req)
+
+    @router.get("/group", responses=documented(403))
+    async def group_state(mgr: WeightPushes = Depends(pushes)) -> messages.WeightGroupState:
+        """How many ranks this service takes in a group, and its current group."""
+        return await mgr.group_state()
+
+    @router.post("/group/release", responses=documented(400, 403, 404))
+    async def release_group(req: messages.WeightGroupRelease,
+                            mgr: WeightPushes = Depends(pushes)) -> messages.WeightGroupState:
+        """The owner lets its group go: the workers leave it, and another trainer may make
+        one (a push in progress in it is aborted, nothing loaded)."""
+        return await mgr.release_group(req)
 
     @router.post("/begin", responses=documented(400, 409, 503))
     async def begin(req: messages.PushBeginRequest,
                     mgr: WeightPushes = Depends(pushes)) -> messages.PushBeginResponse:
         return await mgr.begin(req)
 
-    @router.post("/update", responses=documented(400, 404, 409))
+    @router.post("/update", responses=documented(400, 404, 408, 409))
     async def update(req: messages.PushUpdateRequest,
                      mgr: WeightPushes = Depends(pushes)) -> messages.PushUpdateResponse:
         return await mgr.update(req)

@@ -22,6 +22,7 @@ from rollout_service.protocol.broadcast import Backend, GroupSpec
 from rollout_service.protocol.cuda_ipc import CudaIpcHandle
 from rollout_service.protocol.messages import PauseMode, PushTarget, WeightVersionSpan
 from rollout_service.protocol.placement import TensorPlacement, Transport
+from rollout_service.protocol.store import BucketInfo, StoreRef
 from rollout_service.speculation.cost import StepCostSample
 
 WeightsLoad = Literal["auto", "reload"]
@@ -151,6 +152,9 @@ class WeightUpdate:
     cuda_ipc_buffer: CudaIpcHandle | None = None
     """``cuda_ipc``: the push's staging buffer, where the placements without a handle
     lie (begin's ``cuda_ipc_buffer``)."""
+    store: StoreRef | None = None
+    """``nccl``: the server's received copy of the push, where every placement's bucket
+    lies (``protocol/store.py``)."""
 
     def is_last_load(self, *, draft: bool) -> bool:
         """Whether the load of this model is the last of the push (drafter after main)."""
@@ -302,14 +306,39 @@ StepCostSink = Callable[[StepCostSample], None]
 """Takes one engine step's measured cost; called often, so it must be quick."""
 
 
+@dataclass(frozen=True, kw_only=True, slots=True)
+class BucketReceive:
+    """How a server's workers receive the buckets of one ``nccl`` push."""
+
+    push_id: str
+    store_path: str
+    """The push's stored copy on this server, written by its first worker."""
+    slot_bytes: int
+    """Each ring slot's size: the group's largest bucket."""
+    num_slots: int
+    """Ring slots per worker."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class WorkerReceive:
+    """One worker's part of a push's receive, as it reports it."""
+
+    state: str
+    """``running``, ``done`` (every bucket received, checked and, by the writer, stored),
+    ``refused: ...`` (a bucket was not what its update announced), ``failed: ...``
+    (the broadcast broke: the worker left the group) or ``unknown``."""
+    peak_bytes: int
+    """The most bytes the worker held in receive buffers at once during the push."""
+
+
 @runtime_checkable
 class BroadcastEngine(Protocol):
-    """An engine whose workers take pushes as a broadcast in a collective group
-    (``weights_transport: nccl``; vLLM: ``engines/vllm/broadcast_backend.py``)."""
+    """An engine whose workers take pushes as broadcasts in the trainer's collective
+    group (``weights_transport: nccl``; vLLM: ``engines/vllm/broadcast_backend.py``)."""
 
     @property
     def num_workers(self) -> int:
-        """Worker processes that join a group (ranks 1..num_workers)."""
+        """Worker processes that join a group (ranks rank_offset..+num_workers-1)."""
         ...
 
     @property
@@ -318,21 +347,33 @@ class BroadcastEngine(Protocol):
         ...
 
     async def join_group(self, spec: GroupSpec) -> None:
-        """Have every worker start joining ``spec``'s group; returns at once (the
-        trainer joins meanwhile; :meth:`group_state` follows the join)."""
+        """Have every worker start joining ``spec``'s group at ``spec.rank_offset`` plus
+        its rank, leaving any earlier group; returns at once (the trainer joins
+        meanwhile; :meth:`group_state` follows the join)."""
         ...
 
     async def group_state(self, group_id: str) -> list[str]:
         """Each worker's join: ``running``, ``done``, ``failed: ...`` or ``unknown``."""
         ...
 
-    async def start_receive(self, push_id: str, group_id: str, nbytes: int) -> None:
-        """Have every worker start receiving push ``push_id``'s broadcast of ``nbytes``
-        into a buffer of its own (no parameter changes); returns at once."""
+    async def leave_group(self) -> None:
+        """Every worker leaves its group (a trainer still sending gets an error)."""
         ...
 
-    async def receive_state(self, push_id: str) -> list[str]:
-        """Each worker's receive: ``running``, ``done``, ``failed: ...`` or ``unknown``."""
+    async def start_bucket(self, receive: BucketReceive, bucket: BucketInfo) -> None:
+        """Have every worker start receiving ``bucket`` into its ring, the first worker
+        then writing it into the stored copy (no parameter changes); returns at once."""
+        ...
+
+    async def bucket_states(self, push_id: str, index: int) -> list[str]:
+        """Each worker's receive of one bucket (the states of :class:`WorkerReceive`;
+        ``done`` means received and checked)."""
+        ...
+
+    async def receive_reports(self, push_id: str, num_buckets: int) -> list[WorkerReceive]:
+        """Each worker's receive of the push's first ``num_buckets`` buckets; a worker
+        whose receive ended (``done``: every bucket stored; or a failure) lets its ring
+        go."""
         ...
 
 

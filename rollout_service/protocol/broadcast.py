@@ -1,25 +1,34 @@
-"""The ``nccl`` transport's collective group: one broadcast from the trainer to every
-engine worker per push.
+"""The ``nccl`` transport's collective group: the trainer broadcasts each bucket of a push
+to every engine worker of every server (or Ray Serve replica) at once.
 
-Three processes use this module:
+Three kinds of process use this module:
 
-- the service process hosts the rendezvous (:class:`Rendezvous`, a torch ``TCPStore``)
-  and hands its address out in ``POST /weights/group`` (a
-  :class:`~rollout_service.protocol.messages.WeightGroupResponse`);
-- the trainer (``WeightPusher(transport="nccl")``) joins as rank 0 with :func:`join`
-  and, once a push's ``finish`` is sent and every worker is receiving, broadcasts one
-  byte buffer holding every tensor at the offsets its placements name
-  (:class:`~rollout_service.protocol.placement.BroadcastLocation`);
-- each engine worker joins as rank ``1 + its rank``, counts itself in the store as
-  receiving that push, receives the buffer, and counts itself as finished (received or
-  failed), which is what the service waits on (:meth:`Rendezvous.finished`).
+- the trainer owns the group: it hosts the rendezvous (:class:`Rendezvous`, a torch
+  ``TCPStore``), tells each server where it is, how large the world is and at which rank
+  that server's workers start (``POST /weights/group``: ``rank_offset``), joins as rank
+  0 (:func:`join`) and, during each ``/weights/update`` call, sends one bucket
+  (:meth:`Group.send_bucket`);
+- each engine worker joins as ``rank_offset + its own rank`` and receives each bucket
+  into a slot of a fixed-size ring (:meth:`Group.receive_bucket`), counting itself in
+  the store when it is ready to receive and when its receive ended;
+- the service process reads those counters in the same store (:class:`StoreCounters`),
+  so it knows when its own workers are done without asking them (vLLM's workers spin
+  for a second after every RPC; asking every few milliseconds starved the trainer of a
+  2-core machine).
 
-The group is torch.distributed's own process group, built directly on the store (no
-default group, so the engine's own ``torch.distributed`` world is untouched): NCCL when
-the engine runs on CUDA, gloo on the CPU. Both take the same calls, which is how the CPU
-CI exercises the whole protocol. A rank that waits longer than the group's timeout for
-the others (a trainer that died mid-broadcast) gets an error; the group is then
-unusable and a new one is made for the next push.
+A bucket travels as two collectives: a fixed 32-byte header (:class:`FrameHeader`:
+length, checksum, index) then the payload. A receiver checks the header against what
+the update call announced before it posts the payload's receive, so a trainer that
+sends more bytes than announced is refused instead of overrunning the slot: gloo
+aborts the process on a receive shorter than the message (``pair.cc``: "Received data
+size doesn't match expected size"), NCCL's behaviour on mismatched counts is undefined.
+A trainer that sends fewer bytes than its header says leaves stale bytes in the slot's
+tail, which gloo reports as success; the checksum catches it.
+
+The group is torch.distributed's own process group built directly on the store (no
+default group, so the engine's own world is untouched): NCCL on CUDA, gloo on the CPU,
+the same calls. A rank that waits longer than the group's timeout for the others (a
+trainer that died or stalls) gets an error; the group is then unusable and is closed.
 
 torch is imported lazily: the service validates messages without it.
 """
@@ -27,7 +36,8 @@ torch is imported lazily: the service validates messages without it.
 from __future__ import annotations
 
 import datetime
-import uuid
+import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -37,33 +47,84 @@ if TYPE_CHECKING:
 Backend = Literal["nccl", "gloo"]
 TRAINER_RANK = 0
 """The broadcast's source."""
+HEADER_MAGIC = 0x524F4C4C4F555431  # "ROLLOUT1"
+"""First word of every bucket's header: a trainer speaking another framing is refused."""
+HEADER_WORDS = 4
+"""magic, nbytes, checksum, index: int64 each."""
+CHECKSUM_CHUNK_WORDS = 1 << 20
+"""Words per step of :func:`bucket_checksum`: its temporaries stay at 16 MiB."""
+_MASK64 = (1 << 64) - 1
+_GOLDEN = 0x9E3779B97F4A7C15
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class GroupSpec:
-    """Where and how every rank joins one group (the wire form is
-    ``WeightGroupResponse``, which carries the same fields)."""
+    """Where and how the ranks of one server (or replica) join the trainer's group."""
 
     group_id: str
+    """The group's name; its keys live under this prefix of the trainer's store."""
     master_address: str
     master_port: int
     world_size: int
+    """The trainer and every receiver of every server."""
+    rank_offset: int
+    """This server's first rank; its worker ``i`` joins as ``rank_offset + i``."""
     backend: Backend
     timeout_s: float
+    """How long a rank waits for the others in the join and in each collective."""
 
     def as_dict(self) -> dict[str, Any]:
         """JSON-safe, for vLLM's worker RPC."""
         return asdict(self)
 
 
-def new_group_id() -> str:
-    return f"rollout-{uuid.uuid4().hex[:16]}"
+@dataclass(frozen=True, kw_only=True, slots=True)
+class FrameHeader:
+    """What precedes every bucket's payload in the group (and what the update call
+    announced for it): the receiver compares the two before it receives the payload."""
+
+    nbytes: int
+    checksum: int
+    """:func:`bucket_checksum` of the payload, an unsigned 64-bit integer."""
+    index: int
+    """The bucket's position in its push (0, 1, ...)."""
+
+
+def bucket_checksum(data: torch.Tensor) -> int:
+    """A position-dependent checksum of a byte tensor whose length is a multiple of 8,
+    on its own device: ``s1 * K + s2`` over 64-bit words ``w_i`` with ``s1 = sum w_i``
+    and ``s2 = sum (i + 1) w_i``, in wrapping 64-bit arithmetic (the same on CPU and CUDA:
+    modular sums commute). It catches a payload shorter than announced (a stale tail)
+    and reordered words; it is no cryptographic digest.
+
+    Raises:
+        ValueError: the length is not a multiple of 8.
+    """
+    import torch
+
+    if data.numel() % 8:
+        raise ValueError(f"nbytes: {data.numel()} is not a multiple of 8")
+    words = data.view(torch.int64)
+    positions = torch.arange(1, min(CHECKSUM_CHUNK_WORDS, max(words.numel(), 1)) + 1,
+                             dtype=torch.int64, device=data.device)
+    s1 = s2 = 0
+    for start in range(0, words.numel(), CHECKSUM_CHUNK_WORDS):
+        chunk = words[start:start + CHECKSUM_CHUNK_WORDS]
+        total = int(chunk.sum().item())
+        s1 += total
+        s2 += start * total + int((chunk * positions[:chunk.numel()]).sum().item())
+    return ((s1 & _MASK64) * _GOLDEN + s2) & _MASK64
+
+
+def checksum_hex(value: int) -> str:
+    """The wire form of a checksum: 16 lowercase hex digits."""
+    return f"{value & _MASK64:016x}"
 
 
 class Rendezvous:
-    """The store every rank of the service's groups meets at (service process).
+    """The store every rank of the trainer's groups meets at (the trainer's process).
 
-    One server for the service's lifetime, on a free port; each group uses its own key
+    One server for the trainer's lifetime, on a free port; each group uses its own key
     prefix, so an abandoned group's keys never meet a new one's.
     """
 
@@ -79,23 +140,31 @@ class Rendezvous:
     def port(self) -> int:
         return int(self._store.port)
 
-    def finished(self, group_id: str, key: str) -> int:
-        """How many workers of ``group_id`` have finished receiving broadcast ``key``
-        (received it or failed): the service's wait reads this counter in its own store,
-        not the workers' state through the engine. Why: vLLM's workers spin on their
-        message queue for a second after every engine RPC (``SpinCondition`` in
-        ``vllm/distributed/device_communicators/shm_broadcast.py``), so asking them every
-        few milliseconds kept every worker busy-waiting through the broadcast and, on a
-        2-core machine, starved the trainer that had to send it."""
+
+class StoreCounters:
+    """A service's read-only view of one group's counters in the trainer's store.
+
+    The service waits here for its own workers' receives to end (each worker counts
+    itself under its server's ``rank_offset``) instead of asking the workers.
+    """
+
+    def __init__(self, spec: GroupSpec) -> None:
         import torch.distributed as dist
 
-        return int(dist.PrefixStore(group_id, self._store).add(_finished(key), 0))
+        self._store = dist.PrefixStore(spec.group_id, dist.TCPStore(
+            spec.master_address, spec.master_port, None, False,
+            datetime.timedelta(seconds=spec.timeout_s)))
+        self._server = spec.rank_offset
+
+    def finished(self, key: str) -> int:
+        """How many of this server's workers have finished receiving ``key`` (received it
+        or failed)."""
+        return int(self._store.add(_finished(key, self._server), 0))
 
 
 class Group:
-    """One rank's membership: the trainer sends each push (:meth:`send`), the workers
-    receive it (:meth:`receive`); :meth:`broadcast` is the plain collective (the join's
-    probe)."""
+    """One rank's membership: the trainer sends buckets (:meth:`send_bucket`), the workers
+    receive them (:meth:`receive_bucket`); :meth:`broadcast` is the plain collective."""
 
     def __init__(self, spec: GroupSpec, rank: int, process_group: Any, store: Any) -> None:
         self.spec = spec
@@ -105,66 +174,112 @@ class Group:
 
     def broadcast(self, buffer: torch.Tensor) -> None:
         """Send ``buffer`` from the trainer to every rank, or receive into it; blocks until
-        done (on CUDA, until the copy is queued on NCCL's stream and waited for).
+        done.
 
         Raises:
-            RuntimeError: another rank did not take part within the group's timeout.
+            RuntimeError: another rank did not take part within the group's timeout, or
+                left the group.
         """
         self._wait(self._start(buffer), buffer)
 
-    def receive(self, buffer: torch.Tensor, key: str) -> None:
-        """A worker's part of the broadcast ``key`` (a push id): queue the receive into
-        ``buffer``, then tell the trainer (:meth:`send` waits for every worker), then
-        wait for the bytes.
+    def receive_bucket(self, slot: torch.Tensor, key: str, announced: FrameHeader
+                       ) -> torch.Tensor:
+        """A worker's part of bucket ``key``: count itself as receiving (the last one tells
+        the trainer to send), take the header, check it against ``announced``, then take
+        the payload into ``slot`` and check its checksum. Returns the payload (a view of
+        ``slot``).
 
         Raises:
-            RuntimeError: the trainer did not send within the group's timeout.
+            BucketRefused: the header or the checksum is not what was announced (the
+                payload was received and is dropped, or, when it is longer than the
+                slot, not received at all: the caller must then leave the group).
+            RuntimeError: the trainer did not send within the group's timeout, or left.
         """
-        work = self._start(buffer)
-        if self._store.add(_receiving(key), 1) == self.spec.world_size - 1:
-            self._store.set(_all_receiving(key), b"1")  # the last one wakes the trainer
+        import torch
+
         try:
-            self._wait(work, buffer)
-        except RuntimeError as exc:
-            raise RuntimeError(f"{exc} (queued and counted as receiving; "
-                               f"{self._store.add(_receiving(key), 0)} of "
-                               f"{self.spec.world_size - 1} counted)") from exc
+            header = torch.zeros(HEADER_WORDS, dtype=torch.int64, device=slot.device)
+            work = self._start(header)
+            if self._store.add(_receiving(key), 1) == self.spec.world_size - 1:
+                self._store.set(_all_receiving(key), b"1")  # the last one wakes the trainer
+            self._wait(work, header)
+            magic, nbytes, checksum, index = (int(v) for v in header.tolist())
+            if magic != HEADER_MAGIC:
+                raise BucketRefused(f"bucket {key}: header {magic:#x} is not this "
+                                    "transport's framing", must_leave=True)
+            if nbytes > slot.numel() or nbytes <= 0:
+                raise BucketRefused(f"bucket {key}: the trainer sends {nbytes} bytes, more "
+                                    f"than the {slot.numel()}-byte slot (announced "
+                                    f"{announced.nbytes}); not received", must_leave=True)
+            payload = slot[:nbytes]
+            self._wait(self._start(payload), payload)
+            sent = FrameHeader(nbytes=nbytes, checksum=checksum & _MASK64, index=index)
+            if sent != announced:
+                raise BucketRefused(f"bucket {key}: the trainer sent {_describe(sent)}, "
+                                    f"the update announced {_describe(announced)}")
+            actual = bucket_checksum(payload)
+            if actual != announced.checksum:
+                raise BucketRefused(f"bucket {key}: received bytes have checksum "
+                                    f"{checksum_hex(actual)}, announced "
+                                    f"{checksum_hex(announced.checksum)} (a broadcast "
+                                    "shorter than announced, or corrupted)")
+            return payload
         finally:
             self._count_finished(key)
 
     def _count_finished(self, key: str) -> None:
-        """Tell the service this worker's receive of ``key`` ended, whichever way."""
+        """Tell this server's service that this worker's receive of ``key`` ended."""
         try:
-            self._store.add(_finished(key), 1)
+            self._store.add(_finished(key, self.spec.rank_offset), 1)
         except RuntimeError:  # the store gone: the service's own deadline ends its wait
             pass
 
-    def send(self, buffer: torch.Tensor, key: str) -> None:
-        """The trainer's part of the broadcast ``key``: once every worker is receiving,
-        send ``buffer``.
+    def send_bucket(self, payload: torch.Tensor, key: str, *, index: int, checksum: int,
+                    is_cancelled: Callable[[], bool] = lambda: False) -> None:
+        """The trainer's part of bucket ``key``: once every worker is receiving it, send
+        its header, then its bytes.
 
         Why wait: the trainer queues its side of the collective (on CUDA, an NCCL kernel
         on its GPU) only once every worker can take it, so a worker that never starts
-        receiving fails the push at the group's timeout with a Python error that says
+        receiving fails the bucket at the group's timeout with a Python error that says
         how many did, instead of leaving a collective waiting on the trainer's GPU.
+        ``is_cancelled`` ends the wait early (the service refused the update: no worker
+        will receive).
 
         Raises:
-            RuntimeError: not every worker started receiving, or they did not take part,
-                within the group's timeout.
+            RuntimeError: not every worker started receiving within the group's timeout
+                (or the wait was cancelled), or a rank left during the broadcast.
         """
-        try:
-            self._store.wait([_all_receiving(key)],
-                             datetime.timedelta(seconds=self.spec.timeout_s))
-        except RuntimeError as exc:  # torch's DistStoreError is one
-            ready = self._store.add(_receiving(key), 0)
-            raise RuntimeError(f"broadcast {key}: {ready} of {self.spec.world_size - 1} "
-                               f"workers started receiving within {self.spec.timeout_s:g} s"
-                               ) from exc
-        self._wait(self._start(buffer), buffer)
+        import torch
+
+        self._wait_ready(key, is_cancelled)
+        header = torch.tensor([HEADER_MAGIC, payload.numel(), _signed(checksum), index],
+                              dtype=torch.int64, device=payload.device)
+        self._wait(self._start(header), header)
+        self._wait(self._start(payload), payload)
+
+    def _wait_ready(self, key: str, is_cancelled: Callable[[], bool]) -> None:
+        """Wait in the store for the last worker's key, in short steps so that a refused
+        update (``is_cancelled``) ends the wait."""
+        deadline = time.monotonic() + self.spec.timeout_s
+        while True:
+            step = min(0.2, max(deadline - time.monotonic(), 0.001))
+            try:
+                self._store.wait([_all_receiving(key)], datetime.timedelta(seconds=step))
+                return
+            except RuntimeError as exc:  # torch's DistStoreError is one
+                if is_cancelled() or time.monotonic() >= deadline:
+                    ready = self._store.add(_receiving(key), 0)
+                    why = "the update was refused" if is_cancelled() else (
+                        f"within {self.spec.timeout_s:g} s")
+                    raise RuntimeError(f"bucket {key}: {ready} of {self.spec.world_size - 1} "
+                                       f"workers started receiving ({why})") from exc
 
     def _start(self, buffer: torch.Tensor) -> Any:
         import torch.distributed as dist
 
+        if self._pg is None:
+            raise RuntimeError(f"group {self.spec.group_id} is closed")
         options = dist.BroadcastOptions()
         options.rootRank = TRAINER_RANK
         return self._pg.broadcast([buffer], options)
@@ -177,26 +292,56 @@ class Group:
             torch.cuda.current_stream(buffer.device).synchronize()
 
     def close(self) -> None:
-        """Let go of the process group (NCCL's communicator is aborted, not waited on)."""
-        abort = getattr(self._pg, "abort", None)
-        if self.spec.backend == "nccl" and callable(abort):
-            abort()
-        self._pg = None
+        """Leave the group: NCCL's communicator is aborted, not waited on; gloo's sockets
+        close, so a trainer still sending gets an error instead of waiting."""
+        pg, self._pg = self._pg, None
+        if pg is None:
+            return
+        stop = getattr(pg, "abort", None) if self.spec.backend == "nccl" else getattr(
+            pg, "shutdown", None)
+        if callable(stop):
+            try:
+                stop()
+            except RuntimeError:  # already broken: nothing left to stop
+                pass
+
+
+class BucketRefused(Exception):
+    """A bucket whose header or bytes are not what its update announced.
+
+    ``must_leave``: its payload was not received (longer than the slot, or another
+    framing), so this rank's next collective would not match the trainer's: it must
+    leave the group."""
+
+    def __init__(self, message: str, *, must_leave: bool = False) -> None:
+        super().__init__(message)
+        self.must_leave = must_leave
+
+
+def _describe(header: FrameHeader) -> str:
+    return (f"bucket {header.index} of {header.nbytes} bytes, checksum "
+            f"{checksum_hex(header.checksum)}")
+
+
+def _signed(value: int) -> int:
+    """An unsigned 64-bit value as the int64 a tensor holds."""
+    value &= _MASK64
+    return value - (1 << 64) if value >= 1 << 63 else value
 
 
 def _receiving(key: str) -> str:
-    """The store counter of the workers receiving broadcast ``key``."""
+    """The store counter of the workers (of every server) receiving bucket ``key``."""
     return f"receiving/{key}"
 
 
-def _finished(key: str) -> str:
-    """The store counter of the workers whose receive of broadcast ``key`` ended."""
-    return f"finished/{key}"
+def _finished(key: str, server: int) -> str:
+    """The store counter of one server's workers whose receive of ``key`` ended."""
+    return f"finished/{key}/{server}"
 
 
 def _all_receiving(key: str) -> str:
-    """The store key the last worker to receive broadcast ``key`` sets; the trainer
-    waits on it (a blocking wait in the store, no polling)."""
+    """The store key the last worker to receive bucket ``key`` sets; the trainer waits on
+    it (a blocking wait in the store)."""
     return f"all-receiving/{key}"
 
 

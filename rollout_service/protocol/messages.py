@@ -19,6 +19,7 @@ from rollout_service.protocol.cuda_ipc import ByteBufferHandle
 from rollout_service.protocol.placement import TensorPlacement, Transport
 from rollout_service.protocol.shm import SEGMENT_NAME_PATTERN
 from rollout_service.protocol.speculation import SpeculationControlStatus
+from rollout_service.protocol.store import BucketInfo
 from rollout_service.protocol.tensors import Dtype
 
 _STRICT = ConfigDict(extra="forbid", strict=True)
@@ -290,22 +291,21 @@ class ParamSpec(BaseModel):
 _TRANSPORT_FIELDS = {"oneOf": [
     {"properties": {"transport": {"const": "shm"}, "segment": {"type": "string"},
                     "segment_bytes": {"type": "integer"}, "group_id": {"type": "null"},
-                    "broadcast_bytes": {"type": "null"}, "cuda_ipc_buffer": {"type": "null"}},
+                    "cuda_ipc_buffer": {"type": "null"}},
      "required": ["segment", "segment_bytes"]},
     {"properties": {"transport": {"const": "cuda_ipc"}, "segment": {"type": "null"},
-                    "segment_bytes": {"type": "null"}, "group_id": {"type": "null"},
-                    "broadcast_bytes": {"type": "null"}},
+                    "segment_bytes": {"type": "null"}, "group_id": {"type": "null"}},
      "required": ["transport"]},
     {"properties": {"transport": {"const": "nccl"}, "segment": {"type": "null"},
                     "segment_bytes": {"type": "null"}, "group_id": {"type": "string"},
-                    "broadcast_bytes": {"type": "integer"}, "cuda_ipc_buffer": {"type": "null"}},
-     "required": ["transport", "group_id", "broadcast_bytes"]},
+                    "cuda_ipc_buffer": {"type": "null"}},
+     "required": ["transport", "group_id"]},
 ]}
 """Which fields each transport needs and leaves out, in JSON Schema: 'shm' (the
-default) the segment, 'nccl' the group and the broadcast's size, 'cuda_ipc' none (its
-staging buffer is optional)."""
+default) the segment, 'nccl' the group, 'cuda_ipc' none (its staging buffer is
+optional)."""
 _FIELDS_BY_TRANSPORT = {"shm": ("segment", "segment_bytes"), "cuda_ipc": (),
-                        "nccl": ("group_id", "broadcast_bytes")}
+                        "nccl": ("group_id",)}
 _OPTIONAL_FIELDS_BY_TRANSPORT = {"cuda_ipc": ("cuda_ipc_buffer",)}
 
 
@@ -349,16 +349,16 @@ class PushBeginRequest(BaseModel):
         "Data path; must be the service's configured weights_transport. 'shm': a POSIX "
         "shared-memory segment on this host (CPU and same-host GPU trainers). 'cuda_ipc': "
         "CUDA IPC handles of the trainer's tensors (trainer and engine on the same GPU). "
-        "'nccl': a broadcast from the trainer to every engine worker in the collective "
-        "group of POST /weights/group, sent while /weights/finish runs."))
+        "'nccl': one broadcast per bucket from the trainer to every engine worker in the "
+        "trainer's collective group (POST /weights/group), each sent while its "
+        "/weights/update runs."))
     segment: str | None = Field(None, pattern=SEGMENT_NAME_PATTERN, description=(
         "shm only (required there): name of the trainer's segment under /dev/shm."))
     segment_bytes: Count | None = Field(None, description=(
         "shm only (required there): size of the segment in bytes."))
     group_id: str | None = Field(None, min_length=1, max_length=64, description=(
-        "nccl only (required there): the group the trainer joined (POST /weights/group)."))
-    broadcast_bytes: Count | None = Field(None, description=(
-        "nccl only (required there): size in bytes of the buffer the trainer broadcasts."))
+        "nccl only (required there): the trainer's group the service joined "
+        "(POST /weights/group)."))
     cuda_ipc_buffer: ByteBufferHandle | None = Field(None, description=(
         "cuda_ipc only (optional there): the trainer's staging buffer, a byte buffer (1-D "
         "uint8) exported once; a placement without a handle lies in it at its offset. "
@@ -393,22 +393,99 @@ class PushBeginRequest(BaseModel):
         return self
 
 
-class WeightGroupResponse(BaseModel):
-    """Where the trainer joins the collective group of the ``nccl`` transport
-    (``POST /weights/group``): the service hosts the rendezvous (a torch ``TCPStore``)
-    and its engine workers join as ranks 1.. while the trainer joins as rank 0."""
+GROUP_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.:-]{0,63}$"
+"""A group's name: a prefix of keys in the trainer's store."""
+MAX_GROUP_TIMEOUT_S = 3600.0
+MAX_BUCKETS_IN_FLIGHT = 8
+"""Ring slots a group may ask each worker to hold: memory, not speed, is what they buy."""
+GroupBackend = Literal["nccl", "gloo"]
 
-    group_id: str = Field(description="Name the pushes of this group give in begin.")
-    master_address: str = Field(description="Host of the rendezvous store.")
-    master_port: int = Field(description="Port of the rendezvous store.")
-    world_size: int = Field(description="The trainer and every engine worker.")
-    trainer_rank: int = Field(0, description="The trainer's rank: the broadcast's source.")
-    backend: Literal["nccl", "gloo"] = Field(description=(
-        "torch.distributed backend of the group: nccl for engines on CUDA, gloo on the "
-        "CPU (the same protocol; how CI tests it)."))
+
+class WeightGroupRequest(BaseModel):
+    """The trainer's collective group for the ``nccl`` transport (``POST /weights/group``):
+    the trainer hosts the rendezvous (a torch ``TCPStore``) and is rank 0; this service's
+    engine workers (under Ray Serve, every replica's, one replica after the other) join
+    at ``rank_offset``, ``rank_offset + 1``, ... A group has one owner: while it lives, a
+    request for another group is refused (409) until the first is released
+    (``POST /weights/group/release``) or goes ``lease_s`` without a call."""
+
+    model_config = _STRICT
+
+    group_id: str = Field(pattern=GROUP_ID_PATTERN, description=(
+        "The group's name; pushes name it in begin, and it is the owner's key."))
+    master_address: str = Field(min_length=1, max_length=253, description=(
+        "Host of the trainer's rendezvous store, as this service's hosts reach it."))
+    master_port: Int = Field(ge=1, le=65535, description="Port of the rendezvous store.")
+    world_size: Int = Field(ge=2, le=1 << 20, description=(
+        "Ranks in the group: the trainer and every receiver of every server it pushes to."))
+    rank_offset: Int = Field(1, ge=1, le=1 << 20, description=(
+        "The rank of this service's first worker (the trainer is 0); its workers take "
+        "num_ranks consecutive ranks from here (GET /weights/group says how many)."))
+    backend: GroupBackend | None = Field(None, description=(
+        "torch.distributed backend: nccl for engines on CUDA, gloo on the CPU (how CI tests "
+        "the same protocol); default: the engine's."))
+    timeout_s: float | None = Field(None, gt=0, le=MAX_GROUP_TIMEOUT_S, description=(
+        "How long a rank waits for the others in the join and in each bucket's broadcast; "
+        "default: the service's weights_group_timeout_s."))
+    lease_s: float | None = Field(None, gt=0, le=7 * 86400, description=(
+        "The group is released after this long without a call naming it (a trainer that "
+        "died without releasing it); default: the service's weights_group_lease_s."))
+    bucket_bytes: Annotated[int, Field(ge=64, le=1 << 40), BeforeValidator(integral)] | None \
+        = Field(None, description=(
+        "The largest bucket the trainer broadcasts (each worker's ring slot size); "
+        "default: the service's weights_bucket_bytes."))
+    num_buckets: Annotated[int, Field(ge=1, le=MAX_BUCKETS_IN_FLIGHT),
+                           BeforeValidator(integral)] | None = Field(None, description=(
+        "Ring slots per worker: buckets received and not yet written to the server's "
+        "stored copy; default: the service's weights_num_buckets."))
+
+
+class GroupMember(BaseModel):
+    """Ray Serve: one replica's ranks in the trainer's group."""
+
+    replica: str
+    rank_offset: int
+    num_ranks: int
+
+
+class WeightGroupResponse(BaseModel):
+    """The group this service's workers are joining (``POST /weights/group``)."""
+
+    group_id: str
+    master_address: str
+    master_port: int
+    world_size: int
+    rank_offset: int = Field(description="This service's first rank.")
+    num_ranks: int = Field(description=(
+        "Ranks this service's workers take from rank_offset (Ray Serve: every replica's)."))
+    backend: GroupBackend
     timeout_s: float = Field(description=(
         "How long a rank waits for the others in the join and in each broadcast; a "
-        "trainer gone longer than this fails the push and ends the group."))
+        "trainer gone longer than this fails its push and ends the group."))
+    lease_s: float
+    bucket_bytes: int
+    num_buckets: int
+    members: list[GroupMember] | None = Field(None, description=(
+        "Ray Serve: each replica's ranks, in rank order."))
+
+
+class WeightGroupState(BaseModel):
+    """``GET /weights/group``: how many ranks this service needs in a group, and its
+    current group (None when it has none)."""
+
+    num_ranks: int = Field(description=(
+        "Receiver ranks of this service (standalone: its engine's workers; Ray Serve: "
+        "every serving replica's): a trainer's world_size counts them."))
+    backend: GroupBackend
+    current: WeightGroupResponse | None = None
+
+
+class WeightGroupRelease(BaseModel):
+    """``POST /weights/group/release``: the owner lets its group go."""
+
+    model_config = _STRICT
+
+    group_id: str = Field(pattern=GROUP_ID_PATTERN)
 
 
 class PushBeginResponse(BaseModel):
@@ -420,12 +497,18 @@ class PushBeginResponse(BaseModel):
 
 class PushUpdateRequest(BaseModel):
     """One bucket: these tensors are now in place (written in the segment, or exported
-    as CUDA IPC handles)."""
+    as CUDA IPC handles), or, for ``nccl``, broadcast by the trainer while this call runs
+    (``bucket`` says its length and checksum)."""
 
     model_config = _STRICT
 
     push_id: str
-    tensors: list[TensorPlacement] = Field(min_length=1)
+    tensors: list[TensorPlacement] = Field(default_factory=list, description=(
+        "The tensors now in place (nccl: those whose last byte is in this bucket; none "
+        "when the bucket ends inside a tensor)."))
+    bucket: BucketInfo | None = Field(None, description=(
+        "nccl only (required there): the bucket the trainer broadcasts during this call; "
+        "every placement lies in it."))
 
 
 class PushUpdateResponse(BaseModel):
@@ -457,8 +540,9 @@ class PushTimings(BaseModel):
     resume_s: float = Field(description="Prefix-cache reset and resume.")
     total_s: float = Field(description="Pause to resume.")
     receive_s: float = Field(0.0, description=(
-        "nccl: the broadcast into the workers' buffers, before the pause (generation "
-        "goes on meanwhile); 0 for the other transports."))
+        "nccl: the buckets' broadcasts into the workers' ring and the server's stored "
+        "copy, during the updates (generation goes on meanwhile); 0 for the other "
+        "transports."))
 
 
 class PushFinishResponse(BaseModel):
@@ -472,6 +556,9 @@ class PushFinishResponse(BaseModel):
         "switch at the push), with 'wait' the ones that queued during the drain. Ray "
         "Serve: summed over the replicas."))
     replicas: list[str] | None = Field(None, description="Ray Serve: the replicas that loaded it.")
+    receive_peak_bytes: list[int] | None = Field(None, description=(
+        "nccl: per engine worker (Ray Serve: of every replica, in rank order), the most "
+        "bytes it held in receive buffers at once during the push (its ring slots)."))
 
 
 class LastPush(BaseModel):

@@ -71,13 +71,15 @@ class CudaIpcLocation(BaseModel):
 
 
 class BroadcastLocation(BaseModel):
-    """The tensor's bytes at ``offset`` in the buffer the trainer broadcasts to every
-    engine worker once the push finishes (transport ``nccl``)."""
+    """The tensor's bytes at ``offset`` in the push's byte stream, which the trainer
+    broadcasts to every engine worker bucket by bucket, each during its own
+    ``/weights/update`` (transport ``nccl``); the server's stored copy holds the stream at
+    the same offsets."""
 
     model_config = _LOCATION
 
     transport: Literal["nccl"] = "nccl"
-    offset: int = Field(ge=0, description="Byte offset of the tensor in the broadcast buffer.")
+    offset: int = Field(ge=0, description="Byte offset of the tensor in the push's stream.")
 
 
 Location = Annotated[ShmLocation | CudaIpcLocation | BroadcastLocation,

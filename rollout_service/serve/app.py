@@ -213,6 +213,13 @@ class ReplicatedCompletions:
                     ) -> AsyncGenerator[openai.ChatCompletionChunk, None]:
         return self._replicas.stream("chat_stream", req)
 
+    async def release_group(self, req: messages.WeightGroupRelease
+                            ) -> messages.WeightGroupState:
+        return await self.create_group(None)  # type: ignore[arg-type]
+
+    async def group_state(self) -> messages.WeightGroupState:
+        return await self.create_group(None)  # type: ignore[arg-type]
+
 
 class CoordinatorPushes:
     """The ingress's side of the push protocol: every call goes to the coordinator."""
@@ -235,7 +242,8 @@ class CoordinatorPushes:
     async def get_status(self) -> messages.WeightStatus:
         return await _call(self._coordinator.status.remote())
 
-    async def create_group(self) -> messages.WeightGroupResponse:
+    async def create_group(self, req: messages.WeightGroupRequest
+                           ) -> messages.WeightGroupResponse:
         raise PushError(403, "weights_transport: Ray Serve takes 'shm' pushes only; weight "
                              "groups are for the 'nccl' transport of the standalone service")
 

@@ -1,161 +1,291 @@
-"""The ``nccl`` transport's group on the service side: the rendezvous, the current
-group, and its workers' join and receives.
+"""The ``nccl`` transport on the service side: the trainer's group, its owner and lease,
+its workers' join, and each push's bucket receives.
 
-Runs in the service process. ``POST /weights/group`` makes a new group (the previous
-one, if any, is let go): the service's rendezvous store gets a new key prefix, every
-engine worker starts joining on a thread of its own, and the answer tells the trainer
-where to join as rank 0. A push names its group in ``begin``, which waits for the
-workers' join to end. ``finish`` receives the trainer's broadcast into the workers'
-buffers before generation pauses. A broadcast that fails closes the group: nothing of
-that push was loaded, and the trainer makes a new group for the next one.
+Runs in the service process (standalone, or each Ray Serve replica's). ``POST
+/weights/group`` names the trainer's rendezvous and this server's ``rank_offset``; the
+engine's workers start joining on threads of their own. A group has one owner: while it
+lives, a request for another is refused (409) until the owner releases it (``POST
+/weights/group/release``) or it goes ``lease_s`` without a call, when it is released by
+itself. A push names its group in ``begin``, which waits for the join to end. Each
+``/weights/update`` of the push receives one bucket in every worker (the trainer
+broadcasts it meanwhile) and answers once every worker has it checked; ``finish`` waits
+until the stored copy is written and hands it to the load. A broadcast that breaks
+closes the group: nothing of that push was loaded, and the trainer makes a new group for
+the next one.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import Awaitable, Callable
 
-from rollout_service.engines.base import BroadcastEngine
+from rollout_service.engines.base import BroadcastEngine, BucketReceive, WorkerReceive
 from rollout_service.protocol import messages
-from rollout_service.protocol.broadcast import (
-    TRAINER_RANK,
-    GroupSpec,
-    Rendezvous,
-    new_group_id,
-)
-from rollout_service.weights.intake import PushError
+from rollout_service.protocol.broadcast import GroupSpec, StoreCounters
+from rollout_service.protocol.store import BucketInfo, StoreRef
+from rollout_service.weights.checks import PushError
+from rollout_service.weights.stored_copies import StoredCopies
 
 FIRST_POLL_S = 0.002
 """The first wait between two asks how a join or a receive goes: of the workers (an RPC
-to every worker, run between two engine steps) for a join, of the rendezvous store (this
-process's own) for a receive."""
+to every worker, run between two engine steps) for a join, of the trainer's store for a
+receive."""
 MAX_POLL_S = 0.05
-"""The wait doubles up to this: a push of a small model is seen done within
+"""The wait doubles up to this: a bucket of a small model is seen done within
 milliseconds, and a long join costs the engine, which keeps generating meanwhile, 20 RPCs
 a second, not 500."""
+WAIT_MARGIN_S = 30.0
+"""Past the group's own timeout (which ends a worker's wait for a silent trainer), how
+long the service waits for a worker that never reports."""
 
 
 class WeightGroups:
-    """The service's one current group (module docstring).
+    """The service's one group (module docstring).
 
     Args:
-        engine: the engine whose workers join (its ``num_workers`` and ``group_backend``
-            size and pick the group).
-        address: where trainers reach the rendezvous (``ServiceConfig.group_address``).
-        timeout_s: the join's and every broadcast's timeout (``weights_group_timeout_s``).
+        engine: the engine whose workers join.
+        copies: where each push's received copy is stored.
+        timeout_s: the join's and each broadcast's default timeout.
+        lease_s: a group's default lease.
+        bucket_bytes: the default largest bucket (a ring slot).
+        num_buckets: the default ring slots per worker.
     """
 
-    def __init__(self, engine: BroadcastEngine, *, address: str, timeout_s: float) -> None:
+    def __init__(self, engine: BroadcastEngine, copies: StoredCopies, *, timeout_s: float,
+                 lease_s: float, bucket_bytes: int, num_buckets: int) -> None:
         self._engine = engine
-        self._address = address
-        self._timeout_s = timeout_s
-        self._rendezvous: Rendezvous | None = None
-        self.current: GroupSpec | None = None
+        self.copies = copies
+        self._defaults = (timeout_s, lease_s, bucket_bytes, num_buckets)
+        self.current: messages.WeightGroupResponse | None = None
+        self._spec: GroupSpec | None = None
+        self._counters: StoreCounters | None = None
         self._joined = False
+        self._last_used_s = 0.0
+        self._lease: asyncio.Task[None] | None = None
+        self._receive_s: dict[str, float] = {}
 
-    async def create(self) -> messages.WeightGroupResponse:
-        """A new group; the workers start joining it now."""
-        if self._rendezvous is None:
-            self._rendezvous = await asyncio.to_thread(Rendezvous, self._address,
-                                                       self._timeout_s)
-        spec = GroupSpec(group_id=new_group_id(), master_address=self._address,
-                         master_port=self._rendezvous.port,
-                         world_size=1 + self._engine.num_workers,
-                         backend=self._engine.group_backend, timeout_s=self._timeout_s)
-        self.current, self._joined = None, False
+    def state(self) -> messages.WeightGroupState:
+        return messages.WeightGroupState(num_ranks=self._engine.num_workers,
+                                         backend=self._engine.group_backend,
+                                         current=self.current)
+
+    async def create(self, req: messages.WeightGroupRequest) -> messages.WeightGroupResponse:
+        """Join the trainer's group at ``req.rank_offset``; the workers start now.
+
+        Raises:
+            PushError: 409 while another group lives; 400 for ranks that do not fit the
+                world, a backend the engine cannot run, or a store it cannot reach.
+        """
+        if self.current is not None:
+            raise PushError(409, f"group_id: this service is in group "
+                                 f"{self.current.group_id!r} (its owner releases it with "
+                                 "POST /weights/group/release, or it is released after "
+                                 f"{self.current.lease_s:g} s without a call); one group "
+                                 "at a time")
+        timeout_s, lease_s, bucket_bytes, num_buckets = self._defaults
+        num_ranks, backend = self._engine.num_workers, self._engine.group_backend
+        if req.rank_offset + num_ranks > req.world_size:
+            raise PushError(400, f"world_size: {req.world_size} cannot hold this service's "
+                                 f"{num_ranks} ranks from rank_offset {req.rank_offset}")
+        if req.backend is not None and req.backend != backend:
+            raise PushError(400, f"backend: {req.backend!r} cannot run on this engine's "
+                                 f"workers ({backend!r})")
+        spec = GroupSpec(group_id=req.group_id, master_address=req.master_address,
+                         master_port=req.master_port, world_size=req.world_size,
+                         rank_offset=req.rank_offset, backend=backend,
+                         timeout_s=req.timeout_s or timeout_s)
+        try:
+            counters = await asyncio.to_thread(StoreCounters, spec)
+        except RuntimeError as exc:  # no store there within the timeout
+            raise PushError(400, f"master_address: the trainer's store at "
+                                 f"{spec.master_address}:{spec.master_port} cannot be "
+                                 f"reached ({exc})") from exc
         await self._engine.join_group(spec)
-        self.current = spec
-        return messages.WeightGroupResponse(
+        self._spec, self._counters, self._joined = spec, counters, False
+        self.current = messages.WeightGroupResponse(
             group_id=spec.group_id, master_address=spec.master_address,
             master_port=spec.master_port, world_size=spec.world_size,
-            trainer_rank=TRAINER_RANK, backend=spec.backend, timeout_s=spec.timeout_s)
+            rank_offset=spec.rank_offset, num_ranks=num_ranks, backend=backend,
+            timeout_s=spec.timeout_s, lease_s=req.lease_s or lease_s,
+            bucket_bytes=req.bucket_bytes or bucket_bytes,
+            num_buckets=req.num_buckets or num_buckets)
+        self._touch()
+        self._lease = asyncio.create_task(self._expire(self.current))
+        return self.current
 
-    async def check_joined(self, group_id: str) -> None:
+    async def release(self, group_id: str) -> messages.WeightGroupState:
+        """The owner lets its group go; the workers leave it.
+
+        Raises:
+            PushError(404): not this service's group.
+        """
+        self._check_current(group_id, status=404)
+        await self.close()
+        return self.state()
+
+    def _check_current(self, group_id: str, *, status: int) -> messages.WeightGroupResponse:
+        if self.current is None or self.current.group_id != group_id:
+            current = self.current.group_id if self.current else None
+            raise PushError(status, f"group_id: {group_id!r} is not this service's current "
+                                    f"weight group ({current!r}); POST /weights/group joins "
+                                    "one")
+        return self.current
+
+    async def check_joined(self, group_id: str) -> messages.WeightGroupResponse:
         """Wait (up to the group's timeout) until every worker has joined ``group_id``.
 
         Raises:
             PushError(409): not the current group, or its join failed (the group is
                 closed: make a new one).
         """
-        spec = self.current
-        if spec is None or spec.group_id != group_id:
-            raise PushError(409, f"group_id: {group_id!r} is not this service's current "
-                                 f"weight group ({spec.group_id if spec else None}); "
-                                 "POST /weights/group makes one")
-        if self._joined:
-            return
-        try:
-            await self._until_done(lambda: self._engine.group_state(group_id),
-                                   f"the workers' join of {group_id!r}", self._deadline())
-        except RuntimeError as exc:
-            self.close()
-            raise PushError(409, f"group_id: {exc} (did the trainer join?); make a new "
-                                 "group") from exc
-        self._joined = True
+        group = self._check_current(group_id, status=409)
+        self._touch()
+        if not self._joined:
+            try:
+                await self._until_done(lambda: self._engine.group_state(group_id),
+                                       f"the workers' join of {group_id!r}")
+            except RuntimeError as exc:
+                await self.close()
+                raise PushError(409, f"group_id: {exc} (did the trainer join?); make a new "
+                                     "group") from exc
+            self._joined = True
+        return group
 
-    async def receive(self, push_id: str, group_id: str, nbytes: int) -> float:
-        """Receive a push's broadcast in every worker; returns the seconds it took.
+    async def receive_bucket(self, push_id: str, bucket: BucketInfo) -> None:
+        """Receive one bucket of ``push_id`` in every worker (the trainer broadcasts it as
+        this runs); returns once every worker has it checked.
 
         Raises:
-            PushError(408): it failed or timed out; the group is closed.
+            PushError: 400 when a worker refused it (not what the update announced), 408
+                when the broadcast broke or stalled past the group's timeout; the group
+                is closed when a worker had to leave it.
         """
+        group, counters = self.current, self._counters
+        assert group is not None and counters is not None  # begin checked the group
+        if bucket.nbytes > group.bucket_bytes:
+            raise PushError(400, f"bucket: {bucket.nbytes} bytes is more than the group's "
+                                 f"bucket_bytes {group.bucket_bytes}")
+        self._touch()
         start = time.perf_counter()
+        receive = BucketReceive(push_id=push_id, store_path=self.copies.path(push_id),
+                                slot_bytes=group.bucket_bytes, num_slots=group.num_buckets)
+        key = f"{push_id}/{bucket.index}"
+        deadline = time.monotonic() + group.timeout_s + WAIT_MARGIN_S
         try:
-            await self._engine.start_receive(push_id, group_id, nbytes)
-            deadline = self._deadline()  # one for both waits: a silent worker costs it once
-            await self._until_finished(push_id, group_id, deadline)
-            await self._until_done(lambda: self._engine.receive_state(push_id),
-                                   f"the broadcast of push {push_id}", deadline)
+            await self._engine.start_bucket(receive, bucket)
+            num_workers = self._engine.num_workers
+            await _poll(lambda: _at_least(counters, key, num_workers), deadline)
+            states: list[str] = []
+
+            async def settled() -> bool:  # a worker counts itself just before its state
+                nonlocal states
+                states = await self._engine.bucket_states(push_id, bucket.index)
+                return "running" not in states
+
+            await _poll(settled, deadline)
         except RuntimeError as exc:
-            self.close()
-            raise PushError(408, f"broadcast: {exc}; nothing was loaded, the old weights "
-                                 "are still served; the group is closed (the next push "
-                                 "makes a new one)") from exc
-        return time.perf_counter() - start
+            await self.close()
+            raise PushError(408, f"broadcast: bucket {bucket.index}: {exc}; nothing was "
+                                 "loaded, the group is closed") from exc
+        self._receive_s[push_id] = self._receive_s.get(push_id, 0.0) + (
+            time.perf_counter() - start)
+        self._touch()
+        if all(s == "done" for s in states):
+            return
+        await self._refuse(states, f"bucket {bucket.index}")
 
-    def _deadline(self) -> float:
-        """When a wait on the workers gives up: the workers' own timeout (the group's)
-        ends a wait for a silent trainer; 30 s more only bounds a worker that never
-        reports."""
-        return time.monotonic() + self._timeout_s + 30
+    async def _refuse(self, states: list[str], what: str) -> None:
+        """Raise for the workers that did not take ``what``. A bucket refused and dropped
+        by every worker (not what its update announced) keeps the group; a broadcast that
+        broke, or a refusal that made a worker leave, closes it."""
+        named = "; ".join(f"worker {i}: {s}" for i, s in enumerate(states) if s != "done")
+        is_refused = any(s.startswith("refused") for s in states)
+        is_broken = any(not (s == "done" or s.startswith("refused: ")) for s in states)
+        if not is_broken:
+            raise PushError(400, f"broadcast: {what} refused ({named}); nothing was loaded, "
+                                 "the old weights are still served")
+        await self.close()
+        raise PushError(400 if is_refused else 408, (
+            f"broadcast: {what} failed ({named}); nothing was loaded, the old weights are "
+            "still served; the group is closed (the next push needs a new one)"))
 
-    async def _until_finished(self, push_id: str, group_id: str, deadline: float) -> None:
-        """Wait until every worker counts its receive of ``push_id`` as finished in the
-        rendezvous store, without asking the workers (``Rendezvous.finished`` says why);
-        :meth:`_until_done` then asks them once how it ended. A worker that never counts
-        itself (its process gone) is asked at the deadline."""
-        assert self._rendezvous is not None  # a receive follows a group's create
-        rendezvous = self._rendezvous
+    async def finish_receive(self, push_id: str, buckets: list[BucketInfo]
+                             ) -> tuple[StoreRef, list[int], float]:
+        """Once every worker has stored (the writer) or checked every bucket: the push's
+        stored copy, each worker's peak receive bytes, and the seconds spent receiving.
 
-        async def all_finished() -> bool:
-            finished = await asyncio.to_thread(rendezvous.finished, group_id, push_id)
-            return finished >= self._engine.num_workers
+        Raises:
+            PushError: as :meth:`receive_bucket`.
+        """
+        assert self.current is not None
+        reports: list[WorkerReceive] = []
+        deadline = time.monotonic() + self.current.timeout_s + WAIT_MARGIN_S
 
-        await _poll(all_finished, deadline)
+        async def ended() -> bool:
+            nonlocal reports
+            reports = await self._engine.receive_reports(push_id, len(buckets))
+            return all(r.state != "running" for r in reports)
 
-    async def _until_done(self, states: Callable[[], Awaitable[list[str]]], what: str,
-                          deadline: float) -> None:
+        if not await _poll(ended, deadline):
+            await self.close()
+            raise PushError(408, f"broadcast: the stored copy of push {push_id} was not "
+                                 "written in time; nothing was loaded")
+        if any(r.state != "done" for r in reports):
+            await self._refuse([r.state for r in reports], f"push {push_id}")
+        store = StoreRef(path=self.copies.path(push_id), buckets=tuple(buckets))
+        return store, [r.peak_bytes for r in reports], self._receive_s.pop(push_id, 0.0)
+
+    def discard(self, push_id: str) -> None:
+        """A push that did not load: what arrived of it goes."""
+        self._receive_s.pop(push_id, None)
+        self.copies.discard(push_id)
+
+    async def close(self) -> None:
+        """No current group: the workers leave it; the next push needs a new one."""
+        if self._lease is not None and self._lease is not asyncio.current_task():
+            self._lease.cancel()
+        self._lease = None
+        if self.current is not None:
+            self.current, self._spec, self._counters, self._joined = None, None, None, False
+            with contextlib.suppress(Exception):  # an engine gone leaves no group either
+                await self._engine.leave_group()
+
+    def _touch(self) -> None:
+        self._last_used_s = time.monotonic()
+
+    async def _expire(self, group: messages.WeightGroupResponse) -> None:
+        """Release ``group`` once it has gone its lease without a call."""
+        while self.current is group:
+            remaining = self._last_used_s + group.lease_s - time.monotonic()
+            if remaining <= 0:
+                await self.close()
+                return
+            await asyncio.sleep(remaining)
+
+    async def _until_done(self, states: Callable[[], Awaitable[list[str]]], what: str) -> None:
         """Poll every worker's state until all are ``done``.
 
         Raises:
             RuntimeError: a worker failed, or not all were done by the deadline.
         """
+        assert self.current is not None
+        timeout_s = self.current.timeout_s + WAIT_MARGIN_S
 
         async def all_done() -> bool:
             now = await states()
-            if any(s not in ("running", "done") for s in now):  # every worker's, to tell
-                # a trainer that sent nothing from one that reached only some ranks
+            if any(s not in ("running", "done") for s in now):
                 raise RuntimeError(f"{what} failed: " + "; ".join(
                     f"worker {i}: {s}" for i, s in enumerate(now)))
             return all(s == "done" for s in now)
 
-        if not await _poll(all_done, deadline):
-            raise RuntimeError(f"{what} did not end within {self._timeout_s + 30:g} s")
+        if not await _poll(all_done, time.monotonic() + timeout_s):
+            raise RuntimeError(f"{what} did not end within {timeout_s:g} s")
 
-    def close(self) -> None:
-        """No current group: the next push needs a new one."""
-        self.current, self._joined = None, False
+
+async def _at_least(counters: StoreCounters, key: str, count: int) -> bool:
+    return await asyncio.to_thread(counters.finished, key) >= count
 
 
 async def _poll(ready: Callable[[], Awaitable[bool]], deadline: float) -> bool:

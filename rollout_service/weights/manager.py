@@ -15,12 +15,14 @@ refused (503) until a complete push succeeds.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 
 from rollout_service.engines.base import Engine, LoadTimings, WeightUpdate
 from rollout_service.protocol import messages
 from rollout_service.protocol.placement import TensorPlacement, Transport
+from rollout_service.protocol.store import StoreRef
 from rollout_service.protocol.tensors import TensorMeta
 from rollout_service.telemetry.weights import WeightMetrics
 from rollout_service.weights.group import WeightGroups
@@ -28,6 +30,7 @@ from rollout_service.weights.intake import (
     PushError,
     PushIntake,
     build_update,
+    check_bucket,
     check_target,
     roles,
 )
@@ -79,21 +82,44 @@ class WeightPushManager:
 
     # ---- the push protocol (standalone service) ------------------------------------
 
-    async def create_group(self) -> messages.WeightGroupResponse:
-        """A new ``nccl`` group (the current one, if any, is let go).
+    @property
+    def groups(self) -> WeightGroups | None:
+        """The ``nccl`` transport's group (None for the other transports)."""
+        return self._groups
+
+    def _need_groups(self) -> WeightGroups:
+        if self._groups is None:
+            raise PushError(403, f"weights_transport: this service takes "
+                                 f"{self._transport!r} pushes; weight groups are for "
+                                 "'nccl'")
+        return self._groups
+
+    async def group_state(self) -> messages.WeightGroupState:
+        return self._need_groups().state()
+
+    async def create_group(self, req: messages.WeightGroupRequest
+                           ) -> messages.WeightGroupResponse:
+        """Join the trainer's ``nccl`` group.
 
         Raises:
             PushError: 403 for another transport (groups are off by configuration), 409
-                while a push is in progress.
+                while a push is in progress or another group lives, 400 for bad fields.
         """
         async with self._lock:
-            if self._groups is None:
-                raise PushError(403, f"weights_transport: this service takes "
-                                     f"{self._transport!r} pushes; weight groups are for "
-                                     "'nccl'")
+            groups = self._need_groups()
             if self._intake.active is not None:
                 raise PushError(409, f"push {self._intake.active.push_id} is in progress")
-            return await self._groups.create()
+            return await groups.create(req)
+
+    async def release_group(self, req: messages.WeightGroupRelease
+                            ) -> messages.WeightGroupState:
+        async with self._lock:
+            groups = self._need_groups()
+            active = self._intake.active
+            if active is not None and active.request.group_id == req.group_id:
+                self._intake.end(active, "aborted", f"its group {req.group_id!r} was released")
+                groups.discard(active.push_id)
+            return await groups.release(req.group_id)
 
     async def begin(self, req: messages.PushBeginRequest) -> messages.PushBeginResponse:
         async with self._lock:
@@ -105,11 +131,49 @@ class WeightPushManager:
 
     async def update(self, req: messages.PushUpdateRequest) -> messages.PushUpdateResponse:
         async with self._lock:
-            return self._intake.update(req)
+            if self._groups is None:
+                return self._intake.update(req)
+            return await self._update_broadcast(self._groups, req)
+
+    async def _update_broadcast(self, groups: WeightGroups, req: messages.PushUpdateRequest
+                                ) -> messages.PushUpdateResponse:
+        """``update`` for ``nccl``: the trainer broadcasts the bucket as this runs. Its
+        placements are checked first; a bucket refused for them is still received (and
+        dropped), so that the trainer's broadcast ends; one whose framing is wrong is
+        refused before any worker receives."""
+        push = self._intake.get(req.push_id)
+        try:
+            bucket = check_bucket(push, req)
+        except PushError as exc:
+            self._intake.end(push, "rejected", str(exc))
+            groups.discard(push.push_id)
+            raise
+        assert bucket is not None  # nccl: check_bucket requires it
+        try:
+            response = self._intake.update(req)
+        except PushError as refusal:
+            with contextlib.suppress(PushError):
+                await groups.receive_bucket(push.push_id, bucket)
+            groups.discard(push.push_id)
+            raise refusal
+        push.is_receiving = True
+        try:
+            await groups.receive_bucket(push.push_id, bucket)
+        except PushError as exc:
+            self._intake.end(push, "rejected" if exc.status < 500 and exc.status != 408
+                             else "failed", str(exc))
+            groups.discard(push.push_id)
+            raise
+        finally:
+            push.is_receiving = False
+            push.last_call_s = time.monotonic()
+        return response
 
     async def abort(self, req: messages.PushAbortRequest) -> messages.WeightStatus:
         async with self._lock:
             self._intake.abort(req)
+            if self._groups is not None:
+                self._groups.discard(req.push_id)
             return self.status()
 
     async def finish(self, req: messages.PushFinishRequest) -> messages.PushFinishResponse:
@@ -121,7 +185,7 @@ class WeightPushManager:
         """
         async with self._lock:
             if self._groups is not None:
-                return await self._finish_broadcast(req)
+                return await self._finish_broadcast(self._groups, req)
             push = self._intake.start_loading(req.push_id)
             try:
                 finished = await self._apply(push.request, build_update(push))
@@ -132,43 +196,37 @@ class WeightPushManager:
                                              f"{finished.timings.total_s:.3f} s")
             return finished
 
-    async def _finish_broadcast(self, req: messages.PushFinishRequest
+    async def _finish_broadcast(self, groups: WeightGroups, req: messages.PushFinishRequest
                                 ) -> messages.PushFinishResponse:
-        """``finish`` for ``nccl``: the trainer is broadcasting as this runs, so the workers
-        receive first, into buffers of their own (generation goes on); then the push is
-        checked and loaded as any other. A push refused here (a tensor never announced
-        in an update) is received all the same and dropped, so that no rank is left
-        waiting in the broadcast."""
-        assert self._groups is not None
-        push = self._intake.get(req.push_id)
-        begin = push.request
-        assert begin.group_id is not None and begin.broadcast_bytes is not None
+        """``finish`` for ``nccl``: every bucket arrived during the updates; once the
+        stored copy is written, the push loads from it as any other."""
         try:
             push = self._intake.start_loading(req.push_id)
-        except PushError:
-            try:
-                await self._groups.receive(push.push_id, begin.group_id, begin.broadcast_bytes)
-            except PushError:
-                pass  # the refusal is the answer
+        except PushError as exc:
+            if exc.status == 400:  # incomplete or overlapping: rejected, nothing loads
+                groups.discard(req.push_id)
             raise
         try:
-            receive_s = await self._groups.receive(push.push_id, begin.group_id,
-                                                   begin.broadcast_bytes)
-            finished = await self._apply(begin, build_update(push))
+            store, peaks, receive_s = await groups.finish_receive(push.push_id, push.buckets)
+            finished = await self._apply(push.request, build_update(push, store))
         except PushError as exc:
             self._intake.end(push, "failed", str(exc))
+            groups.discard(push.push_id)
             raise
+        groups.copies.commit(store)
         self._intake.end(push, "loaded", f"{finished.num_bytes} bytes received in "
                                          f"{receive_s:.3f} s, loaded in "
                                          f"{finished.timings.total_s:.3f} s")
         timings = finished.timings.model_copy(update={"receive_s": receive_s})
-        return finished.model_copy(update={"timings": timings})
+        return finished.model_copy(update={"timings": timings, "receive_peak_bytes": peaks})
 
     # ---- already validated pushes (Ray Serve replicas) -----------------------------
 
     async def load(self, begin: messages.PushBeginRequest, placements: list[TensorPlacement],
-                   *, push_id: str) -> messages.PushFinishResponse:
-        """Load a push the weights coordinator has validated for the whole deployment.
+                   *, push_id: str, store: StoreRef | None = None
+                   ) -> messages.PushFinishResponse:
+        """Load a push the weights coordinator has validated for the whole deployment
+        (``nccl``: from ``store``, this replica's received or fetched copy).
 
         Raises:
             PushError: 400 for a drafter target without a drafter a push can load (nothing
@@ -178,7 +236,8 @@ class WeightPushManager:
         check_target(begin.target, has_draft=self._has_draft)
         async with self._lock:
             update = WeightUpdate(push_id=push_id, target=begin.target,
-                                  transport=begin.transport, tensors=tuple(placements))
+                                  transport=begin.transport, tensors=tuple(placements),
+                                  store=store)
             return await self._apply(begin, update)
 
     # ---- the load itself -----------------------------------------------------------

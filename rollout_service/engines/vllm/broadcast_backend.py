@@ -1,27 +1,29 @@
 """The ``nccl`` weight-transfer backend, inside vLLM's worker processes.
 
-Each worker joins the service's collective group as rank ``1 + its rank`` (the trainer is
-rank 0; ``protocol/broadcast.py``) and, once per push, receives the trainer's broadcast:
-one byte buffer holding every tensor. The main model and the drafter then load from
-views into that buffer (``transfer.LoadSession``, in place or by reload as for the other
-backends), so the drafter receives nothing a second time; the buffer is let go after
-the push's last load.
+Each worker joins the trainer's collective group as ``rank_offset + its rank`` (the
+trainer is rank 0 and hosts the rendezvous; ``protocol/broadcast.py``) and, during each
+``/weights/update`` of a push, receives the trainer's bucket into a slot of a
+fixed-size ring, checks its length and checksum, and (the server's first worker) writes
+it into the push's stored copy on disk (``bucket_receiver.py``). Once every bucket has
+arrived, ``/weights/finish`` loads the main model and the drafter from views of that
+file (``transfer.LoadSession``, in place or by reload as for the other backends): the
+drafter receives nothing a second time, no worker ever holds the whole checkpoint in
+memory, and a broadcast that fails half-way loads nothing at all.
 
-Joining and receiving block on the other ranks, so both run on a thread of their own:
-vLLM's engine core keeps stepping while a worker waits for the trainer, and generation
-pauses only for the copy into the parameters. The service follows a join through the
-workers' state (``rollout_group_state`` of ``worker_ext.py``) and a receive through the
-rendezvous store, where each worker counts itself when its receive ends, asking the
-workers how it ended (``rollout_broadcast_state``) only then. Receiving into the
-buffer touches no parameter, so a broadcast that fails (a trainer gone mid-way) leaves
-the served weights exactly as they were.
+Joining and receiving block on the other ranks, so both run on threads of their own:
+vLLM's engine core keeps stepping while a worker waits for the trainer. The service
+follows a join through the workers' state (``rollout_group_state`` of
+``worker_ext.py``) and a bucket through the trainer's store, where each worker counts
+itself when its receive ends, asking the workers how it ended only then.
 
 Registered under the name ``rollout_nccl`` by :mod:`rollout_service.engines.vllm.plugin`
-(vLLM's own ``nccl`` backend is another thing: a receive per tensor inside the update).
+(vLLM's own ``nccl`` backend is another thing: the trainer's packed chunks received
+and loaded inside ``update_weights``, with no length or checksum of their own).
 """
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from dataclasses import dataclass
@@ -30,10 +32,15 @@ from typing import Any
 import torch
 from vllm.distributed.weight_transfer.base import WeightTransferEngine, WeightTransferInitInfo
 
+from rollout_service.engines.base import BucketReceive
+from rollout_service.engines.vllm.bucket_receiver import PushReceiver
 from rollout_service.engines.vllm.transfer import PushUpdateInfo, SessionLoads
 from rollout_service.protocol.broadcast import Group, GroupSpec, join
 from rollout_service.protocol.placement import BroadcastLocation
-from rollout_service.protocol.tensors import view_in
+from rollout_service.protocol.shm import PinnedSegment, Segment
+from rollout_service.protocol.store import BucketInfo, map_store
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -74,7 +81,7 @@ class _Background:
 
 class BroadcastWeightTransferEngine(SessionLoads,
                                     WeightTransferEngine[BroadcastInitInfo, PushUpdateInfo]):
-    """Receives a push as one broadcast and loads main and drafter from it."""
+    """Receives a push bucket by bucket and loads main and drafter from its stored copy."""
 
     init_info_cls = BroadcastInitInfo
     update_info_cls = PushUpdateInfo
@@ -83,19 +90,22 @@ class BroadcastWeightTransferEngine(SessionLoads,
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._join: _Background | None = None
-        self._receive: _Background | None = None
+        self._is_writer = False
+        self._receiver: PushReceiver | None = None
+        self._mapped: tuple[str, Segment, PinnedSegment | None] | None = None
 
     def init_transfer_engine(self, init_info: BroadcastInitInfo) -> None:
         pass
 
-    # ---- the group and the broadcast (worker_ext.py calls these) -------------------
+    # ---- the group and its buckets (worker_ext.py calls these) ---------------------
 
-    def join_group(self, spec: dict[str, Any], rank: int) -> None:
+    def join_group(self, spec: dict[str, Any], rank: int, is_writer: bool) -> None:
         """Start joining the group ``spec`` as ``rank`` (returns at once); an earlier
         group is let go."""
-        self._close_group()
+        self.leave_group()
         group_spec = GroupSpec(**spec)
         device = self.device if group_spec.backend == "nccl" else None
+        self._is_writer = is_writer
         self._join = _Background(group_spec.group_id, join, group_spec, rank, device)
 
     def group_state(self, group_id: str) -> str:
@@ -104,55 +114,90 @@ class BroadcastWeightTransferEngine(SessionLoads,
             return "unknown"
         return self._join.state()
 
-    def start_receive(self, push_id: str, group_id: str, nbytes: int) -> None:
-        """Start receiving push ``push_id``'s broadcast of ``nbytes`` (returns at once)."""
-        if self.group_state(group_id) != "done":
-            raise RuntimeError(f"group {group_id} is not joined on this worker "
-                               f"({self.group_state(group_id)})")
-        group: Group = self._join.result  # type: ignore[union-attr]
-        device = self.device if group.spec.backend == "nccl" else torch.device("cpu")
-        self._receive = _Background(push_id, self._received_buffer, group, push_id, nbytes,
-                                    device)
-
-    def receive_state(self, push_id: str) -> str:
-        """``running``, ``done``, ``failed: ...``, or ``unknown``."""
-        if self._receive is None or self._receive.key != push_id:
-            return "unknown"
-        return self._receive.state()
-
-    @staticmethod
-    def _received_buffer(group: Group, push_id: str, nbytes: int, device: torch.device
-                         ) -> torch.Tensor:
-        buffer = torch.empty(nbytes, dtype=torch.uint8, device=device)
-        group.receive(buffer, push_id)
-        return buffer
-
-    def _close_group(self) -> None:
+    def leave_group(self) -> None:
+        self._end_receive()
         if self._join is not None and self._join.state() == "done":
             self._join.result.close()
         self._join = None
-        self._receive = None
+
+    def start_bucket(self, receive: dict[str, Any], bucket: dict[str, Any]) -> None:
+        """Queue one bucket's receive (returns at once); the push's first bucket sets up
+        its receiver (ring, stored copy)."""
+        plan = BucketReceive(**receive)
+        if self._receiver is None or self._receiver.push_id != plan.push_id:
+            if self._join is None or self._join.state() != "done":
+                raise RuntimeError("this worker has joined no group "
+                                   f"({self._join.state() if self._join else 'none'})")
+            self._end_receive()
+            group: Group = self._join.result
+            device = self.device if group.spec.backend == "nccl" else torch.device("cpu")
+            self._receiver = PushReceiver(group, plan, device=device,
+                                          is_writer=self._is_writer)
+        self._receiver.start(BucketInfo.model_validate(bucket))
+
+    def bucket_state(self, push_id: str, index: int) -> str:
+        if self._receiver is None or self._receiver.push_id != push_id:
+            return "unknown"
+        return self._receiver.bucket_state(index)
+
+    def receive_report(self, push_id: str, num_buckets: int) -> dict[str, Any]:
+        """The push's receive on this worker; once it ended (every bucket stored, or a
+        failure), the receiver and its ring are let go."""
+        if self._receiver is None or self._receiver.push_id != push_id:
+            return {"state": "unknown", "peak_bytes": 0}
+        state, peak = self._receiver.report(num_buckets)
+        if state != "running":
+            self._end_receive()
+        return {"state": state, "peak_bytes": peak}
+
+    def _end_receive(self) -> None:
+        if self._receiver is not None:
+            self._receiver.close()
+            self._receiver = None
 
     # ---- vLLM's weight-update session (SessionLoads) -------------------------------
 
     def receive_weights(self, update_info: PushUpdateInfo) -> None:  # type: ignore[override]
         update_info.check_transport("nccl")
-        if self.receive_state(update_info.push_id) != "done":
-            raise RuntimeError(f"push {update_info.push_id}: its broadcast was not received "
-                               f"({self.receive_state(update_info.push_id)})")
-        assert self._receive is not None
-        buffer: torch.Tensor = self._receive.result
+        store = update_info.store_ref
+        if store is None:
+            raise ValueError(f"push {update_info.push_id}: no stored copy to load from")
+        mapped = self._map(store.path)
         try:
             tensors = []
             for placement in update_info.placements:
                 location = placement.location
                 assert isinstance(location, BroadcastLocation)  # checked by PushUpdateInfo
-                tensors.append((placement.name, view_in(buffer, location.offset,
-                                                        placement.shape, placement.dtype)))
+                tensors.append((placement.name, mapped.tensor(
+                    location.offset, getattr(torch, placement.dtype), placement.shape)))
             self._load(update_info, "nccl", tensors)
         finally:
             if update_info.is_last_load:
-                self._receive = None  # the buffer goes with it
+                self._unmap()
+
+    def _map(self, path: str) -> Segment:
+        """The stored copy, mapped once for both of a push's loads (and on CUDA pinned,
+        so its host-to-device copies run as DMA, as for the ``shm`` segment)."""
+        if self._mapped is None or self._mapped[0] != path:
+            self._unmap()
+            segment = map_store(path)
+            pinned = None
+            if self.device.type == "cuda":
+                try:
+                    pinned = PinnedSegment(segment)
+                except RuntimeError as exc:
+                    logger.warning("loading from %s unpinned (slower): %s", path, exc)
+            self._mapped = (path, segment, pinned)
+        return self._mapped[1]
+
+    def _unmap(self) -> None:
+        if self._mapped is not None:
+            _, segment, pinned = self._mapped
+            if pinned is not None:
+                pinned.close()
+            segment.close()
+            self._mapped = None
 
     def shutdown(self) -> None:
-        self._close_group()
+        self.leave_group()
+        self._unmap()

@@ -25,7 +25,7 @@ import logging
 import time
 from collections.abc import AsyncIterator, Mapping, Sequence
 from contextlib import aclosing
-from dataclasses import replace
+from dataclasses import asdict, replace
 from typing import Any
 
 from vllm import SamplingParams
@@ -37,6 +37,7 @@ from vllm.v1.engine.async_llm import AsyncLLM
 from vllm.v1.engine.exceptions import EngineDeadError
 
 from rollout_service.engines.base import (
+    BucketReceive,
     ChatTurn,
     EngineInfo,
     EngineSpec,
@@ -50,6 +51,7 @@ from rollout_service.engines.base import (
     StepCostSink,
     WeightsLoad,
     WeightUpdate,
+    WorkerReceive,
     check_prompt,
 )
 from rollout_service.engines.chat import chat_prompt_ids
@@ -70,9 +72,11 @@ from rollout_service.engines.vllm.start_method import spawn_engine_core_if_cuda
 from rollout_service.engines.vllm.step_costs import StepCostMonitor
 from rollout_service.engines.vllm.transfer import update_info
 from rollout_service.engines.vllm.usage_context import serving_usage_context
+from rollout_service.engines.vllm.worker_ext import combined_checksums
 from rollout_service.protocol.acceptance import InvalidSpecDecodeStats, SpecDecodeStats
 from rollout_service.protocol.broadcast import Backend, GroupSpec
 from rollout_service.protocol.messages import PauseMode, WeightVersionSpan
+from rollout_service.protocol.store import BucketInfo
 
 logger = logging.getLogger(__name__)
 
@@ -351,19 +355,29 @@ class VLLMEngine:
         """Each worker's join: ``running``, ``done``, ``failed: ...`` or ``unknown``."""
         return await self._llm.collective_rpc("rollout_group_state", args=(group_id,))
 
-    async def start_receive(self, push_id: str, group_id: str, nbytes: int) -> None:
-        """Have every worker start receiving push ``push_id``'s broadcast (returns at
-        once; generation goes on, the workers receive on threads of their own)."""
-        await self._llm.collective_rpc("rollout_broadcast_receive",
-                                       args=(push_id, group_id, nbytes))
+    async def leave_group(self) -> None:
+        await self._llm.collective_rpc("rollout_group_leave")
 
-    async def receive_state(self, push_id: str) -> list[str]:
-        """Each worker's receive: ``running``, ``done``, ``failed: ...`` or ``unknown``."""
-        return await self._llm.collective_rpc("rollout_broadcast_state", args=(push_id,))
+    async def start_bucket(self, receive: BucketReceive, bucket: BucketInfo) -> None:
+        """Have every worker start receiving ``bucket`` (returns at once; generation goes
+        on, the workers receive on threads of their own)."""
+        await self._llm.collective_rpc("rollout_bucket_start", args=(
+            asdict(receive), bucket.model_dump(mode="json")))
+
+    async def bucket_states(self, push_id: str, index: int) -> list[str]:
+        return await self._llm.collective_rpc("rollout_bucket_state", args=(push_id, index))
+
+    async def receive_reports(self, push_id: str, num_buckets: int) -> list[WorkerReceive]:
+        reports = await self._llm.collective_rpc("rollout_receive_report",
+                                                 args=(push_id, num_buckets))
+        return [WorkerReceive(**r) for r in reports]
 
     async def weight_checksums(self) -> dict[str, str]:
-        """SHA-256 of the main model's and the drafter's parameters (worker 0)."""
-        return (await self._llm.collective_rpc("rollout_weight_checksums"))[0]
+        """SHA-256 of the main model's and the drafter's parameters: ``main`` and
+        ``draft`` over every worker's shard (so a shard that failed to load on any
+        tensor-parallel rank shows), and each rank's own as ``main/rank<i>``."""
+        per_rank = await self._llm.collective_rpc("rollout_weight_checksums")
+        return combined_checksums(per_rank)
 
     # ---- run-time K schedule (EngineSpec.runtime_spec_schedule) ---------------------
 

@@ -28,6 +28,7 @@ from vllm.distributed.weight_transfer.base import WeightTransferUpdateInfo
 from rollout_service.engines.base import WeightUpdate
 from rollout_service.protocol.cuda_ipc import CudaIpcHandle
 from rollout_service.protocol.placement import CudaIpcLocation, TensorPlacement, Transport
+from rollout_service.protocol.store import BucketInfo, StoreRef
 
 _PLACEMENTS = TypeAdapter(list[TensorPlacement])
 
@@ -50,13 +51,20 @@ class PushUpdateInfo(WeightTransferUpdateInfo):
     cuda_ipc_buffer: dict[str, Any] | None = None
     """``cuda_ipc``: the push's staging buffer (a ``CudaIpcHandle`` as a dict), sent once
     per load instead of once per tensor; parsed in ``__post_init__``."""
+    store: dict[str, Any] | None = None
+    """``nccl``: the server's received copy (a ``StoreRef`` as a dict: path and buckets);
+    parsed in ``__post_init__``."""
     placements: list[TensorPlacement] = field(init=False, repr=False)
     staging_buffer: CudaIpcHandle | None = field(init=False, repr=False)
+    store_ref: StoreRef | None = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         self.placements = _PLACEMENTS.validate_python(self.tensors)
         self.staging_buffer = (None if self.cuda_ipc_buffer is None
                                else CudaIpcHandle.model_validate(self.cuda_ipc_buffer))
+        self.store_ref = None if self.store is None else StoreRef(
+            path=str(self.store["path"]),
+            buckets=tuple(BucketInfo.model_validate(b) for b in self.store["buckets"]))
         wrong = next((p for p in self.placements if p.transport != self.transport), None)
         if wrong is not None:
             raise ValueError(f"tensors: {wrong.name!r} lies in {wrong.transport!r}, the update "
@@ -81,11 +89,14 @@ def update_info(update: WeightUpdate, *, is_last_load: bool, in_place: bool = Fa
     The main model and the drafter get the same placements: the same segment
     offsets, or the same CUDA IPC handles (opened once in the worker for both).
     """
-    buffer = update.cuda_ipc_buffer
+    buffer, store = update.cuda_ipc_buffer, update.store
     return {"push_id": update.push_id, "transport": update.transport,
             "tensors": [p.model_dump(mode="json") for p in update.tensors],
             "is_last_load": is_last_load, "in_place": in_place,
-            "cuda_ipc_buffer": None if buffer is None else buffer.model_dump(mode="json")}
+            "cuda_ipc_buffer": None if buffer is None else buffer.model_dump(mode="json"),
+            "store": None if store is None else {
+                "path": store.path, "buckets": [b.model_dump(mode="json")
+                                                for b in store.buckets]}}
 
 
 class LoadSession:

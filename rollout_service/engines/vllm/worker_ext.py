@@ -19,22 +19,33 @@ from rollout_service.engines.vllm.verify_cost import measure_verify_cost
 
 
 class RolloutWorkerExtension:
-    """Parameter checksums of the main model and the drafter (``GET /weights/checksums``),
-    the measured cost of a verify step (``verify_cost.py``), and the ``nccl`` transport's
-    group and broadcast (``broadcast_backend.py``; each call returns at once, the work
-    runs on a thread of the backend and these report its state)."""
+    """Parameter checksums of the main model and the drafter (``GET /weights/checksums``,
+    every worker its own shard), the measured cost of a verify step (``verify_cost.py``),
+    and the ``nccl`` transport's group and buckets (``broadcast_backend.py``; each call
+    returns at once, the work runs on threads of the backend and these report its
+    state)."""
 
     def rollout_group_join(self, spec: dict[str, Any]) -> None:
-        self._broadcast().join_group(spec, rank=1 + self.rank)  # type: ignore[attr-defined]
+        """Join the trainer's group at the server's ``rank_offset`` plus this worker's
+        rank; the first worker writes the server's stored copy of each push."""
+        rank = int(self.rank)  # type: ignore[attr-defined]
+        self._broadcast().join_group(spec, rank=spec["rank_offset"] + rank,
+                                     is_writer=rank == 0)
 
     def rollout_group_state(self, group_id: str) -> str:
         return self._broadcast().group_state(group_id)
 
-    def rollout_broadcast_receive(self, push_id: str, group_id: str, nbytes: int) -> None:
-        self._broadcast().start_receive(push_id, group_id, nbytes)
+    def rollout_group_leave(self) -> None:
+        self._broadcast().leave_group()
 
-    def rollout_broadcast_state(self, push_id: str) -> str:
-        return self._broadcast().receive_state(push_id)
+    def rollout_bucket_start(self, receive: dict[str, Any], bucket: dict[str, Any]) -> None:
+        self._broadcast().start_bucket(receive, bucket)
+
+    def rollout_bucket_state(self, push_id: str, index: int) -> str:
+        return self._broadcast().bucket_state(push_id, index)
+
+    def rollout_receive_report(self, push_id: str, num_buckets: int) -> dict[str, Any]:
+        return self._broadcast().receive_report(push_id, num_buckets)
 
     def _broadcast(self) -> Any:
         from rollout_service.engines.vllm.broadcast_backend import (
@@ -88,3 +99,17 @@ def _digest(named: Iterable[tuple[str, torch.Tensor]]) -> str:
         digest.update(param.detach().cpu().contiguous().view(-1).view(torch.uint8)
                       .numpy().tobytes())
     return digest.hexdigest()
+
+
+def combined_checksums(per_rank: list[dict[str, str]]) -> dict[str, str]:
+    """Every worker's digests (``rollout_weight_checksums``, in rank order) as one map:
+    ``main`` and ``draft`` over all ranks (a digest of the ranks' digests, so a shard
+    that differs on any rank moves it), and each rank's own as ``main/rank<i>``."""
+    combined: dict[str, str] = {}
+    for role in sorted({role for digests in per_rank for role in digests}):
+        digest = hashlib.sha256()
+        for rank, digests in enumerate(per_rank):
+            digest.update(f"{rank}:{digests.get(role, '')};".encode())
+            combined[f"{role}/rank{rank}"] = digests.get(role, "")
+        combined[role] = per_rank[0][role] if len(per_rank) == 1 else digest.hexdigest()
+    return combined

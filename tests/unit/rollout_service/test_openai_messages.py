@@ -82,16 +82,36 @@ PUSH_BODIES = [
     ({**BEGIN, "params": [{"name": "w", "shape": [-1], "dtype": "bfloat16"}],
       "segment": "mtp-x", "segment_bytes": 4}, False),
     ({**BEGIN, "params": [{"name": "w", "shape": [1], "dtype": "bfloat16"}],
-      "transport": "nccl", "group_id": "g", "broadcast_bytes": 64}, True),
+      "transport": "nccl", "group_id": "g"}, True),
     ({**BEGIN, "params": [{"name": "w", "shape": [1], "dtype": "bfloat16"}],
-      "transport": "nccl", "group_id": "g"}, False),   # nccl needs broadcast_bytes
+      "transport": "nccl"}, False),   # nccl needs its group
     ({**BEGIN, "params": [{"name": "w", "shape": [1], "dtype": "bfloat16"}],
-      "transport": "nccl", "broadcast_bytes": 64}, False),   # ... and the group
+      "transport": "nccl", "group_id": "g", "broadcast_bytes": 64}, False),   # gone: buckets
     ({**BEGIN, "params": [{"name": "w", "shape": [1], "dtype": "bfloat16"}],
       "segment": "mtp-x", "segment_bytes": 4, "group_id": "g"}, False),   # not shm's
     ({**BEGIN, "params": [{"name": "w", "shape": [1], "dtype": "bfloat16"}],
-      "transport": "nccl", "group_id": "g", "broadcast_bytes": 64, "segment": "mtp-x"},
-     False),
+      "transport": "nccl", "group_id": "g", "segment": "mtp-x"}, False),
+]
+UPDATE = {"push_id": "p", "tensors": [{"name": "w", "dtype": "bfloat16", "shape": [1],
+                                       "location": {"transport": "nccl", "offset": 0}}]}
+BUCKET = {"index": 0, "offset": 0, "nbytes": 64, "checksum": "00ff" * 4}
+UPDATE_BODIES = [
+    ({**UPDATE, "bucket": BUCKET}, True),
+    ({"push_id": "p", "bucket": BUCKET}, True),   # a bucket that ends inside a tensor
+    ({**UPDATE, "bucket": {**BUCKET, "nbytes": 12}}, False),   # not whole 8-byte words
+    ({**UPDATE, "bucket": {**BUCKET, "checksum": "xyz"}}, False),
+    ({**UPDATE, "bucket": {**BUCKET, "offset": -8}}, False),
+    ({**UPDATE, "bucket": {**BUCKET, "extra": 1}}, False),
+]
+GROUP_BODIES = [
+    ({"group_id": "t1", "master_address": "h", "master_port": 29500, "world_size": 3}, True),
+    ({"group_id": "t1", "master_address": "h", "master_port": 29500, "world_size": 3,
+      "rank_offset": 2, "backend": "gloo", "timeout_s": 5, "lease_s": 60,
+      "bucket_bytes": 1024, "num_buckets": 2}, True),
+    ({"group_id": "t1", "master_address": "h", "master_port": 0, "world_size": 3}, False),
+    ({"group_id": "t1", "master_address": "h", "master_port": 1, "world_size": 3,
+      "num_buckets": 0}, False),
+    ({"master_address": "h", "master_port": 1, "world_size": 3}, False),
 ]
 
 
@@ -112,6 +132,8 @@ def model_accepts(model: type[BaseModel], body: object) -> bool:
     *((openai.CompletionRequest, b, v) for b, v in COMPLETION_BODIES),
     *((openai.ChatCompletionRequest, b, v) for b, v in CHAT_BODIES),
     *((messages.PushBeginRequest, b, v) for b, v in PUSH_BODIES),
+    *((messages.PushUpdateRequest, b, v) for b, v in UPDATE_BODIES),
+    *((messages.WeightGroupRequest, b, v) for b, v in GROUP_BODIES),
 ])
 def test_a_request_is_valid_exactly_when_its_json_schema_says_so(
         model: type[BaseModel], body: dict, is_valid: bool) -> None:

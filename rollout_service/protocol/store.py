@@ -1,0 +1,131 @@
+"""The received copy of a ``nccl`` push: a file on the server's disk, the push's byte
+stream at its own offsets, written bucket after bucket.
+
+Written by one engine worker per server while the trainer's buckets arrive (each bucket
+from the worker's fixed-size ring slot, so no worker ever holds the whole checkpoint in
+memory); read by every worker of that server when the push loads (a read-only shared
+mapping, like the ``shm`` transport's segment: views, no copy); kept as the served
+version's stored copy, from which a Ray Serve replica that (re)starts gets the current
+weights without the trainer (it fetches the file from a peer replica, checking every
+bucket's checksum: ``serve/peer_store.py``).
+
+Why a file and not memory: the push loads only once every bucket has arrived and been
+checked, so generation goes on with the old weights during the whole broadcast and a
+broadcast that fails half-way loads nothing, and the received bytes need a home the
+size of the checkpoint until then. On disk (the page cache) that home is not the
+worker's memory. Never under ``/dev/shm``: that is the memory the transport avoids.
+
+torch is imported lazily.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from rollout_service.protocol.shm import SHM_DIR, Segment
+
+CHECKSUM_PATTERN = r"^[0-9a-f]{16}$"
+
+
+class BucketInfo(BaseModel):
+    """One bucket of a ``nccl`` push, as its ``/weights/update`` announces it and as the
+    trainer's in-band header repeats it: a contiguous piece of the push's byte stream (the
+    buckets of a push follow one another from offset 0), its length and its checksum
+    (``protocol.broadcast.bucket_checksum``)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+
+    index: int = Field(ge=0, description=(
+        "The bucket's position in the push: 0 for the first update, then 1, 2, ..."))
+    offset: int = Field(ge=0, description=(
+        "Where the bucket starts in the push's byte stream: 0, then the previous bucket's "
+        "offset plus its nbytes."))
+    nbytes: int = Field(gt=0, multiple_of=8, description=(
+        "Bytes the trainer broadcasts for this bucket (at most the group's bucket_bytes, a "
+        "multiple of 8)."))
+    checksum: str = Field(pattern=CHECKSUM_PATTERN, description=(
+        "The payload's checksum, 16 hex digits (docs/weight-pushes.md says how to compute "
+        "it); checked by every receiver before anything of the push loads."))
+
+    @property
+    def checksum_value(self) -> int:
+        return int(self.checksum, 16)
+
+    @property
+    def end(self) -> int:
+        return self.offset + self.nbytes
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class StoreRef:
+    """Where a push's received stream lies on the server: the file (the stream at its own
+    offsets) and the buckets it arrived in, in push order."""
+
+    path: str
+    buckets: tuple[BucketInfo, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return self.buckets[-1].end if self.buckets else 0
+
+
+def check_store_dir(path: Path) -> Path:
+    """``path`` as a store directory, created if needed.
+
+    Raises:
+        ValueError: naming ``weights_store_dir``, for a folder under /dev/shm (the memory
+            the transport must not use) or one that cannot be created.
+    """
+    resolved = path.expanduser().resolve()
+    if resolved == SHM_DIR or SHM_DIR in resolved.parents:
+        raise ValueError(f"weights_store_dir: {path} is under {SHM_DIR}; the nccl transport "
+                         "keeps received pushes on disk, not in shared memory")
+    try:
+        resolved.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ValueError(f"weights_store_dir: {path} cannot be created ({exc})") from exc
+    return resolved
+
+
+class StoreWriter:
+    """Writes one push's buckets at their offsets (one worker per server)."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self._fd = os.open(path, os.O_CREAT | os.O_TRUNC | os.O_WRONLY, 0o600)
+
+    def write(self, offset: int, data: memoryview) -> None:
+        """Write ``data`` at ``offset`` (the whole of it)."""
+        view = data.cast("B")
+        while view:
+            written = os.pwrite(self._fd, view, offset)
+            view, offset = view[written:], offset + written
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+
+def map_store(path: str) -> Segment:
+    """The store file mapped read-only and shared (every worker of the server maps the
+    same pages; on CUDA they can be pinned as the segment's are: ``PinnedSegment``).
+
+    Raises:
+        ValueError: no such file.
+    """
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except FileNotFoundError as exc:
+        raise ValueError(f"the push's stored copy {path} does not exist") from exc
+    try:
+        size = os.fstat(fd).st_size
+        mapping = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
+    finally:
+        os.close(fd)
+    return Segment(os.path.basename(path), mapping, is_owner=False, read_only=True)
