@@ -12,7 +12,14 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    model_validator,
+)
 
 from rollout_service.protocol.acceptance import BatchSummary, SpecDecodeStats
 from rollout_service.protocol.cuda_ipc import ByteBufferHandle
@@ -58,11 +65,27 @@ Seed = Annotated[int, Field(ge=0, le=MAX_SEED), BeforeValidator(integral)]
 """A sampling seed."""
 StopString = Annotated[str, Field(min_length=1)]
 """A string that ends a sequence; the engines refuse an empty one."""
-Category = Annotated[str, Field(pattern=CATEGORY_PATTERN, description=(
+RESERVED_CATEGORIES = ("none", "other")
+"""The labels the service itself gives: requests without a category, and past its list."""
+
+
+def unreserved(category: str) -> str:
+    """Refuse a category named like one of :data:`RESERVED_CATEGORIES`: its sequences would
+    be counted with the uncategorized ones, or with those past the allow-list."""
+    if category in RESERVED_CATEGORIES:
+        raise ValueError(f"{category!r} is reserved: the service labels requests without a "
+                         "category 'none' and those past its categories 'other'")
+    return category
+
+
+Category = Annotated[str, Field(pattern=CATEGORY_PATTERN, json_schema_extra={
+    "not": {"enum": list(RESERVED_CATEGORIES)}}, description=(
     "Where the prompt comes from (task, data source: 'code', 'math', ...): the acceptance "
     "series get it as their 'category' label (the service's allow-list or its first "
     "categories; the rest as 'other'), and a batch's acceptance is summarized per "
-    "category. 1-64 characters of letters, digits and _.:/-."))]
+    "category. 1-64 characters of letters, digits and _.:/-; not 'none' or 'other', the "
+    "labels the service gives requests without one and past its list.")),
+    AfterValidator(unreserved)]
 """A request's category (``telemetry.categories`` bounds the labels it becomes)."""
 
 

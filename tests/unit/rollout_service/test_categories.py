@@ -88,3 +88,17 @@ def test_requests_name_a_category_or_are_refused() -> None:
     assert chat.category == "chat"
     with pytest.raises(ValidationError, match="category"):
         openai.CompletionRequest.model_validate({"model": "m", "prompt": "x", "category": "?"})
+
+
+@pytest.mark.parametrize("reserved", ["none", "other"])
+def test_the_labels_the_service_gives_are_refused_as_request_categories(reserved: str) -> None:
+    """A request named 'none' would be counted with the uncategorized ones, 'other' with
+    those past the allow-list: refused with the field's name, and the schema says so."""
+    with pytest.raises(ValidationError, match=f"category\n.*'{reserved}' is reserved"):
+        messages.GenerateRequest(prompt="1 + 1 =", category=reserved)
+    with pytest.raises(ValidationError, match="category"):
+        openai.CompletionRequest.model_validate(
+            {"model": "m", "prompt": "x", "category": reserved})
+    schema = messages.GenerateRequest.model_json_schema()["properties"]["category"]
+    assert {"not": {"enum": ["none", "other"]}}.items() <= schema["anyOf"][0].items()
+    assert CategoryLabels(TelemetryConfig()).label(None) == "none"  # the label it would hit
