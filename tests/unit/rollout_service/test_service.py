@@ -126,16 +126,22 @@ async def test_drafter_push_refused_at_begin_without_a_pushable_drafter(
     assert engine.calls == []
 
 
-async def test_main_push_begins_without_a_pushable_drafter(segment: Segment) -> None:
-    weights = local_service(FakeEngine(NGRAM)).weights
-    begun = await weights.begin(begin_request(segment, "main"))
+@pytest.mark.parametrize("info, target", [(NGRAM, "main"), (MTP, "both")],
+                         ids=["main without a pushable drafter", "both with the MTP drafter"])
+async def test_a_push_the_engine_can_load_begins(segment: Segment, info: EngineInfo,
+                                                 target: messages.PushTarget) -> None:
+    """The counterpart of the refusal above: the push becomes the active one, and its abort
+    is recorded with its target, nothing loaded."""
+    engine = FakeEngine(info)
+    weights = local_service(engine).weights
+    begun = await weights.begin(begin_request(segment, target))
+    assert weights.status().active_push_id == begun.push_id
     await weights.abort(messages.PushAbortRequest(push_id=begun.push_id))
-
-
-async def test_both_begins_with_the_checkpoints_mtp_drafter(segment: Segment) -> None:
-    weights = local_service(FakeEngine(MTP)).weights
-    begun = await weights.begin(begin_request(segment, "both"))
-    await weights.abort(messages.PushAbortRequest(push_id=begun.push_id))
+    status = weights.status()
+    assert status.active_push_id is None and status.last_push is not None
+    assert (status.last_push.target, status.last_push.outcome) == (target, "aborted")
+    assert (status.main_version, status.draft_version) == (None, None)
+    assert engine.calls == []
 
 
 async def test_a_push_times_out_after_the_timeout_its_begin_asked_for(
