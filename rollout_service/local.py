@@ -23,6 +23,7 @@ from rollout_service.engines.base import (
 )
 from rollout_service.engines.speculative import load_checkpoint_config
 from rollout_service.engines.start_deadline import StartDeadline
+from rollout_service.pausing import PauseGate
 from rollout_service.protocol.tensors import checkpoint_tensors
 from rollout_service.service import RolloutService
 from rollout_service.spec_control import (
@@ -102,12 +103,14 @@ def build_local_service(engine: Engine, config: ServiceConfig
                                 verify_cost_ratio=info.verify_cost_ratio,
                                 categories=CategoryLabels(config.telemetry),
                                 drafter=drafter)
+    pauses = PauseGate(engine)
     weights = WeightPushManager(
         engine, checkpoint_tensors(info.model_path),
         WeightMetrics(registry=registry, model=info.model, engine=info.engine,
                       drafter=drafter),
         timeout_s=config.push_timeout_s, has_draft=info.has_pushable_drafter,
-        transport=config.weights_transport, groups=weight_groups(engine, config))
+        transport=config.weights_transport, groups=weight_groups(engine, config),
+        pauses=pauses)
     settings = config.speculation_control
     speculation_metrics = SpeculationMetrics(
         registry=registry, model=info.model, engine=info.engine,
@@ -119,4 +122,5 @@ def build_local_service(engine: Engine, config: ServiceConfig
     else:
         show_fixed_k(speculation_metrics, settings.batch_size_buckets,
                      info.num_speculative_tokens)
-    return RolloutService(engine, metrics, weights, speculation=control), registry
+    return RolloutService(engine, metrics, weights, speculation=control,
+                          pauses=pauses), registry

@@ -1,24 +1,30 @@
 """The service object: HTTP messages in, engine calls out, telemetry on the way.
 
-Runs in the rollout service process, between the FastAPI handlers (``api``)
-and an :class:`~rollout_service.engines.base.Engine`. Every sequence is one
-engine request (``n`` fans out), generated whole (:meth:`RolloutService.sequence`)
-or streamed (:meth:`RolloutService.stream_sequence`), and each finished sequence is
-observed into the Prometheus metrics exactly once, here. A sequence whose engine
-returned contradictory stats is counted there and answered without stats; it never
-fails. OpenAI's completions and chat are built on these in ``completions``. With the speculation
-control (``spec_control``), each finished sequence also goes to it, which decides the K
-schedule and applies it in the background.
+Runs in the rollout service process, between the FastAPI handlers (``api``: the native
+API and every dialect) and an :class:`~rollout_service.engines.base.Engine`. Every
+sequence is one engine request (``n`` fans out), generated whole
+(:meth:`RolloutService.sequence`, :meth:`RolloutService.run`) or streamed
+(:meth:`RolloutService.stream_sequence`, :meth:`RolloutService.stream`), and each finished
+sequence is observed into the Prometheus metrics exactly once, here, whichever dialect
+asked for it. A sequence whose engine returned contradictory stats is counted there and
+answered without stats; it never fails; an aborted one is counted as aborted. With the
+speculation control (``spec_control``), each finished sequence also goes to it, which
+decides the K schedule and applies it in the background.
+
+The generation control of the dialects lives here too: pause and resume (a holder of the
+:class:`~rollout_service.pausing.PauseGate` the weight pushes share), and aborts by the
+id a client gave (every running sequence is tracked under it).
 """
 
 from __future__ import annotations
 
 import asyncio
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Sequence
-from contextlib import aclosing
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Iterator, Sequence
+from contextlib import aclosing, contextmanager
 from typing import TypeVar
 
+from rollout_service.choices import Choice, MergedStreams
 from rollout_service.engines.base import (
     ChatTurn,
     Engine,
@@ -28,6 +34,7 @@ from rollout_service.engines.base import (
     GenerationResult,
     SamplingOptions,
 )
+from rollout_service.pausing import PauseGate
 from rollout_service.protocol import messages
 from rollout_service.protocol.acceptance import (
     SpecDecodeStats,
@@ -67,7 +74,7 @@ def sampling_options(req: messages.SamplingFields, index: int) -> SamplingOption
     return SamplingOptions(
         max_tokens=req.max_tokens, temperature=req.temperature, top_p=req.top_p,
         top_k=req.top_k, seed=None if req.seed is None else req.seed + index,
-        stop=tuple(req.stop), ignore_eos=req.ignore_eos, logprobs=req.logprobs)
+        stop=tuple(req.stop), ignore_eos=req.ignore_eos, logprobs=0 if req.logprobs else None)
 
 
 def reported_stats(result: GenerationResult) -> SpecDecodeStats | None:
@@ -97,7 +104,7 @@ def to_sequence(index: int, result: GenerationResult) -> messages.SequenceOutput
     return messages.SequenceOutput(
         index=index, token_ids=list(result.token_ids), text=result.text,
         finish_reason=result.finish_reason,
-        logprobs=None if result.logprobs is None else list(result.logprobs),
+        logprobs=None if result.logprobs is None else [p.token.logprob for p in result.logprobs],
         weight_versions=list(result.weight_versions),
         spec_decode=to_spec_info(reported_stats(result)))
 
@@ -115,12 +122,16 @@ class RolloutService:
     """Generation on one engine, with per-request acceptance telemetry."""
 
     def __init__(self, engine: Engine, metrics: SpecDecodeMetrics,
-                 weights: WeightPushManager, speculation: SpeculationControl | None = None
-                 ) -> None:
+                 weights: WeightPushManager, speculation: SpeculationControl | None = None,
+                 pauses: PauseGate | None = None) -> None:
         self.engine = engine
         self.metrics = metrics
         self.weights = weights
         self.speculation = speculation
+        self.pauses = pauses or PauseGate(engine)
+        """Shared with the weight pushes (``local.build_local_service``)."""
+        self._running: dict[str, set[str]] = {}
+        """Client id -> the engine requests running under it."""
 
     async def start(self) -> None:
         """Before serving: the speculation control's first schedule and calibration."""
@@ -153,34 +164,119 @@ class RolloutService:
     def info(self) -> EngineInfo:
         return self.engine.info
 
+    async def engine_info(self) -> EngineInfo:
+        return self.engine.info
+
     def _check_consistent(self) -> None:
         if not self.weights.is_consistent:
             raise EngineUnavailableError("a weight load failed midway; generation is refused "
                                          "until a complete weight push succeeds")
 
+    @contextmanager
+    def _tracked(self, client_id: str, request_id: str) -> Iterator[None]:
+        """``request_id`` runs under ``client_id`` (what :meth:`abort` finds) meanwhile."""
+        self._running.setdefault(client_id, set()).add(request_id)
+        try:
+            yield
+        finally:
+            running = self._running[client_id]
+            running.discard(request_id)
+            if not running:
+                del self._running[client_id]
+
     async def sequence(self, prompt: str | list[int], sampling: SamplingOptions,
-                       request_id: str, *, category: str | None = None) -> GenerationResult:
+                       request_id: str, *, category: str | None = None,
+                       client_id: str | None = None) -> GenerationResult:
         """One sequence, observed once finished (under ``category``, if the request named
-        one)."""
+        one); abortable by ``client_id`` (default: ``request_id``) while it runs."""
         self._check_consistent()
-        result = await self.engine.generate(prompt, sampling, request_id)
+        with self._tracked(client_id or request_id, request_id):
+            result = await self.engine.generate(prompt, sampling, request_id)
         self._observe(result, category)
         return result
 
     async def stream_sequence(self, prompt: str | list[int], sampling: SamplingOptions,
-                              request_id: str, *, category: str | None = None
+                              request_id: str, *, category: str | None = None,
+                              client_id: str | None = None
                               ) -> AsyncIterator[GenerationDelta]:
         """One sequence as it is produced, observed once when its last delta arrives (before
         it is passed on); closing the iterator earlier aborts it, and it is not observed."""
         self._check_consistent()
-        async with aclosing(self.engine.stream(prompt, sampling, request_id)) as deltas:
-            async for delta in deltas:
-                if delta.result is not None:
-                    self._observe(delta.result, category)
-                yield delta
+        with self._tracked(client_id or request_id, request_id):
+            async with aclosing(self.engine.stream(prompt, sampling, request_id)) as deltas:
+                async for delta in deltas:
+                    if delta.result is not None:
+                        self._observe(delta.result, category)
+                    yield delta
+
+    async def run(self, choices: Sequence[Choice]) -> list[GenerationResult]:
+        """Every choice of one call, concurrently; the first failure aborts the others."""
+        return await gather_or_cancel([
+            self.sequence(c.prompt, c.sampling, c.request_id, category=c.category,
+                          client_id=c.client_id) for c in choices])
+
+    async def stream(self, choices: Sequence[Choice]
+                     ) -> AsyncGenerator[tuple[int, GenerationDelta], None]:
+        """The choices' deltas as ``(index, delta)`` in arrival order, the first once every
+        choice has produced one (a refusal raises before anything is yielded); closing it
+        aborts what still runs."""
+        streams = MergedStreams([
+            self.stream_sequence(c.prompt, c.sampling, c.request_id, category=c.category,
+                                 client_id=c.client_id) for c in choices])
+        async with aclosing(streams.deltas()) as deltas:
+            async for item in deltas:
+                yield item
+
+    # ---- generation control (the dialects' pause, resume and abort routes) ------------
+
+    async def abort(self, client_ids: Sequence[str] | None = None) -> int:
+        """Abort the sequences running under these client ids (None: every running one);
+        each answers with finish reason ``abort`` and the tokens it had.
+
+        Returns:
+            The engine requests told to abort (unknown or finished ids count nothing).
+        """
+        keys = list(self._running) if client_ids is None else client_ids
+        request_ids = [r for key in keys for r in self._running.get(key, ())]
+        await self.engine.abort(request_ids)
+        return len(request_ids)
+
+    async def pause(self, mode: messages.PauseMode) -> int:
+        """Pause generation for the client (``wait``: drain, ``abort``: abort what runs,
+        ``keep``: freeze it); new requests wait. Again while paused: no change, but
+        ``abort`` aborts what was kept.
+
+        Returns:
+            The requests unfinished once paused.
+        """
+        return await self.pauses.hold("client", mode)
+
+    async def resume(self) -> bool:
+        """The client's pause ends; generation resumes unless a push still holds it.
+
+        Returns:
+            Whether generation resumed now.
+        """
+        return await self.pauses.release("client")
+
+    async def is_paused(self) -> bool:
+        return self.pauses.is_paused
+
+    async def num_running(self) -> list[int]:
+        """The engine requests running now (one engine: one count)."""
+        return [sum(len(ids) for ids in self._running.values())]
+
+    async def reset_prefix_cache(self) -> bool:
+        """Drop the prefix cache; False when the engine refused (running requests hold
+        cached blocks: retry, or pause first)."""
+        return await self.engine.reset_prefix_cache()
+
+    async def decode_tokens(self, token_ids: Sequence[int]) -> list[str]:
+        """Each token's text on its own (logprobs shown by token)."""
+        return await self.engine.decode_tokens(token_ids)
 
     def _observe(self, result: GenerationResult, category: str | None) -> None:
-        self.metrics.observe(result.spec_decode, category)
+        self.metrics.observe(result.spec_decode, category, is_aborted=result.is_aborted)
         if self.speculation is not None:
             self.speculation.observe(result)
 
@@ -204,9 +300,9 @@ class RolloutService:
                          ) -> list[GenerationResult]:
         prompt = req.prompt if req.prompt is not None else req.prompt_token_ids
         assert prompt is not None
-        return await gather_or_cancel([
-            self.sequence(prompt, sampling_options(req, i), f"{request_id}-{i}",
-                          category=req.category)
+        return await self.run([
+            Choice(prompt=prompt, sampling=sampling_options(req, i),
+                   request_id=f"{request_id}-{i}", category=req.category, client_id=request_id)
             for i in range(req.n)])
 
     async def generate(self, req: messages.GenerateRequest) -> messages.GenerateResponse:

@@ -13,12 +13,21 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator, Callable
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
+from typing import Annotated, Any
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from pydantic import BaseModel, Discriminator, Tag
 
+from rollout_service.api.dialects.sglang import protocol as sglang
+from rollout_service.api.dialects.sglang.router import (
+    generate_dialect,
+    sglang_generate,
+    sglang_router,
+)
+from rollout_service.api.dialects.vllm.router import vllm_router
 from rollout_service.api.errors import bearer_guard, documented, install_error_handlers
 from rollout_service.api.openai import openai_router
 from rollout_service.api.openapi import install_openapi
@@ -31,6 +40,22 @@ from rollout_service.telemetry.exposition import combined_registry
 
 StateOpener = Callable[[], AbstractAsyncContextManager[AppState]]
 """Opens what the app serves for the server's lifetime."""
+
+GenerateBody = Annotated[
+    Annotated[messages.GenerateRequest, Tag("native")]
+    | Annotated[sglang.GenerateReqInput, Tag("sglang")],
+    Discriminator(generate_dialect)]
+"""``POST /generate``: the native API's request, or SGLang's (``api/dialects``): their
+keys never overlap, so one path serves both dialects' unmodified clients."""
+
+
+def json_response(model: BaseModel | list[BaseModel]) -> Response:
+    """A response model as JSON, serialized once by pydantic (no second encoding pass)."""
+    if isinstance(model, list):
+        body = b"[" + b",".join(m.model_dump_json().encode() for m in model) + b"]"
+    else:
+        body = model.model_dump_json().encode()
+    return Response(body, media_type="application/json")
 
 
 class RegistryPage:
@@ -54,8 +79,8 @@ async def local_state(config: ServiceConfig) -> AsyncIterator[AppState]:
         service, registry = build_local_service(engine, config)
         await service.start()
         yield AppState(rollouts=service, completions=OpenAICompletions(service),
-                       weights=service.weights, metrics=RegistryPage(registry),
-                       speculation=service)
+                       sequences=service, control=service, weights=service.weights,
+                       metrics=RegistryPage(registry), speculation=service)
     finally:
         await engine.shutdown()
 
@@ -88,6 +113,8 @@ def create_app(config: ServiceConfig, open_state: StateOpener | None = None) -> 
     app.include_router(weights_router(weights_token))
     app.include_router(speculation_router(weights_token))
     app.include_router(openai_router(config.model_name, guard))
+    app.include_router(vllm_router(guard))
+    app.include_router(sglang_router(guard))
 
     async def rollouts(request: Request) -> Rollouts:
         return request.app.state.serving.rollouts
@@ -95,10 +122,20 @@ def create_app(config: ServiceConfig, open_state: StateOpener | None = None) -> 
     guarded = [Depends(guard)] if guard is not None else []
     errors = documented(400, *((401,) if guard is not None else ()), 503)
 
-    @app.post("/generate", dependencies=guarded, responses=errors)
-    async def generate(req: messages.GenerateRequest,
-                       svc: Rollouts = Depends(rollouts)) -> messages.GenerateResponse:
-        return await svc.generate(req)
+    @app.post("/generate", dependencies=guarded, response_model=None, responses={
+        200: {"model": messages.GenerateResponse | sglang.GenerateOutput
+              | list[sglang.GenerateOutput], "description": (
+                  "The native answer, or SGLang's (one object for one sequence, else a "
+                  "list; with stream: server-sent events of GenerateOutput)")},
+        **errors})
+    async def generate(req: GenerateBody, request: Request) -> Any:
+        """The native API's one prompt and ``n`` sequences, or SGLang's ``/generate``
+        (``text`` / ``input_ids``), told apart by the body's keys."""
+        state: AppState = request.app.state.serving
+        if isinstance(req, sglang.GenerateReqInput):
+            answer = await sglang_generate(req, state)
+            return answer if isinstance(answer, Response) else json_response(answer)
+        return json_response(await state.rollouts.generate(req))
 
     @app.post("/generate_batch", dependencies=guarded, responses=errors)
     async def generate_batch(req: messages.BatchGenerateRequest,

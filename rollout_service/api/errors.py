@@ -21,6 +21,7 @@ from fastapi.responses import JSONResponse
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from starlette.exceptions import HTTPException
 
+from rollout_service.choices import UnknownModelError
 from rollout_service.engines.base import EngineUnavailableError, InvalidRequestError
 from rollout_service.protocol import messages
 from rollout_service.service import SpeculationControlOff
@@ -32,7 +33,8 @@ ERROR_DESCRIPTIONS = {
     400: "Invalid request: the message names the field or value at fault.",
     401: "Missing or wrong bearer token.",
     403: "Disabled by configuration.",
-    404: "No such push (not the active one).",
+    404: "Not found: a model other than the served one (as vLLM answers), or a push that "
+         "is not the active one.",
     408: "The trainer's broadcast (transport 'nccl') did not arrive in time; nothing was "
          "loaded and the group is closed.",
     409: "Conflicts with the push in progress, the served versions or the weight group.",
@@ -106,6 +108,8 @@ def classify(exc: Exception) -> tuple[int, str, str]:
         return 401, "missing or invalid bearer token", "authentication_error"
     if isinstance(exc, Forbidden | SpeculationControlOff):
         return 403, str(exc), "permission_error"
+    if isinstance(exc, UnknownModelError):
+        return 404, str(exc), "NotFoundError"
     if isinstance(exc, PushError):
         return exc.status, str(exc), "weight_push_error"
     if isinstance(exc, EngineUnavailableError):
@@ -121,7 +125,7 @@ def install_error_handlers(app: FastAPI) -> None:
         return error_response(*classify(exc))
 
     for kind in (RequestValidationError, InvalidRequestError, Unauthorized, Forbidden, PushError,
-                 SpeculationControlOff, EngineUnavailableError, Exception):
+                 SpeculationControlOff, EngineUnavailableError, UnknownModelError, Exception):
         app.add_exception_handler(kind, on_error)
 
     @app.exception_handler(HTTPException)

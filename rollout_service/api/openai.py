@@ -99,7 +99,7 @@ def openai_router(model_name: str, guard: Callable[..., Awaitable[None]] | None)
 
     @router.post("/completions", response_model=openai.CompletionResponse,
                  responses={200: event_stream_doc(openai.CompletionChunk),
-                            **documented(400, 503)})
+                            **documented(400, 404, 503)})
     async def complete(req: openai.CompletionRequest,
                        svc: Completions = Depends(completions)) -> Any:
         if req.stream:
@@ -108,7 +108,7 @@ def openai_router(model_name: str, guard: Callable[..., Awaitable[None]] | None)
 
     @router.post("/chat/completions", response_model=openai.ChatCompletionResponse,
                  responses={200: event_stream_doc(openai.ChatCompletionChunk),
-                            **documented(400, 503)})
+                            **documented(400, 404, 503)})
     async def chat(req: openai.ChatCompletionRequest,
                    svc: Completions = Depends(completions)) -> Any:
         if req.stream:

@@ -1,6 +1,7 @@
 """What the HTTP handlers call: protocols met standalone and under Ray Serve.
 
-Standalone, :class:`Rollouts` is a :class:`~rollout_service.service.RolloutService`,
+Standalone, :class:`Rollouts`, :class:`~rollout_service.choices.Sequences` and
+:class:`GenerationControl` are a :class:`~rollout_service.service.RolloutService`,
 :class:`Completions` an :class:`~rollout_service.completions.OpenAICompletions` on it
 and :class:`WeightPushes` its
 :class:`~rollout_service.weights.manager.WeightPushManager`, in this process.
@@ -12,10 +13,11 @@ handlers know only these protocols.
 
 from __future__ import annotations
 
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
+from rollout_service.choices import Sequences
 from rollout_service.protocol import messages, openai
 from rollout_service.protocol.speculation import SpeculationControlStatus
 
@@ -56,6 +58,32 @@ class Completions(Protocol):
 
     def chat_stream(self, req: openai.ChatCompletionRequest
                     ) -> AsyncGenerator[openai.ChatCompletionChunk, None]: ...
+
+
+class GenerationControl(Protocol):
+    """The dialects' pause, resume, abort and cache routes, over every engine of the app
+    (standalone: :class:`~rollout_service.service.RolloutService`; Ray Serve: broadcast to
+    every replica)."""
+
+    async def pause(self, mode: messages.PauseMode) -> int:
+        """Pause for the client; the requests unfinished once paused."""
+        ...
+
+    async def resume(self) -> bool:
+        """End the client's pause; whether generation resumed (a push may still hold it)."""
+        ...
+
+    async def is_paused(self) -> bool: ...
+
+    async def abort(self, client_ids: Sequence[str] | None = None) -> int:
+        """Abort the sequences of these client ids (None: all); engine requests told."""
+        ...
+
+    async def reset_prefix_cache(self) -> bool: ...
+
+    async def num_running(self) -> list[int]:
+        """Engine requests running now, per engine (Ray Serve: per replica)."""
+        ...
 
 
 class WeightPushes(Protocol):
@@ -106,6 +134,9 @@ class AppState:
 
     rollouts: Rollouts
     completions: Completions
+    sequences: Sequences
+    """What the dialects' translations call (vLLM's token-in/token-out, SGLang's)."""
+    control: GenerationControl
     weights: WeightPushes
     metrics: MetricsPage
     speculation: SchedulePins | None = None

@@ -3,7 +3,8 @@
 Runs inside the rollout service process. An engine owns one inference engine
 (which may spawn its own worker processes) and answers one sequence per
 ``generate`` or ``stream`` call, so every sequence carries exact per-request
-spec-decode stats. The HTTP layer never sees engine types: only the types below.
+spec-decode stats. The HTTP layer never sees engine types: only the types below and
+the sequence values of ``engines.sequences`` (re-exported here).
 
 Each engine package (``engines/vllm``, ``engines/sglang``) exposes
 ``async def start(spec: EngineSpec) -> Engine`` (:data:`EngineStarter`), called
@@ -16,11 +17,16 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequenc
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol, runtime_checkable
 
+from rollout_service.engines.sequences import (
+    ChatTurn,
+    GenerationDelta,
+    GenerationResult,
+    SamplingOptions,
+)
 from rollout_service.engines.speculative import MTPSettings
-from rollout_service.protocol.acceptance import InvalidSpecDecodeStats, SpecDecodeStats
 from rollout_service.protocol.broadcast import Backend, GroupSpec
 from rollout_service.protocol.cuda_ipc import CudaIpcHandle
-from rollout_service.protocol.messages import PauseMode, PushTarget, WeightVersionSpan
+from rollout_service.protocol.messages import PauseMode, PushTarget
 from rollout_service.protocol.placement import TensorPlacement, Transport
 from rollout_service.protocol.store import BucketInfo, StoreRef
 from rollout_service.speculation.cost import StepCostSample
@@ -40,69 +46,6 @@ class EngineUnavailableError(RuntimeError):
 class ScheduleRefusedError(InvalidRequestError):
     """The engine refused a K schedule (malformed, or a K above its maximum) and runs the one
     it had (the HTTP layer answers 400)."""
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class SamplingOptions:
-    """Sampling for one sequence; engines translate it to their own type."""
-
-    max_tokens: int
-    """Tokens to generate at most."""
-    temperature: float = 1.0
-    """0 means greedy."""
-    top_p: float = 1.0
-    """Nucleus mass kept."""
-    top_k: int = 0
-    """Tokens kept by rank; 0 keeps all."""
-    seed: int | None = None
-    """Per-sequence seed for reproducible sampling."""
-    stop: tuple[str, ...] = ()
-    """Strings that end the sequence (not included in the text)."""
-    ignore_eos: bool = False
-    """Keep generating past end-of-sequence (benchmarks)."""
-    logprobs: bool = False
-    """Return the log-probability of each sampled token."""
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class GenerationResult:
-    """One finished sequence."""
-
-    prompt_token_ids: tuple[int, ...]
-    token_ids: tuple[int, ...]
-    text: str
-    finish_reason: str
-    """``stop`` (end-of-sequence or a stop string), ``length``, or ``abort``."""
-    logprobs: tuple[float, ...] | None
-    """Log-probability of each sampled token, when asked for."""
-    weight_versions: tuple[WeightVersionSpan, ...]
-    """Which weight version produced which output tokens."""
-    spec_decode: SpecDecodeStats | InvalidSpecDecodeStats | None
-    """This sequence's acceptance counts; invalid when the engine's contradict themselves
-    (counted, never raised); None when the engine gave none."""
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class GenerationDelta:
-    """What a streamed sequence produced since its previous delta."""
-
-    text: str
-    """The new text; may be empty (detokenization holds back an incomplete character or
-    a possible stop string). The deltas' texts joined are the result's text."""
-    token_ids: tuple[int, ...]
-    """The new tokens."""
-    result: GenerationResult | None = None
-    """The finished sequence with its stats: on the last delta, and only there."""
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class ChatTurn:
-    """One message of a conversation, as the chat template reads it."""
-
-    role: str
-    """``system``, ``developer``, ``user`` or ``assistant``."""
-    content: str
-    """The message's text."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -129,6 +72,9 @@ class EngineInfo:
     MTP drafter read from the served checkpoint, so the pushed checkpoint tensors are
     its tensors. Another drafter (n-gram, suffix, a separate EAGLE model) has nothing a
     push of the checkpoint could load."""
+    world_size: int = 1
+    """GPUs (processes) one engine instance runs on: tensor x pipeline parallel sizes
+    (vLLM's ``/get_world_size``, SGLang's ``tp_size``)."""
     verify_cost_ratio: float | None = None
     """Time of a verify step with ``num_speculative_tokens`` drafts over a plain decode
     step, measured by the engine when it started (vLLM: ``engines/vllm/verify_cost.py``);
@@ -262,6 +208,16 @@ class Engine(Protocol):
         """
         ...
 
+    async def abort(self, request_ids: Sequence[str]) -> None:
+        """Abort these engine requests (ids of :meth:`generate` / :meth:`stream` calls;
+        unknown or finished ones are ignored). Each ends as a result with finish reason
+        ``abort`` and the tokens it had generated; returns once the engine was told."""
+        ...
+
+    async def decode_tokens(self, token_ids: Sequence[int]) -> list[str]:
+        """Each token's text on its own (for log-probabilities shown by token)."""
+        ...
+
     async def pause(self, mode: PauseMode = "wait") -> int:
         """Stop scheduling: ``wait`` drains running requests, ``abort`` aborts them,
         ``keep`` freezes them in place.
@@ -285,8 +241,13 @@ class Engine(Protocol):
         when ``info.has_pushable_drafter``."""
         ...
 
-    async def reset_prefix_cache(self) -> None:
-        """Drop cached KV computed with old weights."""
+    async def reset_prefix_cache(self) -> bool:
+        """Drop cached KV computed with old weights.
+
+        Returns:
+            False when the engine refused because running requests hold cached blocks
+            (vLLM; the caller may retry); True once dropped.
+        """
         ...
 
     async def weight_checksums(self) -> dict[str, str]:

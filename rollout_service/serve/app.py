@@ -5,11 +5,12 @@ Runs in Ray: :func:`build_app` (or :func:`app_builder`, the import path of
 deployments; the classes below run in Serve replica actors:
 
 - ``RolloutIngress`` (stateless, ``num_ingress_replicas``): the same FastAPI app
-  as the standalone service (``api.app.create_app``), whose handlers call the engine
-  replicas through a deployment handle (retrying on another replica while the
-  one reached has a dead engine or lags behind the weights; a stream until its
-  first chunk, through a streaming handle) and the coordinator for weight pushes,
-  ``/health`` and ``GET /metrics/targets``.
+  as the standalone service (``api.app.create_app``), every dialect included, whose
+  handlers call the engine replicas through a deployment handle (a call's sequences
+  on one replica, retried on another while the one reached has a dead engine or lags
+  behind the weights; a stream until its first chunk, through a streaming handle;
+  ``serve/sequences.py``), broadcast the control routes to every replica, and call
+  the coordinator for weight pushes, ``/health`` and ``GET /metrics/targets``.
 - ``RolloutEngine`` (``num_replicas`` or autoscaling): one engine each
   (``serve/replica.py``).
 - ``WeightsCoordinator`` (one replica): fans every push out to all engine
@@ -42,13 +43,15 @@ from ray.serve.handle import DeploymentHandle
 
 from rollout_service.api.app import create_app
 from rollout_service.api.ports import AppState
+from rollout_service.completions import OpenAICompletions
 from rollout_service.engines.base import EngineUnavailableError
-from rollout_service.protocol import messages, openai
+from rollout_service.protocol import messages
 from rollout_service.protocol.acceptance import summarize, summarize_by_category
 from rollout_service.serve.config import RayServeConfig, parse_serve_config
 from rollout_service.serve.coordinator import WeightsCoordinator
 from rollout_service.serve.metrics import fetch_pages, merge_pages
 from rollout_service.serve.replica import EngineReplica
+from rollout_service.serve.sequences import BroadcastControl, ReplicatedSequences
 from rollout_service.service import gather_or_cancel
 from rollout_service.weights.intake import PushError
 
@@ -192,35 +195,6 @@ def deployment_health(config: RayServeConfig, replicas: list[messages.ReplicaHea
     return body, 200 if serving else 503
 
 
-class ReplicatedCompletions:
-    """The ingress's side of :class:`~rollout_service.completions.OpenAICompletions`: each
-    call on one replica (all of a call's choices there)."""
-
-    def __init__(self, replicas: Replicas) -> None:
-        self._replicas = replicas
-
-    async def complete(self, req: openai.CompletionRequest) -> openai.CompletionResponse:
-        return await self._replicas.call("complete", req)
-
-    def complete_stream(self, req: openai.CompletionRequest
-                        ) -> AsyncGenerator[openai.CompletionChunk, None]:
-        return self._replicas.stream("complete_stream", req)
-
-    async def chat(self, req: openai.ChatCompletionRequest) -> openai.ChatCompletionResponse:
-        return await self._replicas.call("chat", req)
-
-    def chat_stream(self, req: openai.ChatCompletionRequest
-                    ) -> AsyncGenerator[openai.ChatCompletionChunk, None]:
-        return self._replicas.stream("chat_stream", req)
-
-    async def release_group(self, req: messages.WeightGroupRelease
-                            ) -> messages.WeightGroupState:
-        return await self.create_group(None)  # type: ignore[arg-type]
-
-    async def group_state(self) -> messages.WeightGroupState:
-        return await self.create_group(None)  # type: ignore[arg-type]
-
-
 class CoordinatorPushes:
     """The ingress's side of the push protocol: every call goes to the coordinator."""
 
@@ -247,6 +221,13 @@ class CoordinatorPushes:
         raise PushError(403, "weights_transport: Ray Serve takes 'shm' pushes only; weight "
                              "groups are for the 'nccl' transport of the standalone service")
 
+    async def release_group(self, req: messages.WeightGroupRelease
+                            ) -> messages.WeightGroupState:
+        return await self.create_group(None)  # type: ignore[arg-type]
+
+    async def group_state(self) -> messages.WeightGroupState:
+        return await self.create_group(None)  # type: ignore[arg-type]
+
 
 class ReplicaMetrics:
     """The ingress's ``/metrics``: every live replica's page, labelled by replica."""
@@ -270,8 +251,10 @@ class RolloutIngress:
 
     @asynccontextmanager
     async def _state(self) -> AsyncIterator[AppState]:
+        sequences = ReplicatedSequences(Replicas(self._config, self._engine))
         yield AppState(rollouts=ReplicatedService(self._config, self._engine, self._coordinator),
-                       completions=ReplicatedCompletions(Replicas(self._config, self._engine)),
+                       completions=OpenAICompletions(sequences), sequences=sequences,
+                       control=BroadcastControl(self._engine),
                        weights=CoordinatorPushes(self._coordinator),
                        metrics=ReplicaMetrics(self._coordinator))
 

@@ -32,8 +32,16 @@ from collections.abc import AsyncIterator
 from contextlib import aclosing
 from typing import TYPE_CHECKING
 
-from rollout_service.engines.base import Engine, EngineUnavailableError
-from rollout_service.protocol import messages, openai
+from rollout_service.choices import Choice
+from rollout_service.engines.base import (
+    ChatTurn,
+    Engine,
+    EngineInfo,
+    EngineUnavailableError,
+    GenerationDelta,
+    GenerationResult,
+)
+from rollout_service.protocol import messages
 from rollout_service.serve.config import RayServeConfig
 from rollout_service.serve.coordinator import Command, CommandResult, StoredPush
 from rollout_service.service import RolloutService, speculation_info
@@ -65,7 +73,6 @@ class EngineReplica:
     async def __init__(self, config: RayServeConfig, coordinator: DeploymentHandle) -> None:
         from ray import serve
 
-        from rollout_service.completions import OpenAICompletions
         from rollout_service.local import build_local_service, start_engine
 
         self._id = serve.get_replica_context().replica_id.unique_id
@@ -85,7 +92,6 @@ class EngineReplica:
         self._engine = await start_engine(config)
         self._service, registry = build_local_service(self._engine, config)
         await self._service.start()
-        self._completions = OpenAICompletions(self._service)
         self._weights = self._service.weights
         self._metrics_address = advertised_address(
             config.metrics_host, serve_metrics(registry, config.metrics_host))
@@ -108,28 +114,47 @@ class EngineReplica:
         response = await self._service.generate(req)
         return response.model_copy(update={"replica": self._id})
 
-    async def complete(self, req: openai.CompletionRequest) -> openai.CompletionResponse:
+    async def run_choices(self, choices: list[Choice]) -> list[GenerationResult]:
+        """One call's sequences (``serve/sequences.py``), all on this replica."""
         await self._admit()
-        return await self._completions.complete(req)
+        return await self._service.run(choices)
 
-    async def complete_stream(self, req: openai.CompletionRequest
-                              ) -> AsyncIterator[openai.CompletionChunk]:
+    async def stream_choices(self, choices: list[Choice]
+                             ) -> AsyncIterator[tuple[int, GenerationDelta]]:
         """Streamed to the ingress (``handle.options(stream=True)``); cancelled with it."""
         await self._admit()
-        async with aclosing(self._completions.complete_stream(req)) as chunks:
-            async for chunk in chunks:
-                yield chunk
+        async with aclosing(self._service.stream(choices)) as deltas:
+            async for item in deltas:
+                yield item
 
-    async def chat(self, req: openai.ChatCompletionRequest) -> openai.ChatCompletionResponse:
-        await self._admit()
-        return await self._completions.chat(req)
+    async def chat_prompt(self, turns: list[ChatTurn]) -> list[int]:
+        return await self._service.chat_prompt(turns)
 
-    async def chat_stream(self, req: openai.ChatCompletionRequest
-                          ) -> AsyncIterator[openai.ChatCompletionChunk]:
-        await self._admit()
-        async with aclosing(self._completions.chat_stream(req)) as chunks:
-            async for chunk in chunks:
-                yield chunk
+    async def decode_tokens(self, token_ids: list[int]) -> list[str]:
+        return await self._service.decode_tokens(token_ids)
+
+    async def engine_info(self, _: None = None) -> EngineInfo:
+        return self._service.info
+
+    # ---- generation control (broadcast by the ingress to every replica) ----------------
+
+    async def pause(self, mode: messages.PauseMode) -> int:
+        return await self._service.pause(mode)
+
+    async def resume(self) -> bool:
+        return await self._service.resume()
+
+    async def is_paused(self) -> bool:
+        return await self._service.is_paused()
+
+    async def abort(self, client_ids: list[str] | None) -> int:
+        return await self._service.abort(client_ids)
+
+    async def reset_prefix_cache(self) -> bool:
+        return await self._service.reset_prefix_cache()
+
+    async def num_running(self) -> list[int]:
+        return await self._service.num_running()
 
     async def check_health(self) -> None:
         """Ray Serve's health check: a dead engine or torn weights fail the replica."""

@@ -51,6 +51,7 @@ class _CategorySeries:
     no_spec_requests: Any
     missing_stats_requests: Any
     invalid_stats_requests: Any
+    aborted_requests: Any
     drafts: Any
     drafts_with_positions: Any
     draft_tokens: Any
@@ -113,6 +114,10 @@ class SpecDecodeMetrics:
             "rollout_spec_decode_invalid_stats_requests",
             "Finished sequences whose engine returned spec-decode counts that contradict "
             "themselves (e.g. accepted > drafted); left out of every figure.")
+        self._aborted_requests = counter(
+            "rollout_aborted_requests",
+            "Finished sequences that were aborted (by a client, or a pause in mode abort), "
+            "with the tokens they had; one without stats is not counted as missing.")
         self._drafts = counter("rollout_spec_decode_drafts", "Verify steps with a draft.")
         self._drafts_with_positions = counter(
             "rollout_spec_decode_drafts_with_positions",
@@ -155,6 +160,7 @@ class SpecDecodeMetrics:
             no_spec_requests=self._no_spec_requests.labels(**labels),
             missing_stats_requests=self._missing_stats_requests.labels(**labels),
             invalid_stats_requests=self._invalid_stats_requests.labels(**labels),
+            aborted_requests=self._aborted_requests.labels(**labels),
             drafts=self._drafts.labels(**labels),
             drafts_with_positions=self._drafts_with_positions.labels(**labels),
             draft_tokens=self._draft_tokens.labels(**labels),
@@ -175,9 +181,11 @@ class SpecDecodeMetrics:
         return series
 
     def observe(self, stats: SpecDecodeStats | InvalidSpecDecodeStats | None,
-                category: str | None = None) -> None:
+                category: str | None = None, *, is_aborted: bool = False) -> None:
         """Record one finished sequence of ``category``; missing or invalid stats are
-        counted and logged once, never raised.
+        counted and logged once, never raised. An aborted sequence (``is_aborted``) is
+        counted as one; its stats count as any other's, and it may have none (vLLM gives
+        an aborted request none): that is not a missing-stats sequence.
 
         Raises:
             ValueError: ``stats`` has more draft positions than ``num_speculative_tokens``
@@ -189,8 +197,11 @@ class SpecDecodeMetrics:
                              f"but the exporter was built for {self._num_positions}: {stats}")
         series = self._category(category)
         series.requests.inc()
+        if is_aborted:
+            series.aborted_requests.inc()
         if stats is None:
-            self._observe_missing(series)
+            if not is_aborted:
+                self._observe_missing(series)
             return
         if isinstance(stats, InvalidSpecDecodeStats):
             self._observe_invalid(series, stats)

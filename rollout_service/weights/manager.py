@@ -20,6 +20,7 @@ import logging
 import time
 
 from rollout_service.engines.base import Engine, LoadTimings, WeightUpdate
+from rollout_service.pausing import PauseGate
 from rollout_service.protocol import messages
 from rollout_service.protocol.placement import TensorPlacement, Transport
 from rollout_service.protocol.store import StoreRef
@@ -52,12 +53,16 @@ class WeightPushManager:
             (``EngineInfo.has_pushable_drafter``).
         transport: the transport the engine was started with (``weights_transport``).
         groups: the ``nccl`` transport's groups (None for the other transports).
+        pauses: the engine's pause, shared with the service's pause routes (a push inside
+            a client's pause leaves generation paused); default: the push's own.
     """
 
     def __init__(self, engine: Engine, checkpoint: dict[str, TensorMeta],
                  metrics: WeightMetrics, *, timeout_s: float, has_draft: bool,
-                 transport: Transport = "shm", groups: WeightGroups | None = None) -> None:
+                 transport: Transport = "shm", groups: WeightGroups | None = None,
+                 pauses: PauseGate | None = None) -> None:
         self._engine = engine
+        self._pauses = pauses or PauseGate(engine)
         self._transport = transport
         self._groups = groups
         self._has_draft = has_draft
@@ -267,7 +272,7 @@ class WeightPushManager:
         """Pause, load, resume: the timings, and the requests held across the load."""
         main = draft = _NO_LOAD
         t0 = time.perf_counter()
-        held = await self._engine.pause(pause_mode)
+        held = await self._pauses.hold("push", pause_mode)
         t1 = time.perf_counter()
         try:
             if update.target in ("main", "both"):
@@ -279,7 +284,7 @@ class WeightPushManager:
             t2 = time.perf_counter()
             await self._engine.reset_prefix_cache()
         finally:
-            await self._engine.resume()
+            await self._pauses.release("push")
         t3 = time.perf_counter()
         return messages.PushTimings(pause_s=t1 - t0, load_main_s=main.load_s,
                                     finalize_main_s=main.finalize_s, load_draft_s=draft.load_s,

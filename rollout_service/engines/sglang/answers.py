@@ -37,6 +37,7 @@ from rollout_service.engines.base import (
     GenerationResult,
     InvalidRequestError,
 )
+from rollout_service.engines.sequences import PositionLogprobs, TokenLogprob
 from rollout_service.engines.sglang.stats import spec_stats_from_meta_info
 from rollout_service.protocol.messages import WeightVersionSpan
 from rollout_service.protocol.sse import read_events
@@ -47,9 +48,6 @@ def to_result(prompt_ids: Sequence[int], out: Mapping[str, Any],
     """One finished sequence: a non-streamed answer, or a merged stream (``StreamedOutput``)."""
     meta = out["meta_info"]
     token_ids = tuple(out["output_ids"])
-    logprobs = None
-    if "output_token_logprobs" in meta:  # [logprob, token id, text] per token
-        logprobs = tuple(float(entry[0]) for entry in meta["output_token_logprobs"])
     if meta.get("weight_versions"):
         spans = tuple(WeightVersionSpan(version=s["version"], start=s["start"], end=s["end"])
                       for s in meta["weight_versions"])
@@ -59,11 +57,47 @@ def to_result(prompt_ids: Sequence[int], out: Mapping[str, Any],
     else:
         spans = ()
     finish = meta.get("finish_reason") or {"type": "abort"}
+    is_stop = finish["type"] == "stop"
     return GenerationResult(
         prompt_token_ids=tuple(prompt_ids), token_ids=token_ids, text=out.get("text", ""),
         finish_reason=finish["type"] if finish["type"] in ("stop", "length") else "abort",
-        logprobs=logprobs, weight_versions=spans,
-        spec_decode=spec_stats_from_meta_info(meta, num_draft_tokens))
+        logprobs=logprobs_of(meta.get("output_token_logprobs"), meta.get("output_top_logprobs")),
+        weight_versions=spans, spec_decode=spec_stats_from_meta_info(meta, num_draft_tokens),
+        # SGLang's "matched" is the stop string or token; an EOS token is matched too.
+        stop_reason=finish.get("matched") if is_stop else None,
+        prompt_logprobs=prompt_logprobs_of(meta.get("input_token_logprobs"),
+                                           meta.get("input_top_logprobs")),
+        num_cached_tokens=meta.get("cached_tokens"))
+
+
+def logprobs_of(tokens: Sequence[Sequence[Any]] | None,
+                top: Sequence[Sequence[Sequence[Any]] | None] | None
+                ) -> tuple[PositionLogprobs, ...] | None:
+    """SGLang's ``[logprob, token id, text]`` per position (and ``output_top_logprobs``, a
+    list of those per position, most likely first) as positions; None when not asked."""
+    if tokens is None:
+        return None
+    tops = list(top or ())
+    return tuple(PositionLogprobs(
+        TokenLogprob(int(entry[1]), float(entry[0])),
+        _ranked(tops[i] if i < len(tops) else None)) for i, entry in enumerate(tokens))
+
+
+def prompt_logprobs_of(tokens: Sequence[Sequence[Any]] | None,
+                       top: Sequence[Sequence[Sequence[Any]] | None] | None
+                       ) -> tuple[PositionLogprobs | None, ...] | None:
+    """``input_token_logprobs``: the first position's logprob is null (nothing predicts it)."""
+    if not tokens:
+        return None
+    tops = list(top or ())
+    return tuple(None if entry[0] is None else PositionLogprobs(
+        TokenLogprob(int(entry[1]), float(entry[0])),
+        _ranked(tops[i] if i < len(tops) else None)) for i, entry in enumerate(tokens))
+
+
+def _ranked(candidates: Sequence[Sequence[Any]] | None) -> tuple[TokenLogprob, ...]:
+    return tuple(TokenLogprob(int(c[1]), float(c[0]), rank)
+                 for rank, c in enumerate(candidates or (), start=1))
 
 
 class StreamedOutput:
@@ -79,10 +113,12 @@ class StreamedOutput:
         self._text = ""
         self._output_ids: list[int] = []
         self._logprobs: list[Any] = []
+        self._top_logprobs: list[Any] = []
         self._meta_info: dict[str, Any] = {}
 
-    def add(self, out: Mapping[str, Any]) -> tuple[str, tuple[int, ...]]:
-        """Merge one answer; returns its new text and its new token ids."""
+    def add(self, out: Mapping[str, Any]
+            ) -> tuple[str, tuple[int, ...], tuple[PositionLogprobs, ...]]:
+        """Merge one answer; returns its new text, token ids and their logprobs."""
         meta = out["meta_info"]
         ids = out.get("output_ids") or []
         num_tokens = meta.get("completion_tokens", len(self._output_ids) + len(ids))
@@ -90,6 +126,9 @@ class StreamedOutput:
         self._output_ids = merged(self._output_ids, ids, num_tokens)
         if "output_token_logprobs" in meta:
             self._logprobs = merged(self._logprobs, meta["output_token_logprobs"], num_tokens)
+        if meta.get("output_top_logprobs") is not None:
+            self._top_logprobs = merged(self._top_logprobs, meta["output_top_logprobs"],
+                                        num_tokens)
         text = out.get("text") or ""
         if self._is_text_delta:
             new_text = text
@@ -99,13 +138,17 @@ class StreamedOutput:
             new_text = text[len(self._text):] if text.startswith(self._text) else ""
             self._text = text
         self._meta_info = dict(meta)
-        return new_text, tuple(self._output_ids[num_before:])
+        new_logprobs = logprobs_of(self._logprobs[num_before:],
+                                   self._top_logprobs[num_before:]) or ()
+        return new_text, tuple(self._output_ids[num_before:]), new_logprobs
 
     def final(self) -> dict[str, Any]:
         """The merged sequence, shaped as a non-streamed answer."""
         meta = dict(self._meta_info)
         if "output_token_logprobs" in meta:
             meta["output_token_logprobs"] = self._logprobs
+        if self._top_logprobs:
+            meta["output_top_logprobs"] = self._top_logprobs
         return {"text": self._text, "output_ids": self._output_ids, "meta_info": meta}
 
 

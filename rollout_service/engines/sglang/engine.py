@@ -57,6 +57,7 @@ from rollout_service.engines.sglang.features import (
 )
 from rollout_service.engines.sglang.launch import build_launch_command, start_server, stop_process
 from rollout_service.engines.sglang.payload import PayloadBuilder, build_flattened_bucket_payloads
+from rollout_service.engines.sglang.request import generate_body
 from rollout_service.engines.speculative import MTPSettings, load_checkpoint_config
 from rollout_service.protocol.messages import PauseMode
 
@@ -160,7 +161,8 @@ class SGLangEngine:
             num_speculative_tokens=server_info["speculative_num_steps"] if is_spec else 0,
             speculative_method=algorithm,
             has_pushable_drafter=has_pushable_drafter(
-                server_info, {model_path, model_info.get("model_path")}))
+                server_info, {model_path, model_info.get("model_path")}),
+            world_size=(server_info.get("tp_size") or 1) * (server_info.get("pp_size") or 1))
         return cls(client, info, features,
                    num_draft_tokens=server_info["speculative_num_draft_tokens"] if is_spec else 0,
                    num_tp_ranks=server_info.get("tp_size") or 1,
@@ -209,10 +211,6 @@ class SGLangEngine:
         async with self._in_flight():
             return await self._generate(prompt, sampling, request_id)
 
-    def _body(self, sampling: SamplingOptions, request_id: str) -> dict[str, Any]:
-        return {"rid": request_id, "sampling_params": _sampling_params(sampling),
-                "return_logprob": sampling.logprobs}
-
     async def _prompt_ids(self, prompt: str | list[int], sampling: SamplingOptions) -> list[int]:
         ids = await self._tokenize(prompt) if isinstance(prompt, str) else list(prompt)
         check_prompt(self.info, ids, sampling.max_tokens)
@@ -220,7 +218,7 @@ class SGLangEngine:
 
     async def _generate(self, prompt: str | list[int], sampling: SamplingOptions,
                         request_id: str) -> GenerationResult:
-        body = self._body(sampling, request_id)
+        body = generate_body(sampling, request_id)
         # Text goes to SGLang when it can return the prompt's ids; else we tokenize with
         # its /v1/tokenize so that prompt_token_ids are exactly what it generated from.
         is_text = isinstance(prompt, str) and self.features.accepts(
@@ -241,18 +239,22 @@ class SGLangEngine:
         async with self._in_flight():
             # Token ids, so that the prompt's are known without return_prompt_token_ids.
             prompt_ids = await self._prompt_ids(prompt, sampling)
-            body = self._body(sampling, request_id) | {"input_ids": prompt_ids, "stream": True}
+            body = generate_body(sampling, request_id) | {"input_ids": prompt_ids, "stream": True}
             merged = StreamedOutput(is_text_delta=self._is_text_streamed_as_delta)
+            first_prompt: tuple[int, ...] | None = tuple(prompt_ids)
             try:
                 # Leaving this block (the consumer closed us) closes the connection; SGLang
                 # aborts the request when its client goes away.
                 async with self._client.stream("POST", "/generate", json=body) as response:
                     async for out in streamed_answers(response):
-                        text, token_ids = merged.add(out)
+                        text, token_ids, logprobs = merged.add(out)
                         is_finished = out["meta_info"].get("finish_reason") is not None
                         result = (to_result(prompt_ids, merged.final(), self._num_draft_tokens)
                                   if is_finished else None)
-                        yield GenerationDelta(text=text, token_ids=token_ids, result=result)
+                        yield GenerationDelta(text=text, token_ids=token_ids,
+                                              logprobs=logprobs, result=result,
+                                              prompt_token_ids=first_prompt)
+                        first_prompt = None
                         if is_finished:
                             return
             except httpx.TransportError as exc:
@@ -262,11 +264,25 @@ class SGLangEngine:
                                      "finished")
 
     async def chat_prompt(self, turns: Sequence[ChatTurn]) -> list[int]:
+        return chat_prompt_ids(await self._local_tokenizer(), turns)
+
+    async def decode_tokens(self, token_ids: Sequence[int]) -> list[str]:
+        tokenizer = await self._local_tokenizer()
+        return [tokenizer.decode([token]) for token in token_ids]
+
+    async def _local_tokenizer(self) -> Any:
+        """The checkpoint's tokenizer in this process, loaded on first use."""
         async with self._tokenizer_loaded:
             if not self._is_tokenizer_loaded:
                 self._tokenizer = await asyncio.to_thread(load_tokenizer, self.info.model_path)
                 self._is_tokenizer_loaded = True
-        return chat_prompt_ids(self._tokenizer, turns)
+        return self._tokenizer
+
+    async def abort(self, request_ids: Sequence[str]) -> None:
+        """SGLang's ``/abort_request`` per request: its caller's answer comes back with
+        finish reason ``abort`` and the tokens so far."""
+        await asyncio.gather(*(self._control("/abort_request", {"rid": rid})
+                               for rid in request_ids))
 
     async def _tokenize(self, text: str) -> list[int]:
         response = await self._request("POST", "/v1/tokenize", {"prompt": text})
@@ -332,8 +348,9 @@ class SGLangEngine:
                                       "(no 'selector' field); use SGLang 0.5.23 or later")
         return {}
 
-    async def reset_prefix_cache(self) -> None:
+    async def reset_prefix_cache(self) -> bool:
         await self._control("/flush_cache", None)
+        return True
 
     async def weight_checksums(self) -> dict[str, str]:
         """SGLang's per-engine checksum per model where ``/weights_checker`` can target one
@@ -389,18 +406,6 @@ class SGLangEngine:
         if isinstance(result, dict) and result.get("success") is False:
             raise RuntimeError(f"SGLang {path} failed: {result.get('message')}")
         return result
-
-
-def _sampling_params(sampling: SamplingOptions) -> dict[str, Any]:
-    params: dict[str, Any] = {
-        "max_new_tokens": sampling.max_tokens, "temperature": sampling.temperature,
-        "top_p": sampling.top_p, "top_k": sampling.top_k or -1,  # SGLang: -1 keeps all
-        "ignore_eos": sampling.ignore_eos}
-    if sampling.stop:
-        params["stop"] = list(sampling.stop)
-    if sampling.seed is not None:
-        params["sampling_seed"] = sampling.seed
-    return params
 
 
 def has_pushable_drafter(server_info: Mapping[str, Any], served: set[str | None]) -> bool:

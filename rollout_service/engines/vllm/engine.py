@@ -32,7 +32,6 @@ from vllm import SamplingParams
 from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
 from vllm.engine.arg_utils import AsyncEngineArgs
 from vllm.exceptions import VLLMClientError
-from vllm.sampling_params import RequestOutputKind
 from vllm.v1.engine.async_llm import AsyncLLM
 from vllm.v1.engine.exceptions import EngineDeadError
 
@@ -55,12 +54,19 @@ from rollout_service.engines.base import (
     check_prompt,
 )
 from rollout_service.engines.chat import chat_prompt_ids
+from rollout_service.engines.sequences import PositionLogprobs
 from rollout_service.engines.speculative import (
     MTPSettings,
     build_vllm_speculative_config,
     is_mtp_method,
 )
 from rollout_service.engines.vllm import drafter_at_k0
+from rollout_service.engines.vllm.outputs import (
+    output_logprobs,
+    prompt_logprobs,
+    sampling_params,
+    to_result,
+)
 from rollout_service.engines.vllm.patches import spec_schedule as schedule_rpc
 from rollout_service.engines.vllm.plugin import BACKEND_OF_TRANSPORT
 from rollout_service.engines.vllm.spec_schedule import (
@@ -73,9 +79,8 @@ from rollout_service.engines.vllm.step_costs import StepCostMonitor
 from rollout_service.engines.vllm.transfer import update_info
 from rollout_service.engines.vllm.usage_context import serving_usage_context
 from rollout_service.engines.vllm.worker_ext import combined_checksums
-from rollout_service.protocol.acceptance import InvalidSpecDecodeStats, SpecDecodeStats
 from rollout_service.protocol.broadcast import Backend, GroupSpec
-from rollout_service.protocol.messages import PauseMode, WeightVersionSpan
+from rollout_service.protocol.messages import PauseMode
 from rollout_service.protocol.store import BucketInfo
 
 logger = logging.getLogger(__name__)
@@ -201,6 +206,7 @@ class VLLMEngine:
             num_speculative_tokens=spec.num_speculative_tokens if spec else 0,
             speculative_method=spec.method if spec else None,
             has_pushable_drafter=has_pushable_drafter(spec, model_config),
+            world_size=int(llm.vllm_config.parallel_config.world_size_across_dp),
         )
         in_place = loads_in_place(weights_load, model_config)
         logger.info("weight pushes load %s (weights_load: %s)",
@@ -250,8 +256,8 @@ class VLLMEngine:
         # of the whole sequence here instead of one incremental step per token there.
         text = completion.text if params.detokenize else self._tokenizer.decode(
             completion.token_ids, skip_special_tokens=params.skip_special_tokens)
-        return _to_result(prompt_ids, completion, text,
-                          verify_cost_ratio=self.info.verify_cost_ratio)
+        return to_result(prompt_ids, final, text, sampling,
+                         verify_cost_ratio=self.info.verify_cost_ratio)
 
     async def stream(self, prompt: str | list[int], sampling: SamplingOptions,
                      request_id: str) -> AsyncIterator[GenerationDelta]:
@@ -260,7 +266,8 @@ class VLLMEngine:
         params = sampling_params(sampling, is_streamed=True)
         text: list[str] = []
         token_ids: list[int] = []
-        logprobs: list[float] = []
+        logprobs: list[PositionLogprobs] = []
+        prompt_lps: tuple[PositionLogprobs | None, ...] | None = None
         try:
             # aclosing: our consumer closing this generator closes vLLM's, which aborts.
             async with aclosing(self._llm.generate({"prompt_token_ids": prompt_ids}, params,
@@ -268,18 +275,24 @@ class VLLMEngine:
                 async for output in outputs:
                     completion = output.outputs[0]
                     new_text = completion.text
-                    token_ids += completion.token_ids
-                    logprobs += _logprobs(completion) or ()
+                    new_ids = tuple(completion.token_ids)
+                    token_ids += new_ids
+                    new_logprobs = output_logprobs(completion, new_ids, sampling.logprobs) or ()
+                    logprobs += new_logprobs
+                    if prompt_lps is None:  # vLLM sends them with the first output only
+                        prompt_lps = prompt_logprobs(output, prompt_ids, sampling.prompt_logprobs)
                     result = None
                     if output.finished:
                         new_text = self._last_text("".join(text), new_text, token_ids, params)
-                        result = _to_result(prompt_ids, completion, "".join(text) + new_text,
-                                            token_ids=token_ids,
-                                            logprobs=logprobs if sampling.logprobs else None,
-                                            verify_cost_ratio=self.info.verify_cost_ratio)
+                        result = to_result(
+                            prompt_ids, output, "".join(text) + new_text, sampling,
+                            token_ids=token_ids,
+                            logprobs=logprobs if sampling.logprobs is not None else None,
+                            prompt=prompt_lps, verify_cost_ratio=self.info.verify_cost_ratio)
+                    yield GenerationDelta(text=new_text, token_ids=new_ids,
+                                          logprobs=tuple(new_logprobs), result=result,
+                                          prompt_token_ids=None if text else tuple(prompt_ids))
                     text.append(new_text)
-                    yield GenerationDelta(text=new_text, token_ids=tuple(completion.token_ids),
-                                          result=result)
         except EngineDeadError as exc:
             raise EngineUnavailableError(f"vLLM engine died: {exc}") from exc
         except (ValueError, VLLMClientError) as exc:
@@ -300,6 +313,17 @@ class VLLMEngine:
 
     async def chat_prompt(self, turns: Sequence[ChatTurn]) -> list[int]:
         return chat_prompt_ids(self._tokenizer, turns)
+
+    async def decode_tokens(self, token_ids: Sequence[int]) -> list[str]:
+        # vLLM's OpenAI server shows a logprob's token the same way (decode of the id alone).
+        return [self._tokenizer.decode([token]) for token in token_ids]
+
+    async def abort(self, request_ids: Sequence[str]) -> None:
+        """``AsyncLLM.abort``: each request's caller gets its final output, finish reason
+        ``abort``, with the tokens generated so far (also when only the final output was
+        asked for)."""
+        if request_ids:
+            await self._llm.abort(list(request_ids))
 
     async def pause(self, mode: PauseMode = "wait") -> int:
         """``AsyncLLM.pause_generation`` without its closing ``asyncio.sleep(0.02)``.
@@ -332,8 +356,8 @@ class VLLMEngine:
         await self._llm.finish_weight_update(weight_version=version)
         return LoadTimings(load_s=loaded - start, finalize_s=time.perf_counter() - loaded)
 
-    async def reset_prefix_cache(self) -> None:
-        await self._llm.reset_prefix_cache()
+    async def reset_prefix_cache(self) -> bool:
+        return bool(await self._llm.reset_prefix_cache())
 
     # ---- the nccl transport (broadcast_backend.py in the workers) -------------------
 
@@ -507,73 +531,3 @@ def _cache_vllm_environment() -> None:
     enable = getattr(envs, "enable_envs_cache", None)
     if enable is not None:
         enable()
-
-
-def sampling_params(sampling: SamplingOptions, *, is_streamed: bool = False) -> SamplingParams:
-    """One sequence: the final output only (no per-token streaming overhead), or deltas
-    when ``is_streamed``.
-
-    vLLM detokenizes incrementally, one step per generated token in the front-end
-    process; the final output needs that only to find stop strings, and without any
-    the text is decoded once when the sequence ends (:meth:`VLLMEngine.generate`).
-    A stream needs the text of every delta, so it is always detokenized.
-    """
-    return SamplingParams(
-        n=1,
-        max_tokens=sampling.max_tokens,
-        temperature=sampling.temperature,
-        top_p=sampling.top_p,
-        top_k=sampling.top_k,
-        seed=sampling.seed,
-        stop=list(sampling.stop) or None,
-        ignore_eos=sampling.ignore_eos,
-        logprobs=0 if sampling.logprobs else None,
-        detokenize=is_streamed or bool(sampling.stop),
-        output_kind=RequestOutputKind.DELTA if is_streamed else RequestOutputKind.FINAL_ONLY,
-    )
-
-
-def _logprobs(completion: Any) -> tuple[float, ...] | None:
-    """The sampled tokens' log-probabilities of one ``CompletionOutput``, if asked for."""
-    if completion.logprobs is None:
-        return None
-    return tuple(step[token].logprob
-                 for step, token in zip(completion.logprobs, completion.token_ids))
-
-
-def _to_result(prompt_ids: list[int], completion: Any, text: str, *,
-               token_ids: Sequence[int] | None = None,
-               logprobs: Sequence[float] | None = None,
-               verify_cost_ratio: float | None = None) -> GenerationResult:
-    """Convert a finished ``CompletionOutput`` (and its text) to the engine-neutral result;
-    a stream's last delta gives the sequence's ``token_ids`` and ``logprobs`` apart."""
-    spans = tuple(WeightVersionSpan(version=s.version, start=s.start, end=s.end)
-                  for s in completion.weight_versions or ())
-    is_delta = token_ids is not None
-    return GenerationResult(
-        prompt_token_ids=tuple(prompt_ids),
-        token_ids=tuple(token_ids if is_delta else completion.token_ids),
-        text=text,
-        finish_reason=completion.finish_reason or "abort",
-        logprobs=(None if logprobs is None else tuple(logprobs)) if is_delta
-        else _logprobs(completion),
-        weight_versions=spans,
-        spec_decode=to_stats(completion.spec_decode_metrics,
-                             verify_cost_ratio=verify_cost_ratio),
-    )
-
-
-def to_stats(metrics: Any, *, verify_cost_ratio: float | None = None
-             ) -> SpecDecodeStats | InvalidSpecDecodeStats | None:
-    """vLLM's ``RequestSpecDecodeMetrics`` -> :class:`SpecDecodeStats` (None passes), with
-    the engine's measured verify cost ratio; counts that contradict themselves are
-    :class:`InvalidSpecDecodeStats`, never raised."""
-    if metrics is None:
-        return None
-    try:
-        return SpecDecodeStats.from_histogram(metrics.histogram, metrics.num_draft_tokens,
-                                              verify_cost_ratio=verify_cost_ratio)
-    except ValueError as exc:
-        return InvalidSpecDecodeStats(
-            detail=f"vLLM histogram {list(metrics.histogram)} with "
-                   f"{metrics.num_draft_tokens} draft tokens: {exc}")

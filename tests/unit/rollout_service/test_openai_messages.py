@@ -9,6 +9,8 @@ from openai.types import Completion
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 from pydantic import BaseModel, ValidationError
 
+from rollout_service.api.dialects.sglang import protocol as sglang
+from rollout_service.api.dialects.vllm import protocol as vllm
 from rollout_service.protocol import messages, openai
 from rollout_service.protocol.acceptance import summarize
 
@@ -54,9 +56,22 @@ COMPLETION_BODIES = [
     ({"model": "m", "prompt": ["a", 1]}, False),
     ({"model": "m", "prompt": "a", "echo": True}, False),
     ({"model": "m", "prompt": "a", "echo": 0}, False),
-    ({"model": "m", "prompt": "a", "logprobs": 1}, False),
     ({"model": "m", "prompt": "a", "stop": ""}, False),
-    ({"prompt": "a"}, False),
+    # vLLM's rules: model optional, top-N logprobs, its sampling extensions, unknown
+    # fields ignored, fields that would change sampling refused unless neutral.
+    ({"prompt": "a"}, True),
+    ({"model": "m", "prompt": "a", "logprobs": 5, "prompt_logprobs": 2}, True),
+    ({"model": "m", "prompt": "a", "logprobs": 21}, False),
+    ({"model": "m", "prompt": [1], "min_tokens": 2, "stop_token_ids": [3],
+      "repetition_penalty": 1.1, "ignore_eos": True, "skip_special_tokens": False,
+      "include_stop_str_in_output": True, "return_token_ids": True,
+      "return_tokens_as_token_ids": True, "top_k": -1, "min_p": 0.0}, True),
+    ({"model": "m", "prompt": "a", "min_tokens": -1}, False),
+    ({"model": "m", "prompt": "a", "some_new_vllm_field": {"x": 1}}, True),
+    ({"model": "m", "prompt": "a", "use_beam_search": False, "logit_bias": {}}, True),
+    ({"model": "m", "prompt": "a", "use_beam_search": True}, False),
+    ({"model": "m", "prompt": "a", "logit_bias": {"5": 1.0}}, False),
+    ({"model": "m", "prompt": "a", "response_format": {"type": "json_object"}}, False),
 ]
 CHAT_BODIES = [
     ({"model": "m", "messages": [{"role": "user", "content": "hi"}]}, True),
@@ -67,6 +82,45 @@ CHAT_BODIES = [
     ({"model": "m", "messages": [{"role": "tool", "content": "x"}]}, False),
     ({"model": "m", "messages": [{"role": "user", "content": []}]}, False),
     ({"model": "m", "messages": [{"role": "user", "content": "a"}], "max_tokens": 0}, False),
+    ({"messages": [{"role": "user", "content": "a"}], "logprobs": True, "top_logprobs": 3,
+      "min_tokens": 1}, True),
+    ({"model": "m", "messages": [{"role": "user", "content": "a"}], "top_logprobs": 21},
+     False),
+    ({"model": "m", "messages": [{"role": "user", "content": "a"}],
+      "tools": [{"type": "function"}]}, False),
+]
+TOKENS_BODIES = [   # vLLM's POST /inference/v1/generate, as SkyRL's remote client sends it
+    ({"token_ids": [1, 2], "sampling_params": {"max_tokens": 4, "temperature": 1.0,
+                                              "top_p": 1.0, "top_k": -1, "min_p": 0.0,
+                                              "min_tokens": 0, "skip_special_tokens": True,
+                                              "include_stop_str_in_output": False,
+                                              "logprobs": 0, "stop": None},
+      "model": "m", "cache_salt": "s"}, True),
+    ({"token_ids": [1], "sampling_params": {"n": 2, "logprobs": 3}, "stream": True,
+      "return_token_ids": True}, True),
+    ({"token_ids": []}, False),
+    ({"token_ids": [-1]}, False),
+    ({"token_ids": [1], "sampling_params": {"logit_bias": {"1": 1.0}}}, False),
+    ({"token_ids": [1], "features": {"mm_hashes": {}}}, False),
+    ({"token_ids": [1], "output_mode": "pixels"}, False),
+]
+SGLANG_BODIES = [   # SGLang's POST /generate, as slime and AReaL send it
+    ({"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 4, "temperature": 0.0,
+                                              "top_p": 1.0, "top_k": -1, "stop": ["x"],
+                                              "stop_token_ids": [0], "no_stop_trim": True,
+                                              "skip_special_tokens": False},
+      "return_logprob": True, "return_routed_experts": False}, True),
+    ({"text": ["a", "b"], "sampling_params": [{"n": 2}, {}], "rid": ["r1", "r2"],
+      "return_logprob": [True, False], "top_logprobs_num": 2, "logprob_start_len": 0,
+      "stream": True}, True),
+    ({"input_ids": [[1], [2, 3]]}, True),
+    ({"sampling_params": {}}, False),
+    ({"text": "a", "input_ids": [1]}, False),
+    ({"input_ids": []}, False),
+    ({"text": "a", "sampling_params": {"json_schema": "{}"}}, False),
+    ({"text": "a", "sampling_params": {"regex": None}}, True),
+    ({"text": "a", "image_data": "x.png"}, False),
+    ({"text": "a", "sampling_params": {"max_new_tokens": 0}}, False),
 ]
 BEGIN = {"version": 1, "total_bytes": 2, "params": [{"name": "w", "shape": [1], "dtype": "bf16"}]}
 PUSH_BODIES = [
@@ -131,6 +185,8 @@ def model_accepts(model: type[BaseModel], body: object) -> bool:
     *((messages.GenerateRequest, b, v) for b, v in GENERATE_BODIES),
     *((openai.CompletionRequest, b, v) for b, v in COMPLETION_BODIES),
     *((openai.ChatCompletionRequest, b, v) for b, v in CHAT_BODIES),
+    *((vllm.TokensRequest, b, v) for b, v in TOKENS_BODIES),
+    *((sglang.GenerateReqInput, b, v) for b, v in SGLANG_BODIES),
     *((messages.PushBeginRequest, b, v) for b, v in PUSH_BODIES),
     *((messages.PushUpdateRequest, b, v) for b, v in UPDATE_BODIES),
     *((messages.WeightGroupRequest, b, v) for b, v in GROUP_BODIES),

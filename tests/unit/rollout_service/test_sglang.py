@@ -153,13 +153,14 @@ async def test_no_speculation_reports_zero_tokens_and_no_stats(checkpoint: str) 
 async def test_generate_with_token_ids(version: str, checkpoint: str) -> None:
     fake = make_fake(version, checkpoint)
     engine = await connect(fake)
-    result = await engine.generate([5, 6, 7], greedy(4, seed=3, stop=("zz",), logprobs=True),
+    result = await engine.generate([5, 6, 7], greedy(4, seed=3, stop=("zz",), logprobs=0),
                                    "req-1")
     assert result.prompt_token_ids == (5, 6, 7)
     assert result.token_ids == (8, 9, 10, 11)
     assert result.text == "ijkl"
     assert result.finish_reason == "length"
-    assert result.logprobs == (-0.25, -0.5, -0.75, -1.0)
+    assert [p.token.logprob for p in result.logprobs] == [-0.25, -0.5, -0.75, -1.0]
+    assert [p.token.token_id for p in result.logprobs] == [8, 9, 10, 11]
     [body] = sent(fake, "/generate")
     assert body == {"rid": "req-1", "input_ids": [5, 6, 7], "return_logprob": True,
                     "sampling_params": {"max_new_tokens": 4, "temperature": 0.0, "top_p": 1.0,
@@ -626,7 +627,7 @@ async def test_generate_traffic_meets_sglang_json_contract(checkpoint: str) -> N
     spec.loader.exec_module(api)
     fake = make_fake("0.5.23", checkpoint)
     engine = await connect(fake)
-    await engine.generate("abc", greedy(3, stop=("x",), seed=1, logprobs=True), "text")
+    await engine.generate("abc", greedy(3, stop=("x",), seed=1, logprobs=0), "text")
     await engine.generate([1, 2], greedy(3, ignore_eos=True), "ids")
     for body in sent(fake, "/generate"):
         api.GenerateRequest.from_json_value(body)
@@ -698,7 +699,7 @@ async def test_a_stream_merges_into_the_whole_answer(version: str, is_incrementa
     fake = make_fake(version, checkpoint, incremental_streaming_output=is_incremental)
     fake.accept_per_step = 2
     engine = await connect(fake)
-    sampling = greedy(10, seed=3, logprobs=True, ignore_eos=True)
+    sampling = greedy(10, seed=3, logprobs=0, ignore_eos=True)
     whole = await engine.generate([5, 6, 7], sampling, "whole")
     deltas = await streamed(engine, [5, 6, 7], sampling, "streamed")
     assert len(deltas) == 4  # prefill's token, then verify steps of 3 tokens

@@ -87,7 +87,7 @@ def client_of(completions: FakeCompletions) -> TestClient:
     @asynccontextmanager
     async def state() -> AsyncIterator[AppState]:
         yield AppState(rollouts=None, completions=completions, weights=None,  # type: ignore
-                       metrics=None)  # type: ignore[arg-type]
+                       sequences=None, control=None, metrics=None)  # type: ignore[arg-type]
 
     app = create_app(ServiceConfig(api_key=API_KEY), open_state=state)
     return TestClient(app, headers={"authorization": f"Bearer {API_KEY}"})

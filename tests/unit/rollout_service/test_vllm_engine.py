@@ -20,8 +20,8 @@ from rollout_service.engines.vllm.engine import (
     build_engine_args,
     has_pushable_drafter,
     loads_in_place,
-    to_stats,
 )
+from rollout_service.engines.vllm.outputs import to_stats
 from rollout_service.engines.vllm.spec_schedule import with_startup_schedule
 from rollout_service.protocol.acceptance import InvalidSpecDecodeStats, SpecDecodeStats
 

@@ -1,0 +1,1 @@
+"""SGLang's rollout dialect (``api/dialects``): protocol, serving, router."""

@@ -1,0 +1,1 @@
+"""vLLM's rollout dialect (``api/dialects``): protocol, serving, router."""

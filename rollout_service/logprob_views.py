@@ -1,0 +1,82 @@
+"""Token log-probabilities in the shapes the dialects answer with.
+
+Runs in the service process (standalone, or the Ray Serve ingress), on the results of
+calls that asked for log-probabilities: the engine-neutral
+:class:`~rollout_service.engines.sequences.PositionLogprobs` become OpenAI's legacy
+completion logprobs, OpenAI's chat logprobs, and vLLM's prompt logprobs (vllm-project/vllm
+``vllm/entrypoints/openai/completion/serving.py``, ``chat_completion/serving.py``). A
+token is shown by its text (each token decoded alone, as vLLM does) or, with
+``return_tokens_as_token_ids``, as ``token_id:N``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable, Sequence
+
+from rollout_service.engines.sequences import PositionLogprobs
+from rollout_service.protocol import openai
+
+Decode = Callable[[Sequence[int]], Awaitable[list[str]]]
+"""Each token's text on its own (``Sequences.decode_tokens``)."""
+
+
+class TokenNames:
+    """How tokens are shown: decoded, or ``token_id:N``; decodes each id once per call."""
+
+    def __init__(self, decode: Decode, *, as_token_ids: bool) -> None:
+        self._decode = decode
+        self._as_token_ids = as_token_ids
+        self._names: dict[int, str] = {}
+
+    async def learn(self, positions: Sequence[Sequence[PositionLogprobs | None] | None]) -> None:
+        """Decode every token these positions name (one engine call)."""
+        if self._as_token_ids:
+            return
+        ids = {c.token_id for lps in positions for p in lps or () if p is not None
+               for c in (p.token, *p.top)} - self._names.keys()
+        if ids:
+            ordered = sorted(ids)
+            self._names.update(zip(ordered, await self._decode(ordered)))
+
+    def __getitem__(self, token_id: int) -> str:
+        return f"token_id:{token_id}" if self._as_token_ids else self._names[token_id]
+
+
+def completion_logprobs(positions: Sequence[PositionLogprobs], names: TokenNames,
+                        num_top: int, *, text_offset: int = 0) -> openai.CompletionLogprobs:
+    """OpenAI's legacy ``logprobs`` of a completion choice (or a chunk's new tokens, whose
+    offsets start at ``text_offset``)."""
+    tokens = [names[p.token.token_id] for p in positions]
+    offsets, offset = [], text_offset
+    for token in tokens:
+        offsets.append(offset)
+        offset += len(token)
+    return openai.CompletionLogprobs(
+        tokens=tokens, token_logprobs=[p.token.logprob for p in positions],
+        top_logprobs=[{names[c.token_id]: c.logprob for c in p.top} for p in positions]
+        if num_top else None,
+        text_offset=offsets)
+
+
+def chat_logprobs(positions: Sequence[PositionLogprobs], names: TokenNames
+                  ) -> openai.ChatLogprobs:
+    """OpenAI's chat ``logprobs``: per token its text, logprob, UTF-8 bytes and the top N."""
+    def entry(token_id: int, logprob: float) -> openai.ChatLogprob:
+        name = names[token_id]
+        return openai.ChatLogprob(token=name, logprob=logprob, bytes=list(name.encode()))
+
+    return openai.ChatLogprobs(content=[
+        openai.ChatLogprobsContent(**entry(p.token.token_id, p.token.logprob).model_dump(),
+                                   top_logprobs=[entry(c.token_id, c.logprob) for c in p.top])
+        for p in positions])
+
+
+def prompt_logprobs(positions: Sequence[PositionLogprobs | None], names: TokenNames
+                    ) -> openai.PromptLogprobs:
+    """vLLM's ``prompt_logprobs``: per position the prompt's token and the top N by id."""
+    def candidates(p: PositionLogprobs) -> dict[int, openai.PromptLogprob]:
+        return {c.token_id: openai.PromptLogprob(logprob=c.logprob, rank=c.rank,
+                                                 decoded_token=names[c.token_id])
+                for c in (p.token, *p.top)}
+
+    return [None if p is None else candidates(p) for p in positions]
