@@ -107,7 +107,7 @@ def build_local_service(engine: Engine, config: ServiceConfig
     weights = WeightPushManager(
         engine, checkpoint_tensors(info.model_path),
         WeightMetrics(registry=registry, model=info.model, engine=info.engine,
-                      drafter=drafter),
+                      drafter=drafter, has_pushable_drafter=info.has_pushable_drafter),
         timeout_s=config.push_timeout_s, has_draft=info.has_pushable_drafter,
         transport=config.weights_transport, groups=weight_groups(engine, config),
         pauses=pauses)

@@ -3,7 +3,9 @@
 Runs in the service process beside the acceptance exporter (same registry); the
 push intake counts outcomes and the push manager sets versions and durations.
 Separate version gauges for the main model and the drafter make a stale drafter
-visible. The PromQL of every derived figure (version lag, push durations and
+visible; an engine whose drafter no push can load (MTP off, n-gram, a separate EAGLE
+checkpoint) has no drafter version series, so the drafter-behind-main alert, which
+subtracts the two, has nothing to fire on there. The PromQL of every derived figure (version lag, push durations and
 outcomes) and of the weight alerts is in ``telemetry/queries.py``.
 """
 
@@ -28,10 +30,14 @@ class WeightMetrics:
         engine: value of the ``engine`` label.
         drafter: per-version acceptance and the trainer's accuracy
             (``telemetry/drafter.py``), told of every loaded push; None leaves it out.
+        has_pushable_drafter: whether pushes can load a drafter
+            (``EngineInfo.has_pushable_drafter``); without, only the main model has a
+            version series.
     """
 
     def __init__(self, *, registry: CollectorRegistry, model: str, engine: str,
-                 drafter: DrafterHealth | None = None) -> None:
+                 drafter: DrafterHealth | None = None,
+                 has_pushable_drafter: bool = True) -> None:
         self._drafter = drafter
         names = ("model", "engine")
         labels = {"model": model, "engine": engine}
@@ -40,7 +46,8 @@ class WeightMetrics:
         version = Gauge("rollout_weight_version",
                         "Weight version served, per role (main model or MTP drafter); "
                         "-1 before the first push.", (*names, "role"), registry=registry)
-        self._versions = {role: version.labels(**labels, role=role) for role in ROLES}
+        roles = ROLES if has_pushable_drafter else ("main",)
+        self._versions = {role: version.labels(**labels, role=role) for role in roles}
         for child in self._versions.values():
             child.set(-1)
         pushes = Counter("rollout_weight_pushes", "Weight pushes by outcome.",
@@ -59,10 +66,11 @@ class WeightMetrics:
         """Serve ``version`` for ``role``.
 
         Raises:
-            ValueError: ``role`` is not one of :data:`ROLES`.
+            ValueError: ``role`` is not one of :data:`ROLES`, or is the drafter of an
+                engine without a pushable one.
         """
         if role not in self._versions:
-            raise ValueError(f"role must be one of {ROLES}, got {role!r}")
+            raise ValueError(f"role must be one of {tuple(self._versions)}, got {role!r}")
         self._versions[role].set(version)
 
     def count_outcome(self, outcome: str) -> None:

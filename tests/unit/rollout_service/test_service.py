@@ -216,3 +216,15 @@ async def test_health_says_what_speculation_the_engine_runs(
         info: EngineInfo, expected: messages.SpeculationInfo) -> None:
     body, status = await local_service(FakeEngine(info)).health()
     assert status == 200 and body.speculation == expected
+
+
+@pytest.mark.parametrize("info, roles", [(NGRAM, ["main"]), (MTP, ["draft", "main"])],
+                         ids=["n-gram", "mtp"])
+def test_only_a_pushable_drafter_has_a_version_series(info: EngineInfo,
+                                                      roles: list[str]) -> None:
+    """The drafter-behind-main alert subtracts the drafter's version from the main model's:
+    with a drafter no push can load, a -1 there made it fire after the first main push."""
+    _, registry = build_local_service(FakeEngine(info), ServiceConfig())
+    exported = sorted(sample.labels["role"] for metric in registry.collect()
+                      if metric.name == "rollout_weight_version" for sample in metric.samples)
+    assert exported == roles
