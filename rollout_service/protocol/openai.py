@@ -181,8 +181,8 @@ class CompletionLogprobs(BaseModel):
     tokens: list[str] = Field(description=(
         "Each token's text, or 'token_id:N' with return_tokens_as_token_ids."))
     token_logprobs: list[float | None]
-    top_logprobs: list[dict[str, float] | None] | None = Field(description=(
-        "Per position, the N most likely tokens' logprobs by token (null without N)."))
+    top_logprobs: list[dict[str, float] | None] = Field(description=(
+        "Per position, by token: the sampled token's logprob, then the N most likely."))
     text_offset: list[int]
 
 

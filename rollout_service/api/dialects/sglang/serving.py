@@ -139,7 +139,8 @@ class SGLangServing:
         owners = [p for p in prompts for _ in range(p.params.n)]
         names = TokenNames(self._service.decode_tokens, as_token_ids=False)
         if req.return_text_in_logprobs:
-            await names.learn([lps for r in results for lps in (r.logprobs, r.prompt_logprobs)])
+            await names.learn([lps for r in results for lps in (r.logprobs, r.prompt_logprobs)],
+                              [t for r in results if r.prompt_logprobs for t in r.prompt_token_ids])
         outputs = [self._output(r, owner, names, text_in_logprobs=req.return_text_in_logprobs)
                    for r, owner in zip(results, owners)]
         return outputs[0] if len(outputs) == 1 and not req.is_batch else outputs
@@ -172,7 +173,8 @@ class SGLangServing:
                         logprobs=tuple(logprobs[index]) if owners[index].return_logprob
                         else None, spec_decode=None)
                 if req.return_text_in_logprobs:
-                    await names.learn([delta.logprobs, result.prompt_logprobs])
+                    await names.learn([delta.logprobs, result.prompt_logprobs],
+                                      result.prompt_token_ids if result.prompt_logprobs else ())
                 out = self._output(result, owners[index], names,
                                    text_in_logprobs=req.return_text_in_logprobs,
                                    is_final=delta.result is not None)

@@ -17,8 +17,14 @@ from contextlib import aclosing
 
 from rollout_service.choices import Choice, Sequences, check_model
 from rollout_service.completions import finish_reason, request_metrics, usage
-from rollout_service.engines.sequences import GenerationResult, PositionLogprobs
-from rollout_service.logprob_views import TokenNames, chat_logprobs, prompt_logprobs
+from rollout_service.engines.sequences import GenerationResult, PositionLogprobs, TokenLogprob
+from rollout_service.logprob_views import (
+    MIN_LOGPROB,
+    TokenNames,
+    candidates,
+    chat_logprobs,
+    prompt_logprobs,
+)
 from rollout_service.protocol.openai import ChatLogprobs, CompletionUsage
 from rollout_service.sampling import vllm_sampling_options
 from rollout_service.service import reported_stats, to_spec_info
@@ -29,16 +35,14 @@ from . import protocol as vllm
 def token_logprobs(positions: Sequence[PositionLogprobs], num_top: int) -> vllm.TokenLogprobs:
     """vLLM's generate-shaped logprobs: integer token ids, the sampled token first among
     each position's candidates (``_create_tokens_logprobs``)."""
-    def content(p: PositionLogprobs) -> vllm.TokenLogprobsContent:
-        sampled = vllm.TokenLogprob(token_id=p.token.token_id, logprob=p.token.logprob,
-                                    rank=p.token.rank)
-        others = [vllm.TokenLogprob(token_id=c.token_id, logprob=c.logprob, rank=c.rank)
-                  for c in p.top if c.token_id != p.token.token_id]
-        return vllm.TokenLogprobsContent(**sampled.model_dump(),
-                                         top_logprobs=[sampled, *others][:max(num_top, 1)]
-                                         if num_top else [])
+    def one(c: TokenLogprob) -> vllm.TokenLogprob:
+        return vllm.TokenLogprob(token_id=c.token_id, logprob=max(c.logprob, MIN_LOGPROB),
+                                 rank=c.rank)
 
-    return vllm.TokenLogprobs(content=[content(p) for p in positions])
+    return vllm.TokenLogprobs(content=[
+        vllm.TokenLogprobsContent(**one(p.token).model_dump(),
+                                  top_logprobs=[one(c) for c in candidates(p, num_top)])
+        for p in positions])
 
 
 class TokensServing:

@@ -1,0 +1,340 @@
+"""vLLM's rollout dialect on the real service (vLLM CPU engine, MTP on), as the RL
+frameworks' clients speak it: token-in/token-out generation, vLLM's OpenAI extensions,
+and pause / resume / abort mid-generation.
+
+Request shapes are the clients' own (cited per test); responses are read with vLLM's own
+pydantic types (vllm-project/vllm 0.32, installed here), so a field vLLM's clients need
+that the service left out or shaped differently fails the test.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+
+import httpx
+import pytest
+from vllm.entrypoints.openai.completion.protocol import (
+    CompletionResponse,
+    CompletionStreamResponse,
+)
+from vllm.entrypoints.scale_out.token_in_token_out.protocol import (
+    GenerateTokensResponse,
+    GenerateTokensStreamResponse,
+)
+
+from rollout_service.protocol.sse import read_events
+from rollout_service.tools.launch import ServiceProcess
+from rollout_service.tools.scrape import sample_sum
+from tests.integration.conftest import API_KEY, NUM_SPECULATIVE_TOKENS, until
+
+MODEL = "embedded:tiny"
+PROMPT_IDS = [11, 12, 13, 14, 15]
+LONG = 600
+"""Tokens of a request that is still running while a test pauses or aborts it (the tiny
+model writes a few hundred tokens a second on two cores)."""
+
+
+@pytest.fixture
+async def http(service: ServiceProcess) -> AsyncIterator[httpx.AsyncClient]:
+    async with httpx.AsyncClient(base_url=service.url, timeout=120,
+                                 headers={"authorization": f"Bearer {API_KEY}"}) as client:
+        yield client
+
+
+async def num_running(http: httpx.AsyncClient) -> int:
+    loads = (await http.get("/v1/loads")).json()["loads"]
+    return sum(load["num_running_reqs"] for load in loads)
+
+
+class Streamed:
+    """One token-in/token-out request streamed in the background: ``first`` is set once
+    its first tokens arrived (it runs in the engine), ``choice`` is its finished choice."""
+
+    def __init__(self, http: httpx.AsyncClient, request_id: str, max_tokens: int,
+                 **sampling: object) -> None:
+        self.first = asyncio.Event()
+        self.token_ids: list[int] = []
+        self.finish_reason: str | None = None
+        self._task = asyncio.ensure_future(self._run(http, {
+            "request_id": request_id, "token_ids": PROMPT_IDS, "model": MODEL, "stream": True,
+            "sampling_params": {"max_tokens": max_tokens, "ignore_eos": True, **sampling}}))
+
+    async def _run(self, http: httpx.AsyncClient, body: dict) -> None:
+        async with http.stream("POST", "/inference/v1/generate", json=body) as response:
+            assert response.status_code == 200, await response.aread()
+            async for event in read_events(response.aiter_lines()):
+                for choice in json.loads(event)["choices"]:
+                    self.token_ids += choice["token_ids"]
+                    self.finish_reason = choice["finish_reason"] or self.finish_reason
+                self.first.set()
+
+    async def started(self) -> Streamed:
+        await asyncio.wait_for(self.first.wait(), 60)
+        return self
+
+    async def finished(self) -> Streamed:
+        await asyncio.wait_for(self._task, 120)
+        return self
+
+
+async def tokens_request(http: httpx.AsyncClient, request_id: str, max_tokens: int,
+                         **sampling: object) -> httpx.Response:
+    return await http.post("/inference/v1/generate", json={
+        "request_id": request_id, "token_ids": PROMPT_IDS, "model": MODEL,
+        "sampling_params": {"max_tokens": max_tokens, "ignore_eos": True, **sampling}})
+
+
+async def test_token_in_token_out_as_skyrl_sends_it(http: httpx.AsyncClient) -> None:
+    """SkyRL 0.4.0 ``RemoteGenerateClient.generate``
+    (``skyrl/backends/skyrl_train/inference_servers/remote_inference_client.py``): token
+    ids and vLLM's sampling params in, ``choices[0].token_ids``, ``logprobs.content[].
+    logprob`` and ``finish_reason`` out."""
+    response = await http.post("/inference/v1/generate", headers={"X-Session-ID": "s1"}, json={
+        "token_ids": PROMPT_IDS, "model": MODEL, "sampling_params": {
+            "min_tokens": 2, "skip_special_tokens": True, "include_stop_str_in_output": False,
+            "max_tokens": 8, "temperature": 1.0, "top_p": 1.0, "top_k": -1, "min_p": 0.0,
+            "logprobs": 2, "stop": None, "seed": 3}})
+    assert response.status_code == 200, response.text
+    answer = GenerateTokensResponse.model_validate(response.json())
+    [choice] = answer.choices
+    assert len(choice.token_ids) == len(choice.logprobs.content) >= 2
+    assert all(c.token_id == t and c.logprob <= 0 and 1 <= len(c.top_logprobs) <= 3
+               for c, t in zip(choice.logprobs.content, choice.token_ids))
+    assert choice.finish_reason in ("stop", "length")
+    assert answer.usage.prompt_tokens == len(PROMPT_IDS)
+    assert answer.usage.completion_tokens == len(choice.token_ids)
+    spec = answer.metrics.speculative_decoding
+    assert spec.num_spec_tokens == NUM_SPECULATIVE_TOKENS
+    assert len(spec.acceptance_histogram) == NUM_SPECULATIVE_TOKENS + 1
+    assert sum(spec.acceptance_histogram) == spec.num_spec_steps
+    ours = response.json()["choices"][0]["spec_decode"]
+    assert (ours["num_draft_tokens"], ours["num_accepted_tokens"]) == (
+        spec.num_draft_tokens, spec.num_accepted_draft_tokens)
+
+
+async def test_the_same_seed_answers_the_same_through_tokens_and_completions(
+        http: httpx.AsyncClient) -> None:
+    """One translation of vLLM's sampling fields for every vLLM-shaped route."""
+    sampling = {"max_tokens": 12, "temperature": 1.0, "seed": 7, "repetition_penalty": 1.2,
+                "min_tokens": 4, "stop_token_ids": [3]}
+    tokens = await http.post("/inference/v1/generate", json={
+        "token_ids": PROMPT_IDS, "sampling_params": sampling, "return_token_ids": True})
+    completion = await http.post("/v1/completions", json={
+        "prompt": PROMPT_IDS, "return_token_ids": True, **sampling})
+    assert tokens.status_code == completion.status_code == 200, (tokens.text, completion.text)
+    assert (tokens.json()["choices"][0]["token_ids"]
+            == completion.json()["choices"][0]["token_ids"])
+    assert tokens.json()["prompt_token_ids"] == PROMPT_IDS
+
+
+async def test_a_stream_says_what_the_whole_answer_says(http: httpx.AsyncClient) -> None:
+    body = {"token_ids": PROMPT_IDS, "return_token_ids": True, "stream": True,
+            "stream_options": {"include_usage": True},
+            "sampling_params": {"max_tokens": 16, "temperature": 1.0, "seed": 5, "n": 2,
+                                "logprobs": 1}}
+    whole = GenerateTokensResponse.model_validate(
+        (await http.post("/inference/v1/generate", json={**body, "stream": False})).json())
+    ids: dict[int, list[int]] = {0: [], 1: []}
+    finished, chunks = {}, []
+    async with http.stream("POST", "/inference/v1/generate", json=body) as response:
+        assert response.status_code == 200
+        async for event in read_events(response.aiter_lines()):
+            chunk = GenerateTokensStreamResponse.model_validate_json(event)
+            chunks.append(chunk)
+            for choice in chunk.choices:
+                assert choice.index not in finished, "nothing after a choice's last chunk"
+                ids[choice.index] += choice.token_ids
+                assert len(choice.logprobs.content) == len(choice.token_ids)
+                if choice.finish_reason is not None:
+                    finished[choice.index] = choice
+    assert chunks[0].prompt_token_ids == PROMPT_IDS
+    assert all(c.prompt_token_ids is None for c in chunks[1:])
+    assert [ids[0], ids[1]] == [c.token_ids for c in whole.choices]
+    assert all(f.weight_versions for f in finished.values())
+    assert chunks[-1].choices == [] and chunks[-1].usage == whole.usage
+
+
+async def test_completions_take_vllms_extensions_and_answer_in_vllms_shape(
+        http: httpx.AsyncClient) -> None:
+    """AReaL 1.0.4's vLLM backend (``areal/engine/vllm_remote.py``,
+    ``build_generation_request``): token-id prompt, no ``model``, vLLM's fields, legacy
+    logprobs with tokens as ``token_id:N``."""
+    response = await http.post("/v1/completions", json={
+        "prompt": PROMPT_IDS, "top_p": 1.0, "top_k": -1, "max_tokens": 6, "temperature": 1.0,
+        "stop_token_ids": [], "ignore_eos": True, "skip_special_tokens": False,
+        "return_tokens_as_token_ids": True, "logprobs": 0, "use_beam_search": False,
+        "stream": False, "prompt_logprobs": 1})
+    assert response.status_code == 200, response.text
+    answer = CompletionResponse.model_validate(response.json())
+    [choice] = answer.choices
+    assert choice.finish_reason == "length"
+    tokens = choice.logprobs.tokens
+    assert len(tokens) == 6 and all(t.startswith("token_id:") for t in tokens)
+    assert all(lp <= 0 for lp in choice.logprobs.token_logprobs)
+    prompt = response.json()["choices"][0]["prompt_logprobs"]
+    assert prompt[0] is None and len(prompt) == len(PROMPT_IDS)
+    assert all(str(t) in p for t, p in zip(PROMPT_IDS[1:], prompt[1:]))
+
+
+async def test_streamed_completions_as_vllms_benchmark_reads_them(
+        http: httpx.AsyncClient) -> None:
+    """vLLM's ``vllm/benchmarks/lib/endpoint_request_func.py``
+    (``async_request_openai_completions``): the fields it sends, chunks it parses."""
+    body = {"model": MODEL, "prompt": "1 + 1 =", "repetition_penalty": 1.0, "max_tokens": 8,
+            "logprobs": None, "stream": True, "stream_options": {"include_usage": True},
+            "ignore_eos": True, "temperature": 0.0}
+    chunks = []
+    async with http.stream("POST", "/v1/completions", json=body) as response:
+        assert response.status_code == 200
+        async for event in read_events(response.aiter_lines()):
+            chunks.append(CompletionStreamResponse.model_validate_json(event))
+    assert chunks[-1].usage.completion_tokens == 8
+    assert "".join(c.text for chunk in chunks for c in chunk.choices)
+
+
+async def test_model_unknown_is_404_and_unknown_fields_are_ignored(
+        http: httpx.AsyncClient, service: ServiceProcess) -> None:
+    unknown = await http.post("/v1/completions", json={"model": "gpt-4", "prompt": "a"})
+    assert unknown.status_code == 404
+    assert unknown.json()["error"]["message"] == "The model `gpt-4` does not exist."
+    tokens = await http.post("/inference/v1/generate", json={
+        "token_ids": [1], "model": "gpt-4", "sampling_params": {"max_tokens": 1}})
+    assert tokens.status_code == 404
+    ignored = await http.post("/v1/completions", json={
+        "prompt": "a", "max_tokens": 1, "a_field_from_vllm_0_40": {"x": 1},
+        "cache_salt": "abc", "priority": 0})
+    assert ignored.status_code == 200, ignored.text
+    assert "a_field_from_vllm_0_40" in service.log_path.read_text()
+
+
+@pytest.mark.parametrize(("field", "value"), [
+    ("use_beam_search", True), ("logit_bias", {"5": 2.0}),
+    ("response_format", {"type": "json_object"}), ("allowed_token_ids", [1, 2])])
+async def test_a_field_that_would_change_sampling_is_refused_naming_it(
+        http: httpx.AsyncClient, field: str, value: object) -> None:
+    response = await http.post("/v1/completions", json={"prompt": "a", field: value})
+    assert response.status_code == 400
+    assert field in response.json()["error"]["message"]
+    tokens = await http.post("/inference/v1/generate", json={
+        "token_ids": [1], "sampling_params": {field: value}})
+    assert tokens.status_code == 400 and field in tokens.text
+
+
+async def test_min_p_is_refused_as_vllm_refuses_it_with_speculative_decoding(
+        http: httpx.AsyncClient) -> None:
+    """Honoured, never dropped: vLLM 0.32 itself refuses ``min_p`` with a drafter."""
+    response = await http.post("/v1/completions", json={"prompt": "a", "min_p": 0.1})
+    assert response.status_code == 400 and "min_p" in response.text
+
+
+async def test_pause_wait_drains_abort_aborts_and_resume_serves_what_queued(
+        http: httpx.AsyncClient) -> None:
+    """vLLM's ``POST /pause?mode=...`` (``vllm/entrypoints/rl/online/api_router.py``)."""
+    draining = await Streamed(http, "drain", 200).started()
+    try:
+        assert (await http.post("/pause", params={"mode": "wait"})).json() == {
+            "status": "paused"}
+        assert (await http.get("/is_paused")).json() == {"is_paused": True}
+    finally:
+        assert (await http.post("/resume")).json() == {"status": "resumed"}
+    await draining.finished()
+    assert (draining.finish_reason, len(draining.token_ids)) == ("length", 200)
+
+    running = await Streamed(http, "to-abort", LONG).started()
+    assert (await http.post("/pause", params={"mode": "abort"})).status_code == 200
+    try:
+        await running.finished()
+        queued = asyncio.ensure_future(tokens_request(http, "queued", 4))
+        await until(lambda: num_running(http), lambda n: n == 1, timeout_s=30)
+    finally:
+        await http.post("/resume")
+    assert running.finish_reason == "abort" and 0 < len(running.token_ids) < LONG
+    assert (await queued).json()["choices"][0]["finish_reason"] == "length"
+    assert (await http.get("/is_paused")).json() == {"is_paused": False}
+
+
+async def test_abort_requests_aborts_those_named_and_only_those(
+        http: httpx.AsyncClient) -> None:
+    def totals(text: str) -> tuple[float, float]:
+        return (sample_sum(text, "rollout_aborted_requests_total"),
+                sample_sum(text, "rollout_spec_decode_missing_stats_requests_total"))
+
+    aborted, missing = totals((await http.get("/metrics")).text)
+    doomed = await Streamed(http, "doomed", LONG).started()
+    kept = await Streamed(http, "kept", 60).started()
+    # Frozen first (mode keep), so that neither can finish before the abort arrives.
+    await http.post("/pause", params={"mode": "keep"})
+    try:
+        answer = await http.post("/abort_requests", json={"request_ids": ["doomed"]})
+        assert answer.json() == {"status": "aborted", "aborted": 1}
+        await doomed.finished()
+    finally:
+        await http.post("/resume")
+    await kept.finished()
+    assert doomed.finish_reason == "abort" and len(doomed.token_ids) < LONG
+    assert (kept.finish_reason, len(kept.token_ids)) == ("length", 60)
+    assert totals((await http.get("/metrics")).text) == (aborted + 1, missing)
+
+
+async def test_an_aborted_rollout_resubmitted_with_its_tokens_completes(
+        http: httpx.AsyncClient) -> None:
+    """AReaL's partial rollouts (``areal/infra/remote_inf_engine.py``): on finish reason
+    ``abort`` the client sends the prompt plus the tokens so far, for what is left."""
+    partial = await Streamed(http, "partial", LONG, temperature=0.0).started()
+    await http.post("/pause", params={"mode": "abort"})
+    await http.post("/resume")
+    await partial.finished()
+    assert partial.finish_reason == "abort"
+    rest = LONG - len(partial.token_ids)
+    resumed = await http.post("/inference/v1/generate", json={
+        "token_ids": PROMPT_IDS + partial.token_ids,
+        "sampling_params": {"max_tokens": rest, "ignore_eos": True, "temperature": 0.0}})
+    [choice] = resumed.json()["choices"]
+    assert choice["finish_reason"] == "length" and len(choice["token_ids"]) == rest
+
+
+async def test_world_size_prefix_cache_and_weight_info(http: httpx.AsyncClient) -> None:
+    assert (await http.get("/get_world_size")).json() == {"world_size": 1}
+    assert (await http.post("/reset_prefix_cache")).json() == {"success": True}
+    info = (await http.get("/weight_info")).json()
+    status = (await http.get("/health")).json()["weights"]
+    expected = status["main_version"]
+    assert info == {"weight_version": None if expected is None else str(expected)}
+
+
+async def test_control_routes_take_the_api_key(service: ServiceProcess) -> None:
+    async with httpx.AsyncClient(base_url=service.url, timeout=30) as anonymous:
+        for method, path in (("POST", "/pause"), ("POST", "/abort_requests"),
+                             ("POST", "/inference/v1/generate")):
+            assert (await anonymous.request(method, path, json={})).status_code == 401
+
+
+def test_vllm_benchmark_client_fails_no_request(service: ServiceProcess, tmp_path) -> None:
+    """vLLM's own benchmark client (``vllm/benchmarks/serve.py``, backend ``openai`` and
+    ``openai-chat``) against the service: every request completes."""
+    import subprocess
+    import sys
+
+    from rollout_service.embedded import ensure_model
+
+    script = ("import sys\n"
+              "from vllm.utils.argparse_utils import FlexibleArgumentParser\n"
+              "from vllm.benchmarks.serve import add_cli_args, main\n"
+              "parser = FlexibleArgumentParser(); add_cli_args(parser)\n"
+              "main(parser.parse_args(sys.argv[1:]))\n")
+    for backend, endpoint in (("openai", "/v1/completions"),
+                              ("openai-chat", "/v1/chat/completions")):
+        name = f"{backend}.json"
+        run = subprocess.run(
+            [sys.executable, "-c", script, "--backend", backend, "--base-url", service.url,
+             "--endpoint", endpoint, "--model", MODEL, "--tokenizer", str(ensure_model("tiny")),
+             "--dataset-name", "random", "--random-input-len", "16", "--random-output-len",
+             "16", "--num-prompts", "24", "--max-concurrency", "8", "--save-result",
+             "--result-dir", str(tmp_path), "--result-filename", name],
+            env={**__import__("os").environ, "OPENAI_API_KEY": API_KEY},
+            capture_output=True, text=True, timeout=600)
+        assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+        result = json.loads((tmp_path / name).read_text())
+        assert (result["completed"], result["failed"]) == (24, 0), result.get("errors")
