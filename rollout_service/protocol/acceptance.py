@@ -25,6 +25,12 @@ Definitions, per finished sequence (one engine request, ``n == 1``):
   accepted more than ``i`` tokens. An engine may leave it empty (SGLang does for an
   inconsistent histogram): the per-position shares then divide by the drafts of the
   sequences that have it, never by all drafts.
+- ``reached_per_position[i]``: drafts that reached position ``i``, that is proposed more
+  than ``i`` tokens and had the first ``i`` accepted; ``accepted_per_position[i]`` of
+  them accepted it. Only an engine that reports each step's proposed and accepted counts
+  gives it (vLLM's ``per_request_spec_decode_metrics: detailed``): vLLM's histogram has
+  ``num_speculative_tokens + 1`` buckets whatever K a step ran, so from it alone a step
+  at K = 1 cannot be told from a step at K = 3 that accepted one token.
 
 Populations of the macro averages: the accept length averages over every sequence
 with stats (one without drafts counts 1.0), the accept rate over the sequences with
@@ -72,6 +78,9 @@ class SpecDecodeStats:
     """Target forward passes that verified a draft."""
     accepted_per_position: tuple[int, ...] = ()
     """Drafts whose token at position ``i`` was accepted; length ``k`` when known."""
+    reached_per_position: tuple[int, ...] = ()
+    """Drafts that reached position ``i`` (see the module docstring); empty when the engine
+    did not report each step's counts."""
     verify_cost_ratio: float | None = None
     """Cost of a verify step over a plain decode step, as the engine measured it (see the
     module docstring); None when not measured."""
@@ -86,21 +95,46 @@ class SpecDecodeStats:
             raise ValueError(f"num_accepted_tokens > num_draft_tokens in {self}")
         if self.verify_cost_ratio is not None and not self.verify_cost_ratio > 0:
             raise ValueError(f"verify_cost_ratio must be > 0, got {self.verify_cost_ratio}")
+        reached, accepted = self.reached_per_position, self.accepted_per_position
+        if reached and (len(reached) != len(accepted) or reached[0] != self.num_drafts or any(
+                r < a for r, a in zip(reached, accepted)) or any(
+                r > a for r, a in zip(reached[1:], accepted))):
+            raise ValueError("reached_per_position must start at num_drafts, and reach at "
+                             "least what is accepted and at most what the position before "
+                             f"accepted: {self}")
 
     @classmethod
     def from_histogram(cls, histogram: Sequence[int], num_draft_tokens: int, *,
-                       verify_cost_ratio: float | None = None) -> SpecDecodeStats:
+                       verify_cost_ratio: float | None = None,
+                       steps: Sequence[tuple[int, int]] = ()) -> SpecDecodeStats:
         """Build from an acceptance histogram (``histogram[j]``: steps accepting ``j``).
 
         This is the shape vLLM reports per request; every step drafts, so drafts
-        and verify steps are both the histogram's total.
+        and verify steps are both the histogram's total. ``steps``: each step's
+        ``(proposed, accepted)`` when the engine reported them (vLLM's ``detailed``
+        level: ``per_step_drafted``, ``per_step_accepted``), which give
+        ``reached_per_position``.
+
+        Raises:
+            ValueError: ``steps`` that disagree with the histogram, or counts that
+                contradict themselves.
         """
         num_steps = sum(histogram)
         num_accepted = sum(j * count for j, count in enumerate(histogram))
         per_position = tuple(sum(histogram[i + 1:]) for i in range(len(histogram) - 1))
+        reached: tuple[int, ...] = ()
+        if steps:
+            if len(steps) != num_steps or sum(d for d, _ in steps) != num_draft_tokens or (
+                    sum(a for _, a in steps) != num_accepted):
+                raise ValueError(f"{len(steps)} per-step counts disagree with the histogram "
+                                 f"{list(histogram)} and {num_draft_tokens} draft tokens")
+            reached = tuple(sum(1 for proposed, accepted in steps
+                                if proposed > i and accepted >= i)
+                            for i in range(len(per_position)))
         return cls(num_drafts=num_steps, num_draft_tokens=num_draft_tokens,
                    num_accepted_tokens=num_accepted, num_verify_steps=num_steps,
-                   accepted_per_position=per_position, verify_cost_ratio=verify_cost_ratio)
+                   accepted_per_position=per_position, reached_per_position=reached,
+                   verify_cost_ratio=verify_cost_ratio)
 
     @property
     def has_per_position(self) -> bool:

@@ -37,12 +37,21 @@ Decisions:
   failure this guards against, a drafter left behind while the main model is pushed, must
   not look like a fresh drafter (which would re-probe a drafter known to be broken).
 - Observations of an older drafter version (sequences finished after a push) are ignored.
-- The counts assume a chain (vLLM MTP, SGLang ``topk`` 1) with a constant K within a
-  sequence: ``accepted_per_position`` is padded with zeros up to the sequence's K
-  (``num_draft_tokens // num_drafts``). If K changed within a sequence, the drafts that
-  reached a deep position are overcounted, so its rate is biased low (conservative).
-  A sequence whose engine reported no per-position counts (SGLang, on an inconsistent
-  histogram) is not counted.
+- The counts assume a chain (vLLM MTP, SGLang ``topk`` 1). The drafts that reached each
+  position come from the engine when it reported each step's counts
+  (``SpecDecodeStats.reached_per_position``: vLLM at the ``detailed`` level, which the
+  speculation control asks for), exact whatever K each step ran. Otherwise K must be
+  inferred: vLLM's histogram has ``k_max + 1`` buckets whatever K ran, so its
+  ``accepted_per_position`` is always ``k_max`` long and says nothing about the K of a
+  step. A sequence with ``num_draft_tokens == K * num_drafts`` ran K at every step if
+  it drafted at one K (it could also have mixed, say, K = 1 and K = 3 half the time, and
+  its position 1 is then biased low); its positions past K were never reached. A sequence
+  whose drafts per step are not a whole number mixed K values, and only its position 0
+  (reached by every draft) is counted. (Counting every position up to ``k_max`` for
+  every sequence made positions a smaller K never drafted look reached and rejected: a
+  drafter accepted at 0.9 everywhere, run at K = 1, was estimated ``[0.9, 0, 0]``, and
+  K >= 2 was never chosen.) A sequence whose engine reported no per-position counts
+  (SGLang, on an inconsistent histogram) is not counted.
 """
 
 from __future__ import annotations
@@ -199,12 +208,25 @@ class AcceptanceEstimator:
         if stats.num_drafts == 0 or any(b > a for a, b in zip(bounds, bounds[1:])):
             raise ValueError("drafted tokens need drafts, and accepted_per_position must not "
                              f"grow with the position nor exceed num_drafts: {stats}")
-        num_drafted = max(len(per_position), stats.num_draft_tokens // stats.num_drafts)
+        reached = reached_per_position(stats)
         decay = math.exp2(-stats.num_drafts / self._config.half_life_drafts)
         self._accepted = [a * decay for a in self._accepted]
         self._reached = [r * decay for r in self._reached]
-        # Past the last listed position nothing was accepted, so nothing reached further.
-        for i in range(min(num_drafted, len(bounds), len(self._reached))):
-            self._reached[i] += bounds[i]
+        for i in range(min(len(reached), len(self._reached))):
+            self._reached[i] += reached[i]
             self._accepted[i] += per_position[i] if i < len(per_position) else 0
         self._num_epoch_drafts += stats.num_drafts
+
+
+def reached_per_position(stats: SpecDecodeStats) -> tuple[int, ...]:
+    """Drafts of ``stats`` that reached each position, as far as they can be known (module
+    docstring): the engine's own counts, else those of a uniform K, else position 0."""
+    if stats.reached_per_position:
+        return stats.reached_per_position
+    per_position = stats.accepted_per_position
+    k, rest = divmod(stats.num_draft_tokens, stats.num_drafts)
+    if rest:  # K changed within the sequence: only position 0 is surely reached
+        return (stats.num_drafts,)
+    # Past the last listed position nothing was accepted, so nothing reached further.
+    bounds = (stats.num_drafts, *per_position)
+    return tuple(bounds[i] if i < len(bounds) else 0 for i in range(k))

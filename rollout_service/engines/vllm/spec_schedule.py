@@ -120,7 +120,8 @@ def with_startup_schedule(args: AsyncEngineArgs) -> AsyncEngineArgs:
     """``args`` with the K schedule a run-time schedule needs at start-up: every K in
     ``0..num_speculative_tokens`` at some batch size (:func:`startup_ranges`), over the
     batch sizes vLLM will allow (its ``max_num_seqs``, resolved here as vLLM resolves it
-    for the service: ``usage_context.py``).
+    for the service: ``usage_context.py``), and per-request metrics with each step's
+    counts (``detailed``).
 
     Raises:
         ValueError: naming the field: no speculative decoding, a schedule of the user's
@@ -155,5 +156,11 @@ def with_startup_schedule(args: AsyncEngineArgs) -> AsyncEngineArgs:
                          "run model runner V2 (VLLM_USE_V2_MODEL_RUNNER=1)")
     ranges = startup_ranges(config.speculative_config.num_speculative_tokens,
                             config.scheduler_config.max_num_seqs)
-    return dataclasses.replace(args, speculative_config={
-        **speculative, "num_speculative_tokens_per_batch_size": ranges})
+    # Each step's proposed and accepted counts: vLLM's histogram alone cannot tell the K
+    # of a step, and the controller's acceptance per position needs it
+    # (speculation/acceptance.py). The service's default level is "summary".
+    metrics = ("detailed" if args.per_request_spec_decode_metrics == "summary"
+               else args.per_request_spec_decode_metrics)
+    return dataclasses.replace(args, per_request_spec_decode_metrics=metrics,
+                               speculative_config={
+                                   **speculative, "num_speculative_tokens_per_batch_size": ranges})

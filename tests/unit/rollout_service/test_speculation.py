@@ -28,6 +28,7 @@ from rollout_service.speculation.decision import (
     expected_tokens,
     throughputs,
 )
+from tests.support.spec_stats import vllm_chain
 
 K_MAX = 3
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
@@ -72,11 +73,12 @@ def controller(costs: StepCostTable | None = None, **fields: object) -> Speculat
 def feed(ctl: SpeculationController, rates: Sequence[float], *, draft_version: int = 0,
          main_version: int | None = None, batch_size: int = 1, num_drafts: int = 200,
          now: float = 0.0) -> None:
-    """One finished sequence that ran with the K the controller has in force."""
+    """One finished sequence that ran with the K the controller has in force, its stats in
+    vLLM's shape (``k_max + 1`` histogram buckets whatever K ran)."""
     k = ctl.k_for(batch_size)
     versions = WeightVersions(main_version=draft_version if main_version is None
                               else main_version, draft_version=draft_version)
-    ctl.observe(chain_stats(num_drafts, rates[:k]), versions, batch_size, now)
+    ctl.observe(vllm_chain(num_drafts, rates, k=k, k_max=K_MAX), versions, batch_size, now)
 
 
 def observations_until(ctl: SpeculationController, is_done, rates: Sequence[float],

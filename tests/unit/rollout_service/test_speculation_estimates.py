@@ -21,6 +21,7 @@ from rollout_service.speculation.cost import (
     StepCostSample,
     StepCostTable,
 )
+from tests.support.spec_stats import chain_steps, vllm_chain, vllm_stats
 
 CONFIG = AcceptanceConfig()
 
@@ -67,6 +68,46 @@ def test_unobserved_positions_extrapolate_downward() -> None:
     assert p0 == pytest.approx(0.7, abs=0.01)
     assert p1 == pytest.approx(p0 * CONFIG.extrapolation_factor)
     assert p2 == pytest.approx(p1 * CONFIG.extrapolation_factor)
+
+
+def test_positions_a_smaller_k_never_drafted_are_not_counted_as_rejected() -> None:
+    """vLLM reports k_max + 1 histogram buckets whatever K ran: a sequence at K = 1 of a
+    drafter accepted at 0.9 everywhere must not teach ``[0.9, 0, 0]`` (the controller
+    would never choose K >= 2); positions 1 and 2 stay extrapolated from position 0."""
+    estimator = AcceptanceEstimator(CONFIG, num_positions=3)
+    for _ in range(20):
+        stats = vllm_chain(200, (0.9, 0.9, 0.9), k=1, k_max=3)
+        assert stats.accepted_per_position == (180, 0, 0)  # vLLM's shape
+        estimator.observe(stats, versions(0))
+    p0, p1, p2 = estimator.rates()
+    assert p0 == pytest.approx(0.9, abs=0.01)
+    assert (p1, p2) == pytest.approx((p0 * 0.8, p0 * 0.8 ** 2), abs=0.01)
+    assert estimator.estimate().evidence_drafts[1:] == (0.0, 0.0)
+
+
+def test_each_steps_counts_measure_every_position_whatever_k_each_step_ran() -> None:
+    """Under the controller K changes within a sequence: with vLLM's per-step counts
+    (``detailed``) every position is measured exactly; from the histogram alone a
+    sequence of mixed K is counted at position 0 only, never biased."""
+    steps = [(3, j) for j in chain_steps(300, (0.9, 0.8, 0.7))] + \
+            [(1, j) for j in chain_steps(200, (0.9,))]
+    detailed = AcceptanceEstimator(CONFIG, num_positions=3)
+    summary = AcceptanceEstimator(CONFIG, num_positions=3)
+    for _ in range(20):
+        detailed.observe(vllm_stats(steps, k_max=3, detailed=True), versions(0))
+        summary.observe(vllm_stats(steps, k_max=3), versions(0))
+    assert detailed.rates() == pytest.approx((0.9, 0.8, 0.7), abs=0.01)
+    assert summary.rates()[0] == pytest.approx(0.9, abs=0.01)
+    assert summary.estimate().evidence_drafts[1:] == (0.0, 0.0)
+
+
+def test_per_step_counts_that_disagree_with_the_histogram_are_refused() -> None:
+    with pytest.raises(ValueError, match="per-step counts disagree"):
+        SpecDecodeStats.from_histogram([1, 1, 0, 0], 2, steps=[(1, 1), (1, 1)])
+    with pytest.raises(ValueError, match="reached_per_position"):
+        SpecDecodeStats(num_drafts=2, num_draft_tokens=4, num_accepted_tokens=2,
+                        num_verify_steps=2, accepted_per_position=(1, 1),
+                        reached_per_position=(2, 2))
 
 
 def test_a_short_list_is_padded_with_rejections() -> None:

@@ -167,3 +167,22 @@ def test_a_foreign_method_of_the_same_name_is_not_replaced(
     monkeypatch.setattr(EngineCore, patch.SET_METHOD, lambda self, ranges: None, raising=False)
     with pytest.raises(RuntimeError, match="already has a rollout_set_spec_schedule"):
         patch.apply()
+
+
+def test_the_controlled_engine_reports_each_steps_counts() -> None:
+    """The acceptance per position needs each verify step's K, which vLLM's histogram of
+    k_max + 1 buckets does not give: the controlled engine asks for the per-step counts."""
+    from rollout_service.config import EMBEDDED_ENGINE_KWARGS
+    from rollout_service.embedded import ensure_model
+    from rollout_service.engines.speculative import MTPSettings, load_checkpoint_config
+    from rollout_service.engines.vllm.engine import build_engine_args
+    from rollout_service.engines.vllm.spec_schedule import with_startup_schedule
+
+    model = str(ensure_model("tiny"))
+    args = build_engine_args(model, EMBEDDED_ENGINE_KWARGS, MTPSettings(num_speculative_tokens=2),
+                             load_checkpoint_config(model))
+    assert args.per_request_spec_decode_metrics == "summary"  # the service's default
+    controlled = with_startup_schedule(args)
+    assert controlled.per_request_spec_decode_metrics == "detailed"
+    config = controlled.create_engine_config()
+    assert config.observability_config.per_request_spec_decode_metrics == "detailed"
