@@ -5,8 +5,9 @@ push intake counts outcomes and the push manager sets versions and durations.
 Separate version gauges for the main model and the drafter make a stale drafter
 visible; an engine whose drafter no push can load (MTP off, n-gram, a separate EAGLE
 checkpoint) has no drafter version series, so the drafter-behind-main alert, which
-subtracts the two, has nothing to fire on there. The PromQL of every derived figure (version lag, push durations and
-outcomes) and of the weight alerts is in ``telemetry/queries.py``.
+subtracts the two, has nothing to fire on there. The PromQL of every derived figure
+(version lag, push durations and outcomes) and of the weight alerts is in
+``telemetry/queries.py``.
 """
 
 from __future__ import annotations
