@@ -43,7 +43,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
-import json
 import os
 import shutil
 import signal
@@ -56,87 +55,37 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
-import aiohttp
 import psutil
 from rich.console import Console
 from rich.table import Table
 
+from bench.serving_http import (  # noqa: F401 - re-exported for bench.speculation, tests
+    HttpMode,
+    Workload,
+    closed_loop,
+    engine_args,
+    non_default_engine_args,
+    on_same_server,
+    start_http,
+)
 from rollout_service.config import ServiceConfig, load_config
 from rollout_service.embedded.corpus import arithmetic_prompts
 from rollout_service.engines.vllm.cpu_preload import preload_for_cpu_engine
 from rollout_service.engines.vllm.start_method import spawn_engine_core_on_cuda
-from rollout_service.protocol import messages
-from rollout_service.tools.launch import ChildProcess, free_port, wait_http_ok
 
-MODES = ("asyncllm", "service", "service-no-preload", "vllm-server")
+MODES = ("asyncllm", "service", "service-openai", "service-sglang", "service-no-preload",
+         "vllm-server")
 DEFAULT_MODES = ("asyncllm", "service", "vllm-server")
 RATIOS = (("service", "asyncllm", 0.90), ("service", "vllm-server", 1.0),
+          ("service-openai", "vllm-server", 1.0), ("service-sglang", "vllm-server", 1.0),
+          ("service-openai", "service", 0.97), ("service-sglang", "service", 0.97),
           ("service", "service-no-preload", None))
 """(numerator, denominator, target) of each printed ratio."""
-STARTUP_TIMEOUT_S = 900.0
-HTTP_TIMEOUT_S = 1800.0
-SERVER_KEEP_ALIVE_S: int = ServiceConfig.model_fields["http_keep_alive_s"].default
-"""Idle seconds both HTTP servers keep a connection (the service's default
-``http_keep_alive_s``; vLLM's server is told through ``VLLM_HTTP_TIMEOUT_KEEP_ALIVE``)."""
+DIALECT_MODES = ("service", "service-openai", "service-sglang")
+"""The service's modes that share one service process (the same engine, three dialects)."""
 
 RoundFn = Callable[[int, int], Awaitable[int]]
 """``run_round(concurrency, num_requests) -> tokens generated``."""
-
-
-async def closed_loop(one: Callable[[int], Awaitable[int]], concurrency: int,
-                      num_requests: int) -> int:
-    """Requests ``0 .. num_requests - 1`` through ``one(i) -> tokens``, ``concurrency`` in
-    flight until fewer are left: each of ``concurrency`` workers takes the next index as
-    soon as its request finishes. Returns the tokens of all of them."""
-    indices = iter(range(num_requests))  # shared: a worker's next() is never interleaved
-
-    async def worker() -> int:
-        return sum([await one(i) for i in indices])
-
-    return sum(await asyncio.gather(*(worker() for _ in range(concurrency))))
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
-class Workload:
-    """What every mode runs."""
-
-    prompts: tuple[str, ...]
-    """One prompt per request of a round; a round of n requests sends the first n."""
-    max_tokens: int
-    temperature: float
-
-
-def engine_args(cfg: ServiceConfig) -> Any:
-    """The ``AsyncEngineArgs`` the service builds for this config."""
-    from rollout_service.engines.vllm.engine import build_engine_args
-    from rollout_service.local import engine_spec
-
-    spec = engine_spec(cfg)
-    return build_engine_args(spec.model_path, spec.engine_kwargs, spec.mtp,
-                             spec.checkpoint_config, served_model_name=spec.served_model_name)
-
-
-def non_default_engine_args(args: Any) -> dict[str, Any]:
-    """The fields of ``args`` that differ from ``AsyncEngineArgs()`` (what the flags carry)."""
-    from vllm.engine.arg_utils import AsyncEngineArgs
-
-    default = AsyncEngineArgs(model=args.model)  # the default model would need the hub
-    return {f.name: getattr(args, f.name) for f in dataclasses.fields(args)
-            if getattr(args, f.name) != getattr(default, f.name)}
-
-
-def cli_flags(kwargs: dict[str, Any]) -> list[str]:
-    """Engine kwargs as vLLM server flags: bools as ``--x`` / ``--no-x``, configs as JSON."""
-    flags: list[str] = []
-    for key, value in kwargs.items():
-        flag = "--" + key.replace("_", "-")
-        if dataclasses.is_dataclass(value):  # e.g. WeightTransferConfig, built from a dict
-            value = dataclasses.asdict(value)  # type: ignore[arg-type]
-        if isinstance(value, bool):
-            flags.append(flag if value else "--no-" + flag[2:])
-        else:
-            flags += [flag, json.dumps(value) if isinstance(value, dict) else str(value)]
-    return flags
 
 
 async def start_asyncllm(cfg: ServiceConfig, workload: Workload) -> tuple[RoundFn, Callable]:
@@ -169,104 +118,6 @@ async def start_asyncllm(cfg: ServiceConfig, workload: Workload) -> tuple[RoundF
                                  num_requests)
 
     return run_round, engine.shutdown
-
-
-class HttpMode:
-    """A server in a child process and the client that drives it.
-
-    The client is aiohttp, as in vLLM's own serving benchmark
-    (vllm-project/vllm, ``vllm/benchmarks/lib/endpoint_request_func.py``): with httpx
-    an H200 run at 512 requests in flight spent its time in httpcore's connection-pool
-    bookkeeping (``_assign_requests_to_connections``, once per request over every
-    connection), the client and not a server bounding the rate.
-    """
-
-    def __init__(self, server: ChildProcess, url: str, path: str,
-                 body: Callable[[int], dict[str, Any]], count: Callable[[dict[str, Any]], int],
-                 max_concurrency: int) -> None:
-        self.server, self.url, self._path, self._body, self._count = (server, url, path, body,
-                                                                       count)
-        # One kept-alive connection per request in flight: no connection is opened
-        # during a timed round once the warm-up has opened them. They idle while the
-        # other modes run; both servers keep them for SERVER_KEEP_ALIVE_S and this
-        # client for less, so it never reuses one a server has just closed (a read
-        # error ended an H200 run when both sides used 5 s).
-        connector = aiohttp.TCPConnector(limit=max_concurrency,
-                                         keepalive_timeout=SERVER_KEEP_ALIVE_S - 30)
-        self._http = aiohttp.ClientSession(
-            base_url=url, connector=connector,
-            timeout=aiohttp.ClientTimeout(total=HTTP_TIMEOUT_S))
-
-    async def _one(self, i: int) -> int:
-        return await self.send(self._body(i))
-
-    async def send(self, body: dict[str, Any]) -> int:
-        """One request with this ``body``; the tokens it generated."""
-        async with self._http.post(self._path, json=body) as response:
-            if response.status >= 400:
-                raise RuntimeError(f"{self._path}: HTTP {response.status}: "
-                                   f"{await response.text()}")
-            return self._count(await response.json())
-
-    async def run_round(self, concurrency: int, num_requests: int) -> int:
-        return await closed_loop(self._one, concurrency, num_requests)
-
-    async def close(self) -> None:
-        await self._http.close()
-        self.server.stop()
-
-
-async def start_http(mode: str, cfg: ServiceConfig, workload: Workload, scratch: Path,
-                     max_concurrency: int) -> HttpMode:
-    """Start the service or vLLM's server on a free port; wait until it is healthy."""
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    address = ["--host", "127.0.0.1", "--port", str(port)]
-    env = {**os.environ, "HF_HUB_OFFLINE": "1",
-           "VLLM_HTTP_TIMEOUT_KEEP_ALIVE": str(SERVER_KEEP_ALIVE_S)}
-    if mode == "service-no-preload":
-        env["ROLLOUT_CPU_PRELOAD"] = "0"
-        env.pop("LD_PRELOAD", None)  # this process's own preload, inherited otherwise
-    if mode.startswith("service"):
-        config_path = scratch / "service.json"
-        config_path.write_text(cfg.model_dump_json(exclude={"api_key"}))
-        cmd = [sys.executable, "-m", "rollout_service.cli", "serve", "--config",
-               str(config_path), *address]
-
-        def body(i: int) -> dict[str, Any]:
-            return messages.GenerateRequest(
-                prompt=workload.prompts[i], max_tokens=workload.max_tokens,
-                temperature=workload.temperature, seed=i, ignore_eos=True,
-            ).model_dump(exclude_none=True)
-
-        def count(response: dict[str, Any]) -> int:
-            return len(response["outputs"][0]["token_ids"])
-
-        path = "/generate"
-    else:
-        args = engine_args(cfg)
-        model = args.model
-        kwargs = {"model": model, **non_default_engine_args(args)}
-        kwargs.setdefault("tokenizer", model)  # offline machines: no hub look-up
-        cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server",
-               *cli_flags(kwargs), *address]
-
-        def body(i: int) -> dict[str, Any]:
-            return {"model": kwargs.get("served_model_name", model),
-                    "prompt": workload.prompts[i], "max_tokens": workload.max_tokens,
-                    "temperature": workload.temperature, "seed": i, "ignore_eos": True}
-
-        def count(response: dict[str, Any]) -> int:
-            return response["usage"]["completion_tokens"]
-
-        path = "/v1/completions"
-    server = ChildProcess(cmd, scratch / f"{mode}.log", env=env)
-    try:
-        await asyncio.to_thread(wait_http_ok, f"{url}/health", server, STARTUP_TIMEOUT_S)
-    except BaseException:
-        server.stop()
-        raise
-    return HttpMode(server, url, path, body, count, max_concurrency)
 
 
 @dataclasses.dataclass(kw_only=True, slots=True)
@@ -374,6 +225,7 @@ async def run(opts: argparse.Namespace, console: Console) -> dict[int, Rates]:
     console.print(f"logs: {scratch}\nengine args (non-default): "
                   f"{non_default_engine_args(engine_args(cfg))}")
     rounds: dict[str, RoundFn] = {}
+    servers: dict[str, HttpMode] = {}
     front_ends: dict[str, int] = {}
     closers: list[Callable[[], Awaitable[None]]] = []
     profiler: subprocess.Popen[bytes] | None = None
@@ -387,7 +239,12 @@ async def run(opts: argparse.Namespace, console: Console) -> dict[int, Rates]:
                 async def close(shutdown: Callable = shutdown) -> None:
                     shutdown()
             else:
-                http = await start_http(mode, cfg, workload, scratch, max(levels))
+                shared = next((h for m, h in servers.items() if m in DIALECT_MODES), None)
+                if mode in DIALECT_MODES and shared is not None:
+                    http = on_same_server(shared, mode, cfg, workload, max(levels))
+                else:
+                    http = await start_http(mode, cfg, workload, scratch, max(levels))
+                servers[mode] = http
                 run_round, close = http.run_round, http.close
                 front_ends[mode] = http.server.pid
                 if mode == "service" and opts.profile_service:
@@ -399,7 +256,7 @@ async def run(opts: argparse.Namespace, console: Console) -> dict[int, Rates]:
     finally:
         if profiler is not None:
             stop_profiler(profiler)
-        for close in closers:
+        for close in reversed(closers):  # the modes sharing a server before its owner
             await close()
 
 

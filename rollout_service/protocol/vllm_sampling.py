@@ -22,7 +22,7 @@ from typing import Annotated, Any
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 
-from rollout_service.protocol.messages import Int, TokenId, integral
+from rollout_service.protocol.messages import MAX_TOP_K, Int, TokenId, integral
 
 logger = logging.getLogger(__name__)
 
@@ -31,7 +31,7 @@ MAX_LOGPROBS = 20
 
 NumLogprobs = Annotated[int, Field(ge=0, le=MAX_LOGPROBS), BeforeValidator(integral)]
 """How many of the most likely tokens to return per position."""
-TopK = Annotated[int, Field(ge=-1), BeforeValidator(integral)]
+TopK = Annotated[int, Field(ge=-1, le=MAX_TOP_K), BeforeValidator(integral)]
 """Tokens kept by rank; -1 and 0 keep all."""
 
 REFUSED_UNLESS: dict[str, tuple[Any, ...]] = {
@@ -66,6 +66,13 @@ with the checkpoint's defaults either way, so both values are accepted)."""
 _warned: set[str] = set()
 
 
+def is_neutral(value: Any, neutral: tuple[Any, ...]) -> bool:
+    """Whether ``value`` is one of the ``neutral`` values, with its JSON type (``0`` is not
+    ``false``, as JSON Schema's ``enum`` reads it)."""
+    return any(value == v and isinstance(value, bool) == isinstance(v, bool)
+               and (v is None) == (value is None) for v in neutral)
+
+
 def neutral_values_schema(refused: dict[str, tuple[Any, ...]]
                           ) -> Callable[[dict[str, Any]], None]:
     """Adds the refused fields to a model's JSON Schema, each taking only its neutral
@@ -90,7 +97,7 @@ def ignore_extra_fields(extra: dict[str, Any] | None, where: str) -> None:
         return
     for name, value in extra.items():
         neutral = REFUSED_UNLESS.get(name)
-        if neutral is not None and value not in neutral:
+        if neutral is not None and not is_neutral(value, neutral):
             raise ValueError(f"{name}: {value!r} is not supported by this service (it would "
                              f"change sampling); leave it out")
     ignored = sorted(n for n in extra if n not in REFUSED_UNLESS)

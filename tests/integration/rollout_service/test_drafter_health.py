@@ -87,7 +87,7 @@ async def test_acceptance_is_labelled_by_category_with_the_rest_as_other(
     batch = await client.generate_batch(messages.BatchGenerateRequest(requests=requests))
     # the OpenAI route takes the category as an extra field
     async with openai.AsyncOpenAI(base_url=f"{service.url}/v1", api_key=API_KEY) as oai:
-        await oai.completions.create(model="m", prompt=PROMPTS[0], max_tokens=16, n=2,
+        await oai.completions.create(model="embedded:tiny", prompt=PROMPTS[0], max_tokens=16, n=2,
                                      extra_body={"category": "code"})
     after = _by_category(await client.metrics_text(), name)
     delta = {c: after.get(c, 0.0) - before.get(c, 0.0) for c in after}

@@ -26,12 +26,14 @@ import httpx
 import pytest
 import schemathesis
 from hypothesis import HealthCheck, settings
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 from schemathesis.checks import CHECKS, load_all_checks
 from schemathesis.config import SchemathesisConfig
 from schemathesis.core.failures import Failure, FailureGroup
 
 from rollout_service.api.app import create_app
+from rollout_service.api.dialects.sglang import protocol as sglang
+from rollout_service.api.dialects.vllm import protocol as vllm
 from rollout_service.config import ServiceConfig
 from rollout_service.protocol import messages, openai
 from rollout_service.tools.launch import ServiceProcess
@@ -40,7 +42,9 @@ from tests.integration.conftest import API_KEY, WEIGHTS_TOKEN, weights_checksums
 SEED = 20260512
 MAX_EXAMPLES = 12
 """Fuzzed examples per operation (the coverage phase adds its own, deterministic ones)."""
-FUZZED_PATHS = r"^/(generate|generate_batch|v1/.*|weights/.*)$"
+FUZZED_PATHS = r"^/(generate|generate_batch|inference/v1/generate|v1/.*|weights/.*)$"
+"""Generation in every dialect, and the weights; not the pause and abort routes (a fuzzed
+pause would hold the session's service paused)."""
 MAX_TOKENS = 4
 MAX_CHOICES = 2
 MAX_PROMPTS = 2
@@ -63,13 +67,26 @@ class Intentional:
 
 INTENTIONAL = (
     Intentional(
-        check="positive_data_acceptance", path=r"^/(generate|generate_batch|v1/.*)$",
+        check="positive_data_acceptance",
+        path=r"^/(generate|generate_batch|inference/v1/generate|v1/.*)$",
         status=400, error_type="invalid_request_error",
-        message=r"is outside the vocabulary|exceed the model's context length",
+        message=r"is outside the vocabulary|exceed the model's context length|"
+                r"contain out-of-vocab token ids",
         reason="The vocabulary size and the context length belong to the served model, and "
                "a text prompt's length in tokens to its tokenizer: JSON Schema cannot state "
-               "them, so a token id past the vocabulary, or a prompt plus max_tokens past the "
-               "context, is a schema-valid request the engine refuses (400 naming why)."),
+               "them, so a token id past the vocabulary (a prompt's or a stop token's), or a "
+               "prompt plus max_tokens past the context, is a schema-valid request the engine "
+               "refuses (400 naming why)."),
+    Intentional(
+        check="positive_data_acceptance", path=r"^/(generate|inference/v1/generate|v1/.*)$",
+        status=400, error_type="invalid_request_error",
+        message=r"min_p and logit_bias sampling parameters are not yet supported with "
+                r"speculative decoding|min_tokens must be less than or equal to max_tokens|"
+                r"values for \d+ prompts",
+        reason="vLLM 0.32 refuses min_p > 0 on an engine with a drafter, and min_tokens "
+               "above max_tokens; an SGLang batch needs one value per prompt in each list "
+               "field: the engine's state and relations between fields, which JSON Schema "
+               "cannot state (the service passes vLLM's refusal on, naming the field)."),
     Intentional(
         check="positive_data_acceptance", path=r"^/weights/(begin|update|finish|abort)$",
         status=400, error_type="weight_push_error", message=r".",
@@ -91,24 +108,26 @@ INTENTIONAL = (
 )
 
 
-REQUESTS = {"/generate": messages.GenerateRequest,
-            "/generate_batch": messages.BatchGenerateRequest,
-            "/v1/completions": openai.CompletionRequest,
-            "/v1/chat/completions": openai.ChatCompletionRequest}
+REQUESTS: dict[str, tuple[type[BaseModel], ...]] = {
+    "/generate": (messages.GenerateRequest, sglang.GenerateReqInput),
+    "/generate_batch": (messages.BatchGenerateRequest,),
+    "/inference/v1/generate": (vllm.TokensRequest,),
+    "/v1/completions": (openai.CompletionRequest,),
+    "/v1/chat/completions": (openai.ChatCompletionRequest,)}
+"""The request models of each fuzzed generation path (``/generate``: both dialects)."""
 
 
 def bound(path: str, body: Any) -> None:
     """Keep generation cheap: a request the service accepts gets fewer tokens, choices and
     prompts and stays valid; any other is left as it is (it generates nothing)."""
-    model = REQUESTS.get(path)
-    if model is None:
-        return
-    try:
+    for model in REQUESTS.get(path, ()):
+        try:
+            model.model_validate(body)
+        except ValidationError:
+            continue
+        _shrink(body)
         model.model_validate(body)
-    except ValidationError:
         return
-    _shrink(body)
-    model.model_validate(body)
 
 
 def _shrink(body: dict[str, Any]) -> None:
@@ -127,6 +146,35 @@ def _shrink(body: dict[str, Any]) -> None:
     del requests[MAX_PROMPTS:]
     for request in requests:
         _shrink(request)
+    _shrink_dialects(body)
+
+
+SGLANG_BATCH_FIELDS = ("text", "input_ids", "sampling_params", "rid", "return_logprob",
+                       "logprob_start_len", "top_logprobs_num")
+
+
+def _shrink_dialects(body: dict[str, Any]) -> None:
+    """SGLang's and vLLM's token-in/token-out bodies: their sampling params nested, an
+    SGLang batch's list fields cut alike (one value per prompt stays so)."""
+    if isinstance(body.get("text"), list) or (
+            isinstance(body.get("input_ids"), list) and isinstance(body["input_ids"][0], list)):
+        for field in SGLANG_BATCH_FIELDS:
+            if isinstance(body.get(field), list):
+                del body[field][MAX_PROMPTS:]
+    params = body.get("sampling_params")
+    if "input_ids" in body or "text" in body:
+        if params is None:
+            body["sampling_params"] = params = {}
+        for one in params if isinstance(params, list) else [params]:
+            if not isinstance(one.get("max_new_tokens"), int) or one["max_new_tokens"] > MAX_TOKENS:
+                one["max_new_tokens"] = MAX_TOKENS   # None and the default: 128
+            if isinstance(one.get("n"), int) and one["n"] > MAX_CHOICES:
+                one["n"] = MAX_CHOICES
+    elif "token_ids" in body:
+        params = body.setdefault("sampling_params", {})
+        params["max_tokens"] = min(params.get("max_tokens", MAX_TOKENS), MAX_TOKENS)
+        if isinstance(params.get("n"), int) and params["n"] > MAX_CHOICES:
+            params["n"] = MAX_CHOICES
 
 
 def _headers(path: str) -> dict[str, str]:

@@ -123,7 +123,7 @@ def test_chat_on_a_checkpoint_without_a_template_is_400(tmp_path: Path) -> None:
         config = ServiceConfig(model=str(model), engine="sglang", engine_url=url)
         with TestClient(create_app(config)) as client:
             response = client.post("/v1/chat/completions", json={
-                "model": "m", "messages": [{"role": "user", "content": "hi"}]})
+                "messages": [{"role": "user", "content": "hi"}]})
     assert response.status_code == 400
     assert response.json()["error"]["message"].startswith("messages: the served checkpoint "
                                                           "has no chat template")

@@ -33,6 +33,7 @@ from rollout_service.protocol.vllm_sampling import (
     NumLogprobs,
     TopK,
     ignore_extra_fields,
+    is_neutral,
     neutral_values_schema,
 )
 
@@ -66,7 +67,7 @@ def _refuse_or_ignore(extra: dict[str, Any] | None, refused: dict[str, tuple[Any
     extra = dict(extra or {})
     for name, neutral in refused.items():
         value = extra.pop(name, None)
-        if value not in neutral:
+        if not is_neutral(value, neutral):
             raise ValueError(f"{name}: {value!r} is not supported by this service; leave it "
                              "out")
     ignore_extra_fields(extra, where)
