@@ -11,6 +11,7 @@ the tests run in order: metrics, pushes, then a replica's engine is killed.
 from __future__ import annotations
 
 import asyncio
+import json
 import signal
 import time
 from collections.abc import Iterator
@@ -27,6 +28,7 @@ from rollout_service.client import RolloutClient, ServiceError
 from rollout_service.embedded import ensure_model
 from rollout_service.embedded.corpus import arithmetic_prompts
 from rollout_service.protocol import messages
+from rollout_service.protocol.sse import read_events
 from rollout_service.telemetry import queries
 from rollout_service.tools.launch import ServiceProcess
 from rollout_service.tools.scrape import sample_sum
@@ -182,6 +184,44 @@ async def test_bad_requests_are_4xx_with_a_message(ray_service: ServiceProcess) 
                          headers={"authorization": f"Bearer {WEIGHTS_TOKEN}"})
         message = push.json()["error"]["message"]
         assert push.status_code == 400 and "params: Field required" in message, message
+
+
+async def test_every_dialect_reaches_the_replicas_and_control_reaches_all(
+        ray_service: ServiceProcess) -> None:
+    """vLLM's and SGLang's routes run in the ingress over the replicas; pause, resume and
+    abort reach every replica (Ray Serve's ``DeploymentHandle.broadcast``)."""
+    auth = {"authorization": f"Bearer {API_KEY}"}
+    async with httpx.AsyncClient(base_url=ray_service.url, timeout=120, headers=auth) as http:
+        tokens = await http.post("/inference/v1/generate", json={
+            "token_ids": [5, 6, 7], "sampling_params": {"max_tokens": 4, "logprobs": 0}})
+        assert tokens.status_code == 200, tokens.text
+        assert len(tokens.json()["choices"][0]["logprobs"]["content"]) == 4
+        batch = await http.post("/generate", json={
+            "text": ["1 + 1 =", "2 + 2 ="], "sampling_params": {"max_new_tokens": 3}})
+        assert [len(o["output_ids"]) for o in batch.json()] == [3, 3]
+        completion = await http.post("/v1/completions", json={
+            "prompt": [5, 6], "max_tokens": 3, "return_token_ids": True})
+        assert len(completion.json()["choices"][0]["token_ids"]) == 3
+
+        assert (await http.post("/pause", params={"mode": "keep"})).status_code == 200
+        try:
+            assert (await http.get("/is_paused")).json() == {"is_paused": True}
+            loads = (await http.get("/v1/loads")).json()["loads"]
+            assert len(loads) == NUM_REPLICAS   # one per replica
+        finally:
+            assert (await http.post("/resume")).status_code == 200
+        assert (await http.get("/is_paused")).json() == {"is_paused": False}
+
+        body = {"request_id": "long", "token_ids": [5, 6, 7], "stream": True,
+                "sampling_params": {"max_tokens": 1000, "ignore_eos": True}}
+        async with http.stream("POST", "/inference/v1/generate", json=body) as response:
+            events = aiter(read_events(response.aiter_lines()))
+            await anext(events)   # running on one of the replicas
+            aborted = await http.post("/abort_requests", json={"request_ids": ["long"]})
+            assert aborted.json()["aborted"] == 1
+            reasons = [c["finish_reason"] async for e in events
+                       for c in json.loads(e)["choices"]]
+        assert reasons[-1] == "abort"
 
 
 def _checksums(url: str) -> dict[str, dict[str, str]]:
