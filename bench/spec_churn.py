@@ -17,8 +17,9 @@ fewer tokens than asked, is an error; so is a dead engine.
 
 ``--pin '{"1": 0}'`` applies one schedule once instead (the smallest change to try), and
 ``--static '[[1,16,3],[17,1024,0]]'`` starts a plain vLLM engine with that schedule and
-no project code in its processes (``VLLM_PLUGINS=none``: no run-time schedule, no
-``drafter_at_k0``) for ``--requests`` requests: a failure there is vLLM's alone.
+no project code in its processes (``VLLM_PLUGINS=none`` and no worker extension: no
+run-time schedule, no ``drafter_at_k0``, no verify-cost timing) for ``--requests``
+requests: a failure there is vLLM's alone.
 
     python -m bench.spec_churn --model embedded:tiny --concurrency 16 --changes 100 \\
         --max-tokens 8,48
@@ -227,7 +228,7 @@ def start_engine(model: str, *, k_max: int, drafter_at_k0: str, engine_kwargs: d
         speculative = {**args.speculative_config,
                        "num_speculative_tokens_per_batch_size": static}
         args = dataclasses.replace(args, speculative_config=speculative,
-                                   weight_transfer_config=None)
+                                   weight_transfer_config=None, worker_extension_cls="")
     monitor = StepCostMonitor()
     return VLLMEngine.start(args, served_model_name=spec.served_model_name,
                             step_costs=monitor), monitor
@@ -235,9 +236,11 @@ def start_engine(model: str, *, k_max: int, drafter_at_k0: str, engine_kwargs: d
 
 async def prepare(engine: VLLMEngine, *, static: bool, skip: bool) -> None:
     """What ``start`` does once the engine runs: check its schedule, skip the drafter,
-    time a verify step with the model runner's dummy batches."""
-    if not static:
-        await engine.check_spec_schedule()
+    time a verify step with the model runner's dummy batches (``static``: vLLM alone,
+    none of it)."""
+    if static:
+        return
+    await engine.check_spec_schedule()
     if skip:
         await engine.skip_drafter_at_k0()
     await engine.measure_verify_cost(8)  # the service's default verify_cost_batch_size
@@ -256,6 +259,8 @@ async def run(opts: argparse.Namespace, print_line: Callable[[str], None]) -> Ch
             model = str(ensure_model(model.removeprefix("embedded:")))
         engine_kwargs = {"gpu_memory_utilization": opts.gpu_memory_utilization,
                          "dtype": opts.dtype, "enforce_eager": opts.eager}
+        if opts.cudagraph_mode:  # e.g. PIECEWISE: which graphs the failure needs
+            engine_kwargs["compilation_config"] = {"cudagraph_mode": opts.cudagraph_mode}
     engine, monitor = start_engine(model, k_max=opts.k_max, static=static,
                                    drafter_at_k0=opts.drafter_at_k0,
                                    engine_kwargs=engine_kwargs)
@@ -300,6 +305,9 @@ def main() -> None:
     parser.add_argument("--device", choices=("cpu", "cuda"), default=None)
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.5)
     parser.add_argument("--eager", action="store_true", help="no compile, no CUDA graphs")
+    parser.add_argument("--cudagraph-mode", default=None,
+                        help="vLLM's compilation_config.cudagraph_mode (FULL_AND_PIECEWISE, "
+                             "PIECEWISE, FULL_DECODE_ONLY, ...)")
     opts = parser.parse_args()
     if opts.device is None:
         from vllm.platforms import current_platform

@@ -14,6 +14,8 @@
 #   bash tools/gpu/batch.sh spec-profile        # ~5 min: where K = 0 costs (py-spy)
 #   bash tools/gpu/batch.sh spec-skip           # ~6 min: spec with drafter_at_k0: skip
 #   bash tools/gpu/batch.sh spec-repro churn    # ~5 + 4 min: the illegal memory access
+#   bash tools/gpu/batch.sh churn-modes         # ~10 min: the crash with PIECEWISE or FULL
+#                                               #   decode graphs only, and vLLM alone
 #   bash tools/gpu/batch.sh churn-tests         # ~5 min: test_spec_churn.py, run and skip
 #   bash tools/gpu/batch.sh spec-ab             # ~9 min: drafter_at_k0 run vs skip at K = 0
 #   bash tools/gpu/batch.sh load starts trainer # ~4 + 5 + 5 min
@@ -87,6 +89,13 @@ for s in "$@"; do
       step churn 300 env CUDA_LAUNCH_BLOCKING="${BLOCKING:-1}" python3 -m bench.spec_churn \
         --model embedded:1b --k-max 3 --concurrency 256 --changes "${CHANGES:-1000}" \
         --drafter-at-k0 "${DRAFTER_AT_K0:-run}" ;;
+    churn-modes)  # which graphs the illegal memory access needs, and vLLM alone
+      for mode in PIECEWISE FULL_DECODE_ONLY; do
+        step "churn-$mode" 200 python3 -m bench.spec_churn --model embedded:1b --k-max 3 \
+          --concurrency 256 --changes 600 --cudagraph-mode "$mode"
+      done
+      step churn-static 240 python3 -m bench.spec_churn --model embedded:1b --k-max 3 \
+        --concurrency 256 --static '[[1,250,3],[251,1024,1]]' --requests 6000 ;;
     churn-tests) STALL_S=100000 step churn-tests 560 python3 -m pytest -q -p no:cacheprovider \
         -m gpu -rA tests/integration/rollout_service/test_spec_churn.py ;;
     spec-ab)  # drafter_at_k0 run vs skip: k=0 against spec-off on one run, 3 engines
@@ -100,7 +109,7 @@ for s in "$@"; do
     spec-full) step spec-full 540 python3 -m bench.speculation --model embedded:1b \
             --draft-noise 0.1,0.6 --k-max 3 --concurrency 1,16,256 --max-tokens 256 \
             --rounds 2 --rollout-prompts 512 --stale-drafter --logs "$out/spec-logs" ;;
-    *) echo "unknown step: $s (tests spec-tests trainer starts serving sync sync7b load spec spec-skip spec-profile spec-full spec-repro spec-repro-eager churn churn-tests spec-ab)" >&2; exit 2 ;;
+    *) echo "unknown step: $s (tests spec-tests trainer starts serving sync sync7b load spec spec-skip spec-profile spec-full spec-repro spec-repro-eager churn churn-modes churn-tests spec-ab)" >&2; exit 2 ;;
   esac
 done
 clean
