@@ -254,6 +254,13 @@ class ReplicaHealth(BaseModel):
     detail: str | None = None
     pid: int | None = None
     metrics_address: str | None = Field(None, description="host:port of its /metrics.")
+    group_ranks: int | None = Field(None, description=(
+        "nccl: the ranks its engine's workers take in a weight group; None otherwise."))
+    group_backend: Literal["nccl", "gloo"] | None = Field(None, description=(
+        "nccl: its workers' collective backend."))
+    store_address: str | None = Field(None, description=(
+        "nccl: host:port where it serves its stored copy of the last push to replicas that "
+        "(re)start (weights token required)."))
     speculation: SpeculationInfo | None = Field(None, description=(
         "Its engine's speculative decoding; None while the engine starts."))
     speculation_control: SpeculationControlStatus | None = Field(None, description=(

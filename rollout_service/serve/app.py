@@ -49,11 +49,11 @@ from rollout_service.protocol import messages
 from rollout_service.protocol.acceptance import summarize, summarize_by_category
 from rollout_service.serve.config import RayServeConfig, parse_serve_config
 from rollout_service.serve.coordinator import WeightsCoordinator
+from rollout_service.serve.group_fanout import GroupSettings
 from rollout_service.serve.metrics import fetch_pages, merge_pages
 from rollout_service.serve.replica import EngineReplica
 from rollout_service.serve.sequences import BroadcastControl, ReplicatedSequences
 from rollout_service.service import gather_or_cancel
-from rollout_service.weights.intake import PushError
 
 logger = logging.getLogger(__name__)
 
@@ -218,15 +218,14 @@ class CoordinatorPushes:
 
     async def create_group(self, req: messages.WeightGroupRequest
                            ) -> messages.WeightGroupResponse:
-        raise PushError(403, "weights_transport: Ray Serve takes 'shm' pushes only; weight "
-                             "groups are for the 'nccl' transport of the standalone service")
+        return await _call(self._coordinator.create_group.remote(req))
 
     async def release_group(self, req: messages.WeightGroupRelease
                             ) -> messages.WeightGroupState:
-        return await self.create_group(None)  # type: ignore[arg-type]
+        return await _call(self._coordinator.release_group.remote(req))
 
     async def group_state(self) -> messages.WeightGroupState:
-        return await self.create_group(None)  # type: ignore[arg-type]
+        return await _call(self._coordinator.group_state.remote())
 
 
 class ReplicaMetrics:
@@ -279,7 +278,12 @@ class CoordinatorReplica(WeightsCoordinator):
         model_path, _ = config.resolve_model()
         super().__init__(checkpoint_tensors(model_path), has_draft=config.mtp.enabled,
                          push_timeout_s=config.push_timeout_s,
-                         ack_timeout_s=config.push_ack_timeout_s)
+                         ack_timeout_s=config.push_ack_timeout_s,
+                         transport=config.weights_transport,
+                         group=GroupSettings(timeout_s=config.weights_group_timeout_s,
+                                             lease_s=config.weights_group_lease_s,
+                                             bucket_bytes=config.weights_bucket_bytes,
+                                             num_buckets=config.weights_num_buckets))
 
 
 def build_app(config: RayServeConfig) -> serve.Application:

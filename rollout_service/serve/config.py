@@ -4,8 +4,9 @@ Read by ``rollout-service serve-ray`` and by the Serve app builder
 (``rollout_service.serve.app:app_builder``, the import path in ``deploy/serve.yaml``)
 before anything is deployed, so a bad field fails at startup with its name. It
 is the standalone :class:`~rollout_service.config.ServiceConfig` (model, engine
-kwargs, MTP, auth, push timeout) plus what Ray Serve needs: replicas,
-autoscaling, resources, health checks and the weight fan-out's timeouts.
+kwargs, MTP, auth, push timeout, the weight transport and its group settings) plus what
+Ray Serve needs: replicas, autoscaling, resources, health checks and the weight
+fan-out's timeouts.
 """
 
 from __future__ import annotations
@@ -56,12 +57,13 @@ class RayServeConfig(ServiceConfig):
         "Prometheus finds them at the ingress's GET /metrics/targets (http_sd_configs)."))
 
     @model_validator(mode="after")
-    def _shm_only(self) -> RayServeConfig:
-        # cuda_ipc needs the trainer on each engine's GPU; replicas spread over GPUs.
-        if self.weights_transport != "shm":
+    def _replicated_transports(self) -> RayServeConfig:
+        # cuda_ipc needs the trainer on each engine's GPU; replicas spread over GPUs and hosts.
+        if self.weights_transport not in ("shm", "nccl"):
             raise ValueError(f"weights_transport: {self.weights_transport!r} is not supported "
-                             "under Ray Serve (accepted: 'shm'); the replicas' engines sit on "
-                             "GPUs of their own")
+                             "under Ray Serve (accepted: 'shm' with the trainer on the "
+                             "replicas' host, 'nccl' for replicas on any hosts); the "
+                             "replicas' engines sit on GPUs of their own")
         return self
 
     @model_validator(mode="after")

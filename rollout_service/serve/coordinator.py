@@ -1,12 +1,16 @@
 """The weights coordinator: one push from the trainer reaches every engine replica.
 
 Runs as a one-replica Ray Serve deployment (``serve/app.py`` wraps this class; no Ray
-import here). Ray Serve cannot call every replica of a deployment, so the
-replicas come to the coordinator instead: each registers in its constructor and
-then long-polls :meth:`WeightsCoordinator.poll` for commands (load a push, commit
-a version, report checksums), answering each with :meth:`ack`. Every poll also
-carries the replica's state, so the coordinator knows who is alive and what each
-serves (``/health`` shows it).
+import here). The replicas come to the coordinator: each registers in its constructor
+and then long-polls :meth:`WeightsCoordinator.poll` for commands (load a push, commit a
+version, report checksums; ``nccl``: join the trainer's group, receive a bucket, fetch a
+peer's stored copy), answering each with :meth:`ack`. Every poll also carries the
+replica's state, so the coordinator knows who is alive and what each serves (``/health``
+shows it). Why not Ray Serve's ``DeploymentHandle.broadcast`` (Ray 2.60, alpha): a push
+must reach a known set of replicas by name (the group's members, each at its own rank
+offset) and a replica that dies must fail it by name, where a broadcast reaches the
+replicas its router sees running at the call and does not say which answered; and the
+poll's reports (registration, versions) are what a push is checked against anyway.
 
 A push from the trainer goes through the ingress to here. ``begin`` and
 ``update`` are validated exactly as the standalone service validates them
@@ -20,7 +24,9 @@ When some replicas loaded and others failed, the ones that loaded keep the new
 version (it is the deployment's version now), the push fails naming the others,
 and those refuse generation ("lagging") until the next push rolls them forward.
 A replica that (re)starts registers, gets the deployment's versions and the last
-push, and replays it from the trainer's segment before it serves.
+push, and replays it before it serves: from the trainer's segment (``shm``), or from a
+peer replica's stored copy, bucket by bucket with the trainer's checksums (``nccl``; the
+trainer takes no part).
 """
 
 from __future__ import annotations
@@ -29,15 +35,25 @@ import asyncio
 import logging
 import time
 import uuid
+from collections.abc import Coroutine
 from dataclasses import dataclass, field
-from typing import Literal
-
-from pydantic import BaseModel
+from typing import Any, TypeVar
 
 from rollout_service.protocol import messages
-from rollout_service.protocol.placement import TensorPlacement
+from rollout_service.protocol.placement import Transport
 from rollout_service.protocol.tensors import TensorMeta
+from rollout_service.serve.commands import (  # re-exported: the replicas' side imports them
+    Command,
+    CommandResult,
+    Snapshot,
+    StoredPush,
+)
+from rollout_service.serve.group_fanout import GroupFanOut, GroupRoutes, GroupSettings
 from rollout_service.weights.intake import ActivePush, PushError, PushIntake, roles
+
+__all__ = ["Command", "CommandResult", "Snapshot", "StoredPush", "WeightsCoordinator"]
+
+T = TypeVar("T")
 
 logger = logging.getLogger(__name__)
 
@@ -49,42 +65,6 @@ STARTING_GONE_AFTER_S = 900.0
 """A starting replica's event loop is busy loading the engine: it may not poll for minutes."""
 KEEP_GONE_S = 600.0
 """Gone replicas stay listed in /health this long, for the story."""
-
-
-class StoredPush(BaseModel):
-    """A whole, validated push: its announcement and where each tensor lies."""
-
-    push_id: str
-    begin: messages.PushBeginRequest
-    placements: list[TensorPlacement]
-
-
-class Command(BaseModel):
-    """One instruction for one replica."""
-
-    id: str
-    kind: Literal["load", "commit", "checksums"]
-    push: StoredPush | None = None
-    main_version: int | None = None
-    draft_version: int | None = None
-
-
-class CommandResult(BaseModel):
-    """A replica's answer to a command (``status`` is the HTTP code of its failure)."""
-
-    ok: bool
-    status: int = 200
-    message: str = ""
-    finish: messages.PushFinishResponse | None = None
-    checksums: dict[str, str] | None = None
-
-
-class Snapshot(BaseModel):
-    """What a registering replica must serve before it takes requests."""
-
-    main_version: int | None
-    draft_version: int | None
-    last_push: StoredPush | None
 
 
 @dataclass(kw_only=True, slots=True)
@@ -100,7 +80,7 @@ class _Replica:
         return time.monotonic() - self.last_poll_s < limit
 
 
-class WeightsCoordinator:
+class WeightsCoordinator(GroupRoutes):
     """Holds the deployment's weight versions and fans pushes out to replicas.
 
     Args:
@@ -111,8 +91,12 @@ class WeightsCoordinator:
     """
 
     def __init__(self, checkpoint: dict[str, TensorMeta], *, has_draft: bool,
-                 push_timeout_s: float, ack_timeout_s: float) -> None:
-        self._intake = PushIntake(checkpoint, timeout_s=push_timeout_s, has_draft=has_draft)
+                 push_timeout_s: float, ack_timeout_s: float, transport: Transport = "shm",
+                 group: GroupSettings | None = None) -> None:
+        self._intake = PushIntake(checkpoint, timeout_s=push_timeout_s, has_draft=has_draft,
+                                  transport=transport)
+        self.groups = GroupFanOut(self, group) if transport == "nccl" else None
+        """The ``nccl`` transport's group over every replica (None for ``shm``)."""
         self._push_timeout_s = push_timeout_s
         self._ack_timeout_s = ack_timeout_s
         self._replicas: dict[str, _Replica] = {}
@@ -121,6 +105,9 @@ class WeightsCoordinator:
         self.main_version: int | None = None
         self.draft_version: int | None = None
         self._last_stored: StoredPush | None = None
+        self._holders: list[str] = []
+        """``nccl``: the replicas whose stored copy is the last push's."""
+        self._unfinished: set[asyncio.Task[Any]] = set()
 
     # ---- replica side ------------------------------------------------------------
 
@@ -144,7 +131,12 @@ class WeightsCoordinator:
             last_push = self._last_stored if is_idle and self._intake.active is None else None
             replica.is_replaying = last_push is not None
             return Snapshot(main_version=self.main_version, draft_version=self.draft_version,
-                            last_push=last_push)
+                            last_push=last_push, peers=self.peers())
+
+    def peers(self) -> list[str]:
+        """Where live replicas serve the last ``nccl`` push's stored copy."""
+        return [s.report.store_address for r, s in self._live()
+                if r in self._holders and s.report.store_address]
 
     async def replayed(self, replica_id: str) -> None:
         """The replica is done reading the trainer's segment."""
@@ -194,7 +186,10 @@ class WeightsCoordinator:
 
         if not await self._wait(lambda: not replaying(), self._ack_timeout_s):
             raise PushError(409, f"replica {replaying()[0]} is still loading the last push "
-                                 "from the trainer's segment; retry")
+                                 "(from the trainer's segment or a peer's stored copy); retry")
+        if self.groups is not None and req.transport == "nccl":
+            assert req.group_id is not None  # nccl: required by message validation
+            await self.groups.check_joined(req.group_id)
         self._check_drafters(req)
         return self._intake.begin(req, {"main": self.main_version,
                                         "draft": self.draft_version})
@@ -217,11 +212,27 @@ class WeightsCoordinator:
             raise PushError(400, detail)
 
     async def update(self, req: messages.PushUpdateRequest) -> messages.PushUpdateResponse:
-        return self._intake.update(req)
+        if self.groups is None:
+            return self._intake.update(req)
+        return await self._to_the_end(self.groups.update(self._intake, req))
+
+    async def _to_the_end(self, work: Coroutine[Any, Any, T]) -> T:
+        """Run ``work`` to its end even if this call is cancelled: Ray Serve cancels a
+        request whose HTTP client went away, all the way into this deployment, and a
+        trainer that dies during an update or a finish must still have its push ended
+        (nothing loaded, the group closed) or committed, not left for the timeouts."""
+        task = asyncio.ensure_future(work)
+        self._unfinished.add(task)
+        task.add_done_callback(self._unfinished.discard)
+        return await asyncio.shield(task)
 
     async def abort(self, req: messages.PushAbortRequest) -> messages.WeightStatus:
         self._intake.abort(req)
         return self.status()
+
+    @property
+    def intake(self) -> PushIntake:
+        return self._intake
 
     async def finish(self, req: messages.PushFinishRequest) -> messages.PushFinishResponse:
         """Have every live replica load the push, then commit the new versions.
@@ -230,6 +241,9 @@ class WeightsCoordinator:
             PushError: naming the replicas that did not load it.
         """
         push = self._intake.start_loading(req.push_id)
+        return await self._to_the_end(self._finish(push))
+
+    async def _finish(self, push: ActivePush) -> messages.PushFinishResponse:
         async with self._lock:
             try:
                 return await self._fan_out(push)
@@ -241,11 +255,14 @@ class WeightsCoordinator:
         req = push.request
         targets = [r for r, s in self._live() if s.is_registered
                    and s.report.status != "unavailable"]
+        if self.groups is not None:  # only the group's members received the buckets
+            targets = [r for r in targets if r in self.groups.member_ids()]
         if not targets:
             self._intake.record(req, "failed", "no live replica")
             raise PushError(503, "no live engine replica to load the push")
         stored = StoredPush(push_id=push.push_id, begin=req,
-                            placements=[push.placements[name] for name in push.expected])
+                            placements=[push.placements[name] for name in push.expected],
+                            buckets=list(push.buckets))
         results = await self._send(targets, Command(id=uuid.uuid4().hex, kind="load",
                                                     push=stored))
         loaded = [r for r in targets if results[r].ok]
@@ -253,7 +270,7 @@ class WeightsCoordinator:
         if loaded:
             for role in roles(req.target):
                 setattr(self, f"{role}_version", req.version)
-            self._last_stored = stored
+            self._last_stored, self._holders = stored, loaded
         commit = Command(id=uuid.uuid4().hex, kind="commit", main_version=self.main_version,
                          draft_version=self.draft_version)
         for replica_id, state in self._live():
@@ -275,7 +292,11 @@ class WeightsCoordinator:
         assert slowest is not None
         self._intake.record(req, "loaded", f"{req.total_bytes} bytes on {len(loaded)} replicas")
         held = sum(f.num_requests_held for f in finishes if f is not None)
-        return slowest.model_copy(update={"replicas": loaded, "num_requests_held": held})
+        peaks = [peak for f in finishes if f is not None for peak in f.receive_peak_bytes or ()]
+        if self.groups is not None:
+            self.groups.catch_up(stored, loaded)
+        return slowest.model_copy(update={"replicas": loaded, "num_requests_held": held,
+                                          "receive_peak_bytes": peaks or None})
 
     async def checksums(self) -> dict[str, dict[str, str]]:
         """Every live replica's parameter digests (``main``, ``draft``), by replica."""
@@ -286,12 +307,31 @@ class WeightsCoordinator:
 
     async def _send(self, targets: list[str], command: Command) -> dict[str, CommandResult]:
         """Queue ``command`` for each target; wait for every ack or its failure."""
+        return await self.collect(self.dispatch(targets, command), command.id)
+
+    def dispatch(self, targets: list[str], command: Command
+                 ) -> dict[str, asyncio.Future[CommandResult]]:
+        """Queue ``command`` (or, by target, its own copy of it) for each target; the
+        futures of their acks."""
         loop = asyncio.get_running_loop()
         futures = {}
         for replica_id in targets:
             futures[replica_id] = self._acks[(command.id, replica_id)] = loop.create_future()
             self._replicas[replica_id].queue.put_nowait(command)
-        deadline = time.monotonic() + self._ack_timeout_s
+        return futures
+
+    def send_each(self, commands: dict[str, Command]) -> dict[str, asyncio.Future[CommandResult]]:
+        """:meth:`dispatch` of one command per replica (each with its own id)."""
+        futures: dict[str, asyncio.Future[CommandResult]] = {}
+        for replica_id, command in commands.items():
+            futures.update(self.dispatch([replica_id], command))
+        return futures
+
+    async def collect(self, futures: dict[str, asyncio.Future[CommandResult]],
+                      command_id: str | None = None, timeout_s: float | None = None
+                      ) -> dict[str, CommandResult]:
+        """Wait for every ack, a replica that went away, or the ack timeout."""
+        deadline = time.monotonic() + (timeout_s or self._ack_timeout_s)
         while not all(f.done() for f in futures.values()):
             for replica_id, future in futures.items():
                 if future.done():
@@ -301,11 +341,21 @@ class WeightsCoordinator:
                         "the replica went away (stopped polling) before answering")))
                 elif time.monotonic() > deadline:
                     future.set_result(CommandResult(ok=False, status=504, message=(
-                        f"no answer within push_ack_timeout_s={self._ack_timeout_s:g}")))
+                        f"no answer within push_ack_timeout_s={self._ack_timeout_s:g}"
+                        if timeout_s is None else f"no answer within {timeout_s:g} s")))
             await asyncio.wait(list(futures.values()), timeout=0.5)
-        for replica_id in targets:
-            self._acks.pop((command.id, replica_id), None)
+        for key in [k for k, f in self._acks.items() if f in futures.values()]:
+            self._acks.pop(key, None)
         return {r: f.result() for r, f in futures.items()}
+
+    def live_registered(self) -> list[tuple[str, messages.ReplicaHealth]]:
+        """The replicas a push can reach, with their last reports."""
+        return [(r, s.report) for r, s in self._live() if s.is_registered
+                and s.report.status != "unavailable"]
+
+    def is_alive(self, replica_id: str) -> bool:
+        replica = self._replicas.get(replica_id)
+        return replica is not None and replica.is_alive()
 
     # ---- views -------------------------------------------------------------------
 

@@ -44,6 +44,7 @@ from rollout_service.engines.base import (
 from rollout_service.protocol import messages
 from rollout_service.serve.config import RayServeConfig
 from rollout_service.serve.coordinator import Command, CommandResult, StoredPush
+from rollout_service.serve.replica_group import ReplicaGroup
 from rollout_service.service import RolloutService, speculation_info
 from rollout_service.telemetry.exposition import serve_metrics
 from rollout_service.weights.intake import PushError
@@ -90,18 +91,24 @@ class EngineReplica:
         self._service: RolloutService | None = None
         await coordinator.announce.remote(await self._report())
         self._engine = await start_engine(config)
+        if config.weights_store_dir is not None:  # each replica its own stored copies
+            config = config.model_copy(update={
+                "weights_store_dir": config.weights_store_dir / self._id})
         self._service, registry = build_local_service(self._engine, config)
         await self._service.start()
         self._weights = self._service.weights
         self._metrics_address = advertised_address(
             config.metrics_host, serve_metrics(registry, config.metrics_host))
+        self._group = None if self._weights.groups is None else ReplicaGroup(
+            self._weights, token=config.resolved_weights_token(), host=config.metrics_host,
+            advertise=advertised_address)
         snapshot = await coordinator.register.remote(await self._report())
         self._expected = (snapshot.main_version, snapshot.draft_version)
         self._poller = asyncio.create_task(self._poll_forever())
         async with self._commands:
             try:
                 if snapshot.last_push is not None and self._lag() is not None:
-                    await self._replay(snapshot.last_push)
+                    await self._replay(snapshot.last_push, snapshot.peers)
             finally:
                 await coordinator.replayed.remote(self._id)
         self._is_ready = True
@@ -200,11 +207,12 @@ class EngineReplica:
         main, draft = self._versions() if self._engine is not None else (None, None)
         speculation = None if self._engine is None else speculation_info(self._engine.info)
         controller = None if self._service is None else self._service.speculation
+        group = {} if getattr(self, "_group", None) is None else self._group.report()
         return messages.ReplicaHealth(
             replica=self._id, status=status, main_version=main, draft_version=draft,
             detail=detail, pid=os.getpid(), metrics_address=self._metrics_address,
             speculation=speculation,
-            speculation_control=None if controller is None else controller.status())
+            speculation_control=None if controller is None else controller.status(), **group)
 
     async def _poll_forever(self) -> None:
         while True:
@@ -217,12 +225,25 @@ class EngineReplica:
             for command in commands:
                 if command.kind == "commit":
                     self._commit(command)
+                elif command.kind == "group_leave":  # at once: it ends a receive in progress
+                    asyncio.create_task(self._run_group(command))
                 else:
                     asyncio.create_task(self._run(command))
 
+    async def _run_group(self, command: Command) -> None:
+        assert self._group is not None  # the coordinator sends group commands for nccl only
+        await self._coordinator.ack.remote(self._id, command.id, await self._group.run(command))
+
     async def _run(self, command: Command) -> None:
+        if command.kind in ("group_join", "bucket"):
+            async with self._commands:
+                await self._run_group(command)
+            return
         async with self._commands:
-            if command.kind == "load":
+            if command.kind == "fetch":
+                assert command.push is not None and self._group is not None
+                result = await self._load(command.push, command.peers)
+            elif command.kind == "load":
                 assert command.push is not None
                 self._open.clear()
                 result = await self._load(command.push)
@@ -237,9 +258,9 @@ class EngineReplica:
                     result = CommandResult(ok=False, status=500, message=repr(exc))
         await self._coordinator.ack.remote(self._id, command.id, result)
 
-    async def _load(self, push: StoredPush) -> CommandResult:
+    async def _load(self, push: StoredPush, peers: list[str] | None = None) -> CommandResult:
         try:
-            finish = await self._apply(push)
+            finish = await self._apply(push, peers)
         except PushError as exc:
             return CommandResult(ok=False, status=exc.status, message=str(exc))
         except Exception as exc:
@@ -248,16 +269,25 @@ class EngineReplica:
         self._stale = None
         return CommandResult(ok=True, finish=finish)
 
-    async def _apply(self, push: StoredPush) -> messages.PushFinishResponse:
-        return await self._weights.load(push.begin, push.placements, push_id=push.push_id)
+    async def _apply(self, push: StoredPush, peers: list[str] | None = None
+                     ) -> messages.PushFinishResponse:
+        """Load ``push``: from the trainer's segment (``shm``), or (``nccl``) from this
+        replica's stored copy, or, given ``peers``, from a peer's copy fetched first."""
+        if push.begin.transport != "nccl":
+            return await self._weights.load(push.begin, push.placements, push_id=push.push_id)
+        assert self._group is not None
+        if peers is None:
+            return await self._group.load(push)
+        return await self._group.fetch(push, peers)
 
-    async def _replay(self, push: StoredPush) -> None:
+    async def _replay(self, push: StoredPush, peers: list[str]) -> None:
         try:
-            await self._apply(push)
+            await self._apply(push, peers if push.begin.transport == "nccl" else None)
         except Exception as exc:
-            self._stale = (f"could not replay weight version {push.begin.version} from the "
-                           f"trainer's segment ({exc}); it refuses generation until the next "
-                           "push")
+            where = ("a peer's stored copy" if push.begin.transport == "nccl"
+                     else "the trainer's segment")
+            self._stale = (f"could not replay weight version {push.begin.version} from "
+                           f"{where} ({exc}); it refuses generation until the next push")
             logger.warning("replica %s: %s", self._id, self._stale)
 
     def _commit(self, command: Command) -> None:

@@ -1,0 +1,240 @@
+"""Ray Serve across hosts: two real vLLM CPU replicas on two nodes of a Ray cluster
+started here (``tools/ray_cluster.py``: a head and two worker nodes, each its own raylet
+and object store), pushes over the ``nccl`` transport (gloo standing in for NCCL), the
+trainer this test process (a driver of the cluster that talks only HTTP to the app) or a
+spawned one where it must die.
+
+One app for the module; the tests run in order and each leaves both replicas serving the
+same weights. What each checks: a push reaches both replicas with one broadcast per
+bucket and touches no /dev/shm; a refused bucket or a trainer that dies mid-broadcast
+loads nothing anywhere; a second trainer waits; a replica killed mid-update leaves the
+other serving the old weights and its replacement takes the current version from its
+peer's stored copy, without the trainer, before it serves.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from rollout_service.client import ServiceError
+from rollout_service.embedded import ensure_model
+from rollout_service.protocol import messages
+from rollout_service.serve.config import parse_serve_config
+from rollout_service.tools.ray_cluster import ServeOnNodes, replica_node_ids, serve_on_nodes
+from tests.integration.conftest import (
+    API_KEY,
+    NUM_SPECULATIVE_TOKENS,
+    RAY_REPLICA_OPTIONS,
+    TARGET,
+    WEIGHTS_TOKEN,
+    wait_for,
+)
+from tests.support.faulty_trainer import break_bucket, push_and_die
+from trainer_client.push import WeightPusher
+
+pytestmark = pytest.mark.skipif(TARGET.transport != "shm" or TARGET.tensor_device != "cpu",
+                                reason="CPU replicas over gloo (the CPU target only)")
+
+BUCKET_BYTES = 1 << 20
+GROUP_TIMEOUT_S = 30.0
+MAIN_PARAM = "lm_head.weight"
+DRAFT_PARAM = "model.mtp_layers.0.input_proj.weight"
+HEADERS = {"authorization": f"Bearer {WEIGHTS_TOKEN}"}
+CONFIG = {
+    "model": "embedded:tiny",
+    "mtp": {"num_speculative_tokens": NUM_SPECULATIVE_TOKENS},
+    "api_key": API_KEY,
+    "weights_token": WEIGHTS_TOKEN,
+    "num_replicas": 2,
+    "weights_transport": "nccl",
+    "weights_bucket_bytes": BUCKET_BYTES,
+    "weights_group_timeout_s": GROUP_TIMEOUT_S,
+    "health_check_period_s": 1.0,
+    "health_check_timeout_s": 10.0,
+    "retry_timeout_s": 60.0,
+    "push_ack_timeout_s": 120.0,
+    "metrics_host": "127.0.0.1",
+    "ray_actor_options": RAY_REPLICA_OPTIONS,
+}
+
+
+@pytest.fixture(scope="module")
+def app() -> Iterator[ServeOnNodes]:
+    with serve_on_nodes(parse_serve_config(CONFIG), num_nodes=2) as running:
+        yield running
+
+
+@pytest.fixture(scope="module")
+def original() -> dict[str, torch.Tensor]:
+    return load_file(str(Path(ensure_model("tiny")) / "model.safetensors"))
+
+
+def trainer(app: ServeOnNodes, **options: object) -> WeightPusher:
+    return WeightPusher(app.url, WEIGHTS_TOKEN, transport="nccl", bucket_bytes=BUCKET_BYTES,
+                        **options)  # type: ignore[arg-type]
+
+
+def changed(original: dict[str, torch.Tensor], *names: str) -> dict[str, torch.Tensor]:
+    return {**original, **{name: original[name] + 0.5 for name in names}}
+
+
+def health(app: ServeOnNodes) -> dict:
+    return httpx.get(f"{app.url}/health", timeout=60).json()
+
+
+def checksums(app: ServeOnNodes) -> dict[str, dict[str, str]]:
+    response = httpx.get(f"{app.url}/weights/checksums", headers=HEADERS, timeout=120)
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+def served(app: ServeOnNodes) -> messages.WeightStatus:
+    response = httpx.get(f"{app.url}/weights/status", headers=HEADERS, timeout=60)
+    return messages.WeightStatus.model_validate(response.json())
+
+
+def one_copy(app: ServeOnNodes) -> dict[str, str]:
+    """Every replica's digests, which must be one and the same."""
+    digests = checksums(app)
+    assert len(digests) == 2 and len({tuple(sorted(d.items())) for d in digests.values()}) == 1
+    return next(iter(digests.values()))
+
+
+def shm_entries() -> set[tuple[str, int]]:
+    """Files under /dev/shm and their sizes (Ray's and vLLM's own are there before any
+    push; a push must add or grow none)."""
+    return {(e.name, e.stat().st_size) for e in os.scandir("/dev/shm")}
+
+
+def test_the_replicas_sit_on_nodes_of_their_own(app: ServeOnNodes) -> None:
+    nodes = replica_node_ids("rollout")
+    assert len(nodes) == 2 and len(set(nodes.values())) == 2
+    assert set(nodes.values()) <= set(app.node_ids)
+
+
+def test_a_push_reaches_both_replicas_in_one_broadcast_per_bucket(
+        app: ServeOnNodes, original: dict[str, torch.Tensor]) -> None:
+    baseline, shm_before = one_copy(app), shm_entries()
+    group = httpx.get(f"{app.url}/weights/group", headers=HEADERS, timeout=60).json()
+    assert group["num_ranks"] == 2 and group["current"] is None
+    version = served(app).newest_version + 1
+    with trainer(app) as pusher:
+        report = pusher.push(changed(original, MAIN_PARAM, DRAFT_PARAM).items(),
+                             version=version)
+        assert sorted(report.server.replicas or ()) == sorted(checksums(app))
+        assert report.num_buckets == 5
+        peaks = report.server.receive_peak_bytes
+        assert peaks and len(peaks) == 2 and all(p <= 2 * BUCKET_BYTES for p in peaks), peaks
+        moved = one_copy(app)
+        assert moved["main"] != baseline["main"] and moved["draft"] != baseline["draft"]
+        state = served(app)
+        assert (state.main_version, state.draft_version) == (version, version)
+        pusher.push(original.items(), version=version + 1)
+    assert one_copy(app) == baseline
+    assert shm_entries() == shm_before
+
+
+def test_a_refused_bucket_loads_nothing_on_any_replica(
+        app: ServeOnNodes, original: dict[str, torch.Tensor]) -> None:
+    before, state = one_copy(app), served(app)
+    with trainer(app) as pusher:
+        break_bucket(pusher, "short", index=1)
+        with pytest.raises(ServiceError, match="bucket 1") as info:
+            pusher.push(changed(original, MAIN_PARAM).items(), version=state.newest_version + 1)
+        assert info.value.status == 400
+    assert one_copy(app) == before
+    after = served(app)
+    assert (after.main_version, after.draft_version) == (state.main_version,
+                                                          state.draft_version)
+
+
+def test_a_trainer_that_dies_mid_broadcast_loads_nothing_anywhere(
+        app: ServeOnNodes, original: dict[str, torch.Tensor]) -> None:
+    before, state = one_copy(app), served(app)
+    dying = multiprocessing.get_context("spawn").Process(target=push_and_die, args=(
+        app.url, WEIGHTS_TOKEN, str(Path(ensure_model("tiny")) / "model.safetensors"),
+        state.newest_version + 1, 2, BUCKET_BYTES))
+    dying.start()
+    dying.join(300)
+    assert dying.exitcode == 3
+    died = time.monotonic()
+    after = wait_for(lambda: served(app), lambda s: s.active_push_id is None
+                     and s.last_push is not None
+                     and s.last_push.version == state.newest_version + 1, timeout_s=180)
+    assert time.monotonic() - died < GROUP_TIMEOUT_S  # the connections closed at once
+    assert after.last_push.outcome == "failed"
+    assert one_copy(app) == before
+    with trainer(app) as pusher:  # a new group; the next push loads everywhere
+        pusher.push(changed(original, MAIN_PARAM).items(), version=state.newest_version + 2)
+        assert one_copy(app)["main"] != before["main"]
+        pusher.push(original.items(), version=state.newest_version + 3)
+    assert one_copy(app) == before
+
+
+def test_a_second_trainer_is_refused_while_the_first_owns_the_group(
+        app: ServeOnNodes, original: dict[str, torch.Tensor]) -> None:
+    with trainer(app) as first, trainer(app) as second:
+        first.push(original.items(), version=served(app).newest_version + 1)
+        with pytest.raises(ServiceError, match="group_id: the deployment is in group") as info:
+            second.push(original.items(), version=served(app).newest_version + 1)
+        assert info.value.status == 409
+
+
+def test_a_replica_killed_mid_update_leaves_the_old_weights_and_catches_up_from_its_peer(
+        app: ServeOnNodes, original: dict[str, torch.Tensor]) -> None:
+    """During the third bucket's update one replica's process is killed: the push fails,
+    no replica loads anything, the other serves on with the old weights, and the replica
+    Serve starts in its place takes the current version from its peer's stored copy
+    (checked bucket by bucket against the trainer's checksums) before it takes a
+    request; the next push, in a group sized for the replicas then serving, loads on
+    both."""
+    with trainer(app) as pusher:
+        pusher.push(changed(original, DRAFT_PARAM).items(),
+                    version=served(app).newest_version + 1)
+    before, state = one_copy(app), served(app)
+    replicas = health(app)["replicas"]
+    victim, survivor = replicas[0], replicas[1]
+    with trainer(app) as pusher:
+        group = pusher._group
+        assert group is not None
+        honest = group.during_update
+
+        def kill_then_send(key: str, payload: torch.Tensor, *, index: int, checksum: int,
+                           update: object) -> object:
+            if index == 2:
+                os.kill(victim["pid"], signal.SIGKILL)
+            return honest(key, payload, index=index, checksum=checksum,
+                          update=update)  # type: ignore[arg-type]
+
+        group.during_update = kill_then_send  # type: ignore[method-assign]
+        killed = time.monotonic()
+        with pytest.raises((ServiceError, RuntimeError)):
+            pusher.push(changed(original, MAIN_PARAM).items(), version=state.newest_version + 1)
+    still = checksums(app)
+    assert still[survivor["replica"]] == before  # nothing loaded on the replica left
+    after = served(app)
+    assert (after.main_version, after.draft_version) == (state.main_version,
+                                                          state.draft_version)
+    restored = wait_for(lambda: health(app), lambda h: h["status"] == "ok" and victim[
+        "replica"] not in {r["replica"] for r in h["replicas"] if r["status"] != "gone"},
+        timeout_s=900, interval_s=1.0)
+    recovered_s = time.monotonic() - killed
+    print(f"replica killed mid-update: serving again after {recovered_s:.1f} s")
+    newcomer = next(r for r in restored["replicas"]
+                    if r["status"] == "ok" and r["replica"] != survivor["replica"])
+    assert (newcomer["main_version"], newcomer["draft_version"]) == (state.main_version,
+                                                                      state.draft_version)
+    assert one_copy(app) == before  # the peer's copy, loaded bit for bit
+    with trainer(app) as pusher:
+        pusher.push(original.items(), version=state.newest_version + 2)
+    assert len(checksums(app)) == 2
