@@ -120,13 +120,17 @@ def to_result(prompt_ids: list[int], output: Any, text: str, sampling: SamplingO
 def to_stats(metrics: Any, *, verify_cost_ratio: float | None = None
              ) -> SpecDecodeStats | InvalidSpecDecodeStats | None:
     """vLLM's ``RequestSpecDecodeMetrics`` -> :class:`SpecDecodeStats` (None passes), with
-    the engine's measured verify cost ratio; counts that contradict themselves are
+    the engine's measured verify cost ratio and, at the ``detailed`` level, each step's
+    proposed and accepted counts; counts that contradict themselves are
     :class:`InvalidSpecDecodeStats`, never raised."""
     if metrics is None:
         return None
+    steps = list(zip(getattr(metrics, "per_step_drafted", ()),
+                     getattr(metrics, "per_step_accepted", ()), strict=True))
     try:
         return SpecDecodeStats.from_histogram(metrics.histogram, metrics.num_draft_tokens,
-                                              verify_cost_ratio=verify_cost_ratio)
+                                              verify_cost_ratio=verify_cost_ratio,
+                                              steps=steps)
     except ValueError as exc:
         return InvalidSpecDecodeStats(
             detail=f"vLLM histogram {list(metrics.histogram)} with "

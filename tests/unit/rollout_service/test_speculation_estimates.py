@@ -252,3 +252,22 @@ def test_steps_fold_into_one_median_sample_per_run_of_each_k_and_batch_size() ->
     assert folded[4] is None  # a new run of (1, 4) has begun
     with pytest.raises(ValueError, match="num_steps"):
         StepCostMedians(num_steps=0)
+
+
+def test_the_engine_adapter_passes_vllms_per_step_counts_on() -> None:
+    """What the service receives from vLLM at the ``detailed`` level (the controlled
+    engine's): the drafts that reached each position, whatever K each step ran."""
+    from vllm.v1.metrics.stats import RequestSpecDecodeMetrics
+
+    from rollout_service.engines.vllm.outputs import to_stats
+
+    metrics = RequestSpecDecodeMetrics.new(3)
+    for proposed, accepted in [(3, 3), (3, 1), (1, 1), (1, 0), (2, 2)]:
+        metrics.observe(num_draft_tokens=proposed, num_accepted=accepted, detailed=True)
+    stats = to_stats(metrics)
+    assert isinstance(stats, SpecDecodeStats)
+    assert stats.accepted_per_position == (4, 2, 1)
+    assert stats.reached_per_position == (5, 3, 1)
+    summary = RequestSpecDecodeMetrics.new(3)
+    summary.observe(num_draft_tokens=1, num_accepted=1)
+    assert to_stats(summary).reached_per_position == ()  # type: ignore[union-attr]
