@@ -43,3 +43,21 @@ async def until(probe: Callable[[], Awaitable[T]], condition: Callable[[T], bool
         if time.monotonic() > deadline:
             raise TimeoutError(f"condition not met within {timeout_s:g} s; last: {value!r}")
         await asyncio.sleep(interval_s)
+
+
+async def first_caught(attempt: Callable[[], Awaitable[T | None]], *, attempts: int = 3,
+                       what: str) -> T:
+    """The first of ``attempts`` runs of ``attempt`` that caught what it tried to (None: it
+    did not). For a test that must catch a request still running: on the busy 2-core
+    machine the test process can be starved until a request it just saw start has
+    generated every token, and then no ordering of its calls can freeze or abort it.
+
+    Raises:
+        AssertionError: no attempt caught it.
+    """
+    for _ in range(attempts):
+        caught = await attempt()
+        if caught is not None:
+            return caught
+    raise AssertionError(f"{attempts} attempts, and {what} every time: the test process was "
+                         "starved each time, or the service let the request finish")

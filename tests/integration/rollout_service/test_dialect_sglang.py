@@ -22,6 +22,7 @@ from rollout_service.protocol.sse import read_events
 from rollout_service.tools.launch import ServiceProcess
 from rollout_service.tools.scrape import sample_sum
 from tests.integration.conftest import API_KEY, NUM_SPECULATIVE_TOKENS, until
+from tests.support.waiting import first_caught
 
 PROMPT_IDS = [21, 22, 23, 24]
 LONG = 1000
@@ -61,6 +62,28 @@ class Streamed:
     async def last(self) -> dict:
         await asyncio.wait_for(self._task, 120)
         return self.events[-1]
+
+    @property
+    def is_done(self) -> bool:
+        return self._task.done()
+
+
+async def held(http: httpx.AsyncClient, rids: list[str]) -> list[Streamed]:
+    """Requests caught running by ``/pause_generation`` in mode ``in_place`` (the service
+    is left paused); a test process starved until one had finished tries again."""
+    async def attempt() -> list[Streamed] | None:
+        streams = [Streamed(http, rid, LONG) for rid in rids]
+        for stream in streams:
+            await stream.started()
+        await http.post("/pause_generation", json={"mode": "in_place"})
+        if any(s.is_done for s in streams):
+            await http.post("/continue_generation", json={})
+            for s in streams:
+                await s.last()
+            return None
+        return streams
+
+    return await first_caught(attempt, what="a request finished before the pause")
 
 
 async def test_generate_as_slime_sends_it_and_reads_it(http: httpx.AsyncClient) -> None:
@@ -159,8 +182,8 @@ async def test_pause_abort_continue_and_a_partial_rollout_resubmitted(
     """AReaL's SGLang backend: ``/pause_generation`` (mode abort), then partial rollouts
     resubmitted with their tokens (``areal/infra/remote_inf_engine.py``), then
     ``/continue_generation``."""
-    running = await Streamed(http, "areal-1", LONG).started()
-    paused = await http.post("/pause_generation", json={"mode": "abort"})
+    [running] = await held(http, ["areal-1"])
+    paused = await http.post("/pause_generation", json={"mode": "abort"})   # aborts the held
     assert paused.json()["status"] == "ok"
     try:
         cut = await running.last()
@@ -181,9 +204,7 @@ async def test_abort_one_by_rid_or_all_and_poll_loads_until_idle(
     """slime ``slime/backends/sglang_utils/server_control.py``: ``/abort_request``
     ``{"abort_all": true}``, then ``/v1/loads?include=core`` until nothing runs."""
     aborted = sample_sum((await http.get("/metrics")).text, "rollout_aborted_requests_total")
-    streams = [Streamed(http, rid, LONG) for rid in ("one", "two", "three")]
-    one, two, three = [await s.started() for s in streams]
-    await http.post("/pause_generation", json={"mode": "in_place"})   # nothing finishes
+    one, two, three = await held(http, ["one", "two", "three"])
     try:
         assert (await http.post("/abort_request", json={"rid": "one"})).status_code == 200
         assert (await one.last())["meta_info"]["finish_reason"]["type"] == "abort"

@@ -28,12 +28,13 @@ from rollout_service.protocol.sse import read_events
 from rollout_service.tools.launch import ServiceProcess
 from rollout_service.tools.scrape import sample_sum
 from tests.integration.conftest import API_KEY, NUM_SPECULATIVE_TOKENS, until
+from tests.support.waiting import first_caught
 
 MODEL = "embedded:tiny"
 PROMPT_IDS = [11, 12, 13, 14, 15]
-LONG = 600
-"""Tokens of a request that is still running while a test pauses or aborts it (the tiny
-model writes a few hundred tokens a second on two cores)."""
+LONG = 1000
+"""Tokens of a request that is still running while a test pauses or aborts it (the context
+is 1024; the tiny model writes a few hundred tokens a second on two cores)."""
 
 
 @pytest.fixture
@@ -57,6 +58,7 @@ class Streamed:
         self.first = asyncio.Event()
         self.token_ids: list[int] = []
         self.finish_reason: str | None = None
+        self.weight_versions: list[dict] = []
         self._task = asyncio.ensure_future(self._run(http, {
             "request_id": request_id, "token_ids": PROMPT_IDS, "model": MODEL, "stream": True,
             "sampling_params": {"max_tokens": max_tokens, "ignore_eos": True, **sampling}}))
@@ -68,11 +70,16 @@ class Streamed:
                 for choice in json.loads(event)["choices"]:
                     self.token_ids += choice["token_ids"]
                     self.finish_reason = choice["finish_reason"] or self.finish_reason
+                    self.weight_versions = choice["weight_versions"] or self.weight_versions
                 self.first.set()
 
     async def started(self) -> Streamed:
         await asyncio.wait_for(self.first.wait(), 60)
         return self
+
+    @property
+    def is_done(self) -> bool:
+        return self._task.done()
 
     async def finished(self) -> Streamed:
         await asyncio.wait_for(self._task, 120)
@@ -242,10 +249,17 @@ async def test_pause_wait_drains_abort_aborts_and_resume_serves_what_queued(
     await draining.finished()
     assert (draining.finish_reason, len(draining.token_ids)) == ("length", 200)
 
-    running = await Streamed(http, "to-abort", LONG).started()
-    assert (await http.post("/pause", params={"mode": "abort"})).status_code == 200
-    try:
+    async def abort_one() -> Streamed | None:
+        running = await Streamed(http, "to-abort", LONG).started()
+        assert (await http.post("/pause", params={"mode": "abort"})).status_code == 200
         await running.finished()
+        if running.finish_reason == "length":   # all generated before the pause came
+            await http.post("/resume")
+            return None
+        return running
+
+    running = await first_caught(abort_one, what="the request finished before the pause")
+    try:
         queued = asyncio.ensure_future(tokens_request(http, "queued", 4))
         await until(lambda: num_running(http), lambda n: n == 1, timeout_s=30)
     finally:
@@ -255,6 +269,19 @@ async def test_pause_wait_drains_abort_aborts_and_resume_serves_what_queued(
     assert (await http.get("/is_paused")).json() == {"is_paused": False}
 
 
+async def frozen(http: httpx.AsyncClient, request_id: str, **sampling: object) -> Streamed:
+    """A request caught running by a pause in mode keep (the service is left paused)."""
+    async def attempt() -> Streamed | None:
+        stream = await Streamed(http, request_id, LONG, **sampling).started()
+        await http.post("/pause", params={"mode": "keep"})
+        if stream.is_done:   # all generated before the pause came
+            await http.post("/resume")
+            return None
+        return stream
+
+    return await first_caught(attempt, what="the request finished before the pause")
+
+
 async def test_abort_requests_aborts_those_named_and_only_those(
         http: httpx.AsyncClient) -> None:
     def totals(text: str) -> tuple[float, float]:
@@ -262,10 +289,8 @@ async def test_abort_requests_aborts_those_named_and_only_those(
                 sample_sum(text, "rollout_spec_decode_missing_stats_requests_total"))
 
     aborted, missing = totals((await http.get("/metrics")).text)
-    doomed = await Streamed(http, "doomed", LONG).started()
     kept = await Streamed(http, "kept", 60).started()
-    # Frozen first (mode keep), so that neither can finish before the abort arrives.
-    await http.post("/pause", params={"mode": "keep"})
+    doomed = await frozen(http, "doomed")
     try:
         answer = await http.post("/abort_requests", json={"request_ids": ["doomed"]})
         assert answer.json() == {"status": "aborted", "aborted": 1}
@@ -282,8 +307,8 @@ async def test_an_aborted_rollout_resubmitted_with_its_tokens_completes(
         http: httpx.AsyncClient) -> None:
     """AReaL's partial rollouts (``areal/infra/remote_inf_engine.py``): on finish reason
     ``abort`` the client sends the prompt plus the tokens so far, for what is left."""
-    partial = await Streamed(http, "partial", LONG, temperature=0.0).started()
-    await http.post("/pause", params={"mode": "abort"})
+    partial = await frozen(http, "partial", temperature=0.0)
+    await http.post("/pause", params={"mode": "abort"})   # aborts what the pause kept
     await http.post("/resume")
     await partial.finished()
     assert partial.finish_reason == "abort"
@@ -293,6 +318,40 @@ async def test_an_aborted_rollout_resubmitted_with_its_tokens_completes(
         "sampling_params": {"max_tokens": rest, "ignore_eos": True, "temperature": 0.0}})
     [choice] = resumed.json()["choices"]
     assert choice["finish_reason"] == "length" and len(choice["token_ids"]) == rest
+
+
+async def test_a_push_inside_a_client_pause_leaves_generation_paused(
+        http: httpx.AsyncClient, service: ServiceProcess) -> None:
+    """The frameworks' update: ``/pause`` (keep), a push, ``/resume``. The push's own pause
+    and resume must not end the client's: the frozen request resumes on the pushed weights
+    only at ``/resume``."""
+    from safetensors.torch import load_file
+
+    from rollout_service.embedded import ensure_model
+    from tests.integration.conftest import TARGET, WEIGHTS_TOKEN, served_version
+    from trainer_client.push import WeightPusher
+
+    stream = await frozen(http, "frozen")
+    try:
+        version = served_version(service) + 1
+        tensors = load_file(str(ensure_model("tiny") / "model.safetensors"),
+                            device=TARGET.tensor_device)
+
+        def push() -> None:
+            with WeightPusher(service.url, WEIGHTS_TOKEN,
+                              transport=TARGET.transport) as pusher:  # type: ignore[arg-type]
+                pusher.push(tensors.items(), version=version, pause_mode="keep")
+
+        await asyncio.to_thread(push)
+        assert (await http.get("/is_paused")).json() == {"is_paused": True}
+        assert (await http.get("/weight_info")).json() == {"weight_version": str(version)}
+        assert (await http.get("/get_weight_version")).json() == {"weight_version": str(version)}
+        assert not stream.is_done, "the push's resume ended the client's pause"
+    finally:
+        await http.post("/resume")
+    await stream.finished()
+    assert (stream.finish_reason, len(stream.token_ids)) == ("length", LONG)
+    assert stream.weight_versions[-1]["version"] == str(version)
 
 
 async def test_world_size_prefix_cache_and_weight_info(http: httpx.AsyncClient) -> None:
