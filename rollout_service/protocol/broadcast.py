@@ -36,13 +36,20 @@ torch is imported lazily: the service validates messages without it.
 from __future__ import annotations
 
 import datetime
+import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
+from rollout_service.protocol.store import bucket_checksum, checksum_hex
+
 if TYPE_CHECKING:
     import torch
+
+__all__ = ["Backend", "BucketRefused", "FrameHeader", "Group", "GroupSpec", "Rendezvous",
+           "StoreCounters", "bucket_checksum", "checksum_hex", "join"]
 
 Backend = Literal["nccl", "gloo"]
 TRAINER_RANK = 0
@@ -51,10 +58,7 @@ HEADER_MAGIC = 0x524F4C4C4F555431  # "ROLLOUT1"
 """First word of every bucket's header: a trainer speaking another framing is refused."""
 HEADER_WORDS = 4
 """magic, nbytes, checksum, index: int64 each."""
-CHECKSUM_CHUNK_WORDS = 1 << 20
-"""Words per step of :func:`bucket_checksum`: its temporaries stay at 16 MiB."""
 _MASK64 = (1 << 64) - 1
-_GOLDEN = 0x9E3779B97F4A7C15
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -88,37 +92,6 @@ class FrameHeader:
     """:func:`bucket_checksum` of the payload, an unsigned 64-bit integer."""
     index: int
     """The bucket's position in its push (0, 1, ...)."""
-
-
-def bucket_checksum(data: torch.Tensor) -> int:
-    """A position-dependent checksum of a byte tensor whose length is a multiple of 8,
-    on its own device: ``s1 * K + s2`` over 64-bit words ``w_i`` with ``s1 = sum w_i``
-    and ``s2 = sum (i + 1) w_i``, in wrapping 64-bit arithmetic (the same on CPU and CUDA:
-    modular sums commute). It catches a payload shorter than announced (a stale tail)
-    and reordered words; it is no cryptographic digest.
-
-    Raises:
-        ValueError: the length is not a multiple of 8.
-    """
-    import torch
-
-    if data.numel() % 8:
-        raise ValueError(f"nbytes: {data.numel()} is not a multiple of 8")
-    words = data.view(torch.int64)
-    positions = torch.arange(1, min(CHECKSUM_CHUNK_WORDS, max(words.numel(), 1)) + 1,
-                             dtype=torch.int64, device=data.device)
-    s1 = s2 = 0
-    for start in range(0, words.numel(), CHECKSUM_CHUNK_WORDS):
-        chunk = words[start:start + CHECKSUM_CHUNK_WORDS]
-        total = int(chunk.sum().item())
-        s1 += total
-        s2 += start * total + int((chunk * positions[:chunk.numel()]).sum().item())
-    return ((s1 & _MASK64) * _GOLDEN + s2) & _MASK64
-
-
-def checksum_hex(value: int) -> str:
-    """The wire form of a checksum: 16 lowercase hex digits."""
-    return f"{value & _MASK64:016x}"
 
 
 class Rendezvous:
@@ -345,6 +318,31 @@ def _all_receiving(key: str) -> str:
     return f"all-receiving/{key}"
 
 
+NCCL_ERROR_HANDLING = "2"
+"""``TORCH_NCCL_ASYNC_ERROR_HANDLING`` for this transport's NCCL groups: ``CleanUpOnly``,
+so that a collective that times out or loses a rank (a trainer that died mid-broadcast)
+has its communicator aborted and its ``wait`` raise, and the process lives on. torch's
+default, ``SkipCleanUp`` (3), or ``TearDown`` (1) end the whole process, which here is a
+vLLM worker: the engine would die with the trainer. Not run in CI (no two GPUs)."""
+
+
+@contextmanager
+def _nccl_errors_raise() -> Iterator[None]:
+    """The process group made inside reads :data:`NCCL_ERROR_HANDLING` (torch reads the
+    variable when it builds a ``ProcessGroupNCCL``); the process's other groups, the
+    engine's own, keep theirs."""
+    name = "TORCH_NCCL_ASYNC_ERROR_HANDLING"
+    previous = os.environ.get(name)
+    os.environ[name] = NCCL_ERROR_HANDLING
+    try:
+        yield
+    finally:
+        if previous is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = previous
+
+
 def join(spec: GroupSpec, rank: int, device: torch.device | None = None) -> Group:
     """Join ``spec``'s group as ``rank``; blocks until every rank has joined.
 
@@ -367,7 +365,8 @@ def join(spec: GroupSpec, rank: int, device: torch.device | None = None) -> Grou
         torch.cuda.set_device(device)
         options = dist.ProcessGroupNCCL.Options()
         options._timeout = timeout
-        pg = dist.ProcessGroupNCCL(store, rank, spec.world_size, options)
+        with _nccl_errors_raise():
+            pg = dist.ProcessGroupNCCL(store, rank, spec.world_size, options)
     # A first collective, so that joining means every rank is reachable (NCCL connects
     # lazily otherwise) and a late rank fails the join, not the first push.
     probe = torch.zeros(1, dtype=torch.uint8,

@@ -24,12 +24,51 @@ import mmap
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from rollout_service.protocol.shm import SHM_DIR, Segment
 
+if TYPE_CHECKING:
+    import torch
+
 CHECKSUM_PATTERN = r"^[0-9a-f]{16}$"
+CHECKSUM_CHUNK_WORDS = 1 << 20
+"""Words per step of :func:`bucket_checksum`: its temporaries stay at 16 MiB."""
+_MASK64 = (1 << 64) - 1
+_GOLDEN = 0x9E3779B97F4A7C15
+
+
+def bucket_checksum(data: torch.Tensor) -> int:
+    """A position-dependent checksum of a byte tensor whose length is a multiple of 8,
+    on its own device: ``s1 * K + s2`` over 64-bit words ``w_i`` with ``s1 = sum w_i``
+    and ``s2 = sum (i + 1) w_i``, in wrapping 64-bit arithmetic (the same on CPU and CUDA:
+    modular sums commute). It catches a payload shorter than announced (a stale tail)
+    and reordered words; it is no cryptographic digest.
+
+    Raises:
+        ValueError: the length is not a multiple of 8.
+    """
+    import torch
+
+    if data.numel() % 8:
+        raise ValueError(f"nbytes: {data.numel()} is not a multiple of 8")
+    words = data.view(torch.int64)
+    positions = torch.arange(1, min(CHECKSUM_CHUNK_WORDS, max(words.numel(), 1)) + 1,
+                             dtype=torch.int64, device=data.device)
+    s1 = s2 = 0
+    for start in range(0, words.numel(), CHECKSUM_CHUNK_WORDS):
+        chunk = words[start:start + CHECKSUM_CHUNK_WORDS]
+        total = int(chunk.sum().item())
+        s1 += total
+        s2 += start * total + int((chunk * positions[:chunk.numel()]).sum().item())
+    return ((s1 & _MASK64) * _GOLDEN + s2) & _MASK64
+
+
+def checksum_hex(value: int) -> str:
+    """The wire form of a checksum: 16 lowercase hex digits."""
+    return f"{value & _MASK64:016x}"
 
 
 class BucketInfo(BaseModel):

@@ -26,6 +26,9 @@ REPLICA_HOST = "rollout_replica_host"
 """The custom resource of a node that takes one engine replica."""
 OBJECT_STORE_BYTES = 100 * 1024**2
 """Each node's Ray object store: the app passes only control messages through it."""
+KEEP_ALIVE_S = 90
+"""Serve's HTTP keep-alive: past the clients' own idle expiry (``ServiceConfig.
+http_keep_alive_s`` says why)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -47,49 +50,87 @@ def replica_node_ids(app_name: str) -> dict[str, str]:
             if a.class_name and a.class_name.endswith(f"{app_name}:RolloutEngine")}
 
 
-@contextmanager
-def serve_on_nodes(config: RayServeConfig, *, num_nodes: int, cpus_per_node: float = 1.0,
-                   head_cpus: float = 1.0, ready_timeout_s: float = 900.0
-                   ) -> Iterator[ServeOnNodes]:
-    """Start a head and ``num_nodes`` worker nodes, deploy ``config`` with each replica on
-    a worker node of its own, and wait until every replica serves.
+class SimulatedCluster:
+    """A head and ``num_nodes`` worker nodes on this host, with Serve's HTTP proxy up;
+    apps are deployed on it one or several at a time (:meth:`deploy`)."""
 
-    Raises:
-        ValueError: more replicas than nodes (``num_replicas``).
-        TimeoutError: the app did not serve within ``ready_timeout_s``.
-    """
-    import ray
-    from ray import serve
-    from ray.cluster_utils import Cluster
+    def __init__(self, num_nodes: int, *, cpus_per_node: float, head_cpus: float) -> None:
+        import ray
+        from ray import serve
+        from ray.cluster_utils import Cluster
 
-    from rollout_service.serve.app import build_app
+        self.num_nodes = num_nodes
+        self._cluster = Cluster(initialize_head=True, head_node_args={
+            "num_cpus": head_cpus, "object_store_memory": OBJECT_STORE_BYTES})
+        self.node_ids = tuple(
+            self._cluster.add_node(num_cpus=cpus_per_node, resources={REPLICA_HOST: 1},
+                                   object_store_memory=OBJECT_STORE_BYTES).node_id
+            for _ in range(num_nodes))
+        ray.init(address=self._cluster.address)
+        self.port = free_port()
+        serve.start(http_options={"host": "127.0.0.1", "port": self.port,
+                                  "keep_alive_timeout_s": KEEP_ALIVE_S})
 
-    if config.num_replicas > num_nodes:
-        raise ValueError(f"num_replicas: {config.num_replicas} replicas need as many nodes, "
-                         f"not {num_nodes}")
-    options: dict[str, Any] = dict(config.ray_actor_options)
-    options["resources"] = {**options.get("resources", {}), REPLICA_HOST: 1}
-    config = config.model_copy(update={"ray_actor_options": options})
-    cluster = Cluster(initialize_head=True, head_node_args={
-        "num_cpus": head_cpus, "object_store_memory": OBJECT_STORE_BYTES})
-    try:
-        nodes = [cluster.add_node(num_cpus=cpus_per_node, resources={REPLICA_HOST: 1},
-                                  object_store_memory=OBJECT_STORE_BYTES)
-                 for _ in range(num_nodes)]
-        ray.init(address=cluster.address)
-        port = free_port()
-        serve.start(http_options={"host": "127.0.0.1", "port": port,
-                                  "keep_alive_timeout_s": config.http_keep_alive_s})
-        serve.run(build_app(config), name=config.app_name, route_prefix="/")
-        url = f"http://127.0.0.1:{port}"
+    def deploy(self, config: RayServeConfig, *, route_prefix: str = "/",
+               ready_timeout_s: float = 900.0) -> str:
+        """Deploy ``config`` (app ``config.app_name``) with each replica on a worker node
+        of its own; returns its URL once every replica serves.
+
+        Raises:
+            ValueError: more replicas than free nodes.
+            TimeoutError: not serving within ``ready_timeout_s``.
+        """
+        from ray import serve
+
+        from rollout_service.serve.app import build_app
+
+        if config.num_replicas > self.num_nodes:
+            raise ValueError(f"num_replicas: {config.num_replicas} replicas need as many "
+                             f"nodes, not {self.num_nodes}")
+        options: dict[str, Any] = dict(config.ray_actor_options)
+        options["resources"] = {**options.get("resources", {}), REPLICA_HOST: 1}
+        config = config.model_copy(update={"ray_actor_options": options})
+        serve.run(build_app(config), name=config.app_name, route_prefix=route_prefix)
+        url = f"http://127.0.0.1:{self.port}{route_prefix.rstrip('/')}"
         _wait_serving(url, config.num_replicas, ready_timeout_s)
-        yield ServeOnNodes(url=url, node_ids=tuple(node.node_id for node in nodes))
-    finally:
+        return url
+
+    def delete(self, app_name: str) -> None:
+        from ray import serve
+
+        serve.delete(app_name)
+
+    def shutdown(self) -> None:
+        import ray
+        from ray import serve
+
         try:
             serve.shutdown()
         finally:
             ray.shutdown()
-            cluster.shutdown()
+            self._cluster.shutdown()
+
+
+@contextmanager
+def simulated_cluster(num_nodes: int, *, cpus_per_node: float = 1.0,
+                      head_cpus: float = 1.0) -> Iterator[SimulatedCluster]:
+    cluster = SimulatedCluster(num_nodes, cpus_per_node=cpus_per_node, head_cpus=head_cpus)
+    try:
+        yield cluster
+    finally:
+        cluster.shutdown()
+
+
+@contextmanager
+def serve_on_nodes(config: RayServeConfig, *, num_nodes: int, cpus_per_node: float = 1.0,
+                   head_cpus: float = 1.0, ready_timeout_s: float = 900.0
+                   ) -> Iterator[ServeOnNodes]:
+    """One app on a cluster of its own (:class:`SimulatedCluster`), every replica
+    serving."""
+    with simulated_cluster(num_nodes, cpus_per_node=cpus_per_node,
+                           head_cpus=head_cpus) as cluster:
+        url = cluster.deploy(config, ready_timeout_s=ready_timeout_s)
+        yield ServeOnNodes(url=url, node_ids=cluster.node_ids)
 
 
 def _wait_serving(url: str, num_replicas: int, timeout_s: float) -> None:
