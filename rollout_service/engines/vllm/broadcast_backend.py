@@ -115,10 +115,12 @@ class BroadcastWeightTransferEngine(SessionLoads,
         return self._join.state()
 
     def leave_group(self) -> None:
-        self._end_receive()
+        """Leave the group first: a receive blocked in it then fails at once, and its
+        threads end (leaving after them would wait out the group's timeout)."""
         if self._join is not None and self._join.state() == "done":
             self._join.result.close()
         self._join = None
+        self._end_receive()
 
     def start_bucket(self, receive: dict[str, Any], bucket: dict[str, Any]) -> None:
         """Queue one bucket's receive (returns at once); the push's first bucket sets up

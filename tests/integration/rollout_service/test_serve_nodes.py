@@ -220,6 +220,8 @@ def test_a_replica_killed_mid_update_leaves_the_old_weights_and_catches_up_from_
         killed = time.monotonic()
         with pytest.raises((ServiceError, RuntimeError)):
             pusher.push(changed(original, MAIN_PARAM).items(), version=state.newest_version + 1)
+        # the group was closed on the survivor when its peer went (not at its timeout)
+        assert time.monotonic() - killed < GROUP_TIMEOUT_S
     still = checksums(app)
     assert still[survivor["replica"]] == before  # nothing loaded on the replica left
     after = served(app)
