@@ -59,7 +59,7 @@ class Workload:
 
 def engine_args(cfg: ServiceConfig) -> Any:
     """The ``AsyncEngineArgs`` the service builds for this config."""
-    from rollout_service.engines.vllm.engine import build_engine_args
+    from rollout_service.engines.vllm.engine_args import build_engine_args
     from rollout_service.local import engine_spec
 
     spec = engine_spec(cfg)

@@ -209,7 +209,7 @@ def start_engine(model: str, *, k_max: int, drafter_at_k0: str, engine_kwargs: d
     ``engines/vllm/engine.py::start`` but with a monitor of its own), or with ``static``:
     vLLM alone with that schedule."""
     from rollout_service.engines.vllm import drafter_at_k0 as skip_module
-    from rollout_service.engines.vllm.engine import build_engine_args
+    from rollout_service.engines.vllm.engine_args import build_engine_args
     from rollout_service.engines.vllm.spec_schedule import with_startup_schedule
     from rollout_service.local import engine_spec
 

@@ -181,7 +181,7 @@ class DiskBench:
         from vllm.v1.engine.async_llm import AsyncLLM
 
         from rollout_service.engines.speculative import MTPSettings, load_checkpoint_config
-        from rollout_service.engines.vllm.engine import build_engine_args
+        from rollout_service.engines.vllm.engine_args import build_engine_args
 
         args = build_engine_args(str(model_path), {**EMBEDDED_ENGINE_KWARGS, **engine_kwargs,
                                                    "worker_extension_cls": DISK_RELOAD_EXTENSION},

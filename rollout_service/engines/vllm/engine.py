@@ -14,19 +14,18 @@ closes vLLM's, which aborts the request.
 
 Started with ``EngineSpec.runtime_spec_schedule`` (the speculation control), the engine
 starts with a K schedule holding every K (``spec_schedule.startup_ranges``), changes it
-at run time through the engine core's ``rollout_set_spec_schedule``
-(``patches/spec_schedule.py``), and measures its steps with a stat logger
-(``step_costs.py``).
+at run time (``schedule_methods.py``) and measures its steps with a stat logger
+(``step_costs.py``). Its engine args come from ``engine_args.py``; its request and output
+types are translated in ``outputs.py``.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Sequence
 from contextlib import aclosing
 from dataclasses import asdict, replace
-from typing import Any
 
 from vllm import SamplingParams
 from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
@@ -46,8 +45,6 @@ from rollout_service.engines.base import (
     InvalidRequestError,
     LoadTimings,
     SamplingOptions,
-    ScheduleRefusedError,
-    StepCostSink,
     WeightsLoad,
     WeightUpdate,
     WorkerReceive,
@@ -55,23 +52,20 @@ from rollout_service.engines.base import (
 )
 from rollout_service.engines.chat import chat_prompt_ids
 from rollout_service.engines.sequences import PositionLogprobs
-from rollout_service.engines.speculative import (
-    MTPSettings,
-    build_vllm_speculative_config,
-    is_mtp_method,
-)
 from rollout_service.engines.vllm import drafter_at_k0
+from rollout_service.engines.vllm.engine_args import (
+    build_engine_args,
+    has_pushable_drafter,
+    loads_in_place,
+)
 from rollout_service.engines.vllm.outputs import (
     output_logprobs,
     prompt_logprobs,
     sampling_params,
     to_result,
 )
-from rollout_service.engines.vllm.patches import spec_schedule as schedule_rpc
-from rollout_service.engines.vllm.plugin import BACKEND_OF_TRANSPORT
+from rollout_service.engines.vllm.schedule_methods import SpecScheduleMethods
 from rollout_service.engines.vllm.spec_schedule import (
-    lookup_to_schedule,
-    schedule_to_ranges,
     with_startup_schedule,
 )
 from rollout_service.engines.vllm.start_method import spawn_engine_core_if_cuda
@@ -85,57 +79,8 @@ from rollout_service.protocol.store import BucketInfo
 
 logger = logging.getLogger(__name__)
 
-# Weight pushes go through vLLM's weight-transfer API with this project's `shm`
-# or `cuda_ipc` backend (registered by the `vllm.general_plugins` entry point,
-# chosen by `weights_transport`); the worker extension adds a checksum RPC used
-# to prove rejected pushes change nothing.
-_SERVICE_ENGINE_DEFAULTS: dict[str, Any] = {
-    "worker_extension_cls": "rollout_service.engines.vllm.worker_ext.RolloutWorkerExtension",
-}
-# Per-request stats are what this service is for; "summary" has everything the
-# telemetry needs without per-step arrays. Only with a speculative config: vLLM
-# refuses them without one.
-_SPECULATIVE_ENGINE_DEFAULTS: dict[str, Any] = {"per_request_spec_decode_metrics": "summary"}
-_METRICS_FIELD = "per_request_spec_decode_metrics"
 _VERIFY_COST_REPEATS = 12
 """Runs of each dummy batch when measuring the verify cost; the fastest counts."""
-
-
-def build_engine_args(model: str, engine_kwargs: Mapping[str, Any], mtp: MTPSettings,
-                      checkpoint_config: Mapping[str, Any] | None,
-                      served_model_name: str | None = None,
-                      weights_transport: str = "shm") -> AsyncEngineArgs:
-    """Merge the user's engine kwargs with the service's MTP settings.
-
-    The user's kwargs win except ``speculative_config``, which is merged key by
-    key (see :mod:`rollout_service.engines.speculative`). ``weights_transport`` picks the
-    vLLM weight-transfer backend (``plugin.BACKEND_OF_TRANSPORT``).
-
-    Raises:
-        ValueError: a bad speculative config or an engine kwarg vLLM does not know.
-    """
-    speculative_config = build_vllm_speculative_config(mtp, engine_kwargs, checkpoint_config)
-    speculative_defaults = _SPECULATIVE_ENGINE_DEFAULTS if speculative_config else {}
-    kwargs = {**_SERVICE_ENGINE_DEFAULTS, **speculative_defaults,
-              "weight_transfer_config": {"backend": BACKEND_OF_TRANSPORT[weights_transport]},
-              **engine_kwargs, "model": model, "speculative_config": speculative_config}
-    if served_model_name is not None:
-        # vLLM's own series then carry the same model name as this service's.
-        kwargs.setdefault("served_model_name", served_model_name)
-    metrics = kwargs.get(_METRICS_FIELD)
-    if metrics == "none" and speculative_config:
-        raise ValueError(f"engine_kwargs.{_METRICS_FIELD}: 'none' disables the "
-                         "per-request acceptance this service exports; use 'summary' or "
-                         "'detailed'")
-    if metrics not in (None, "none") and not speculative_config:
-        raise ValueError(f"engine_kwargs.{_METRICS_FIELD}: {metrics!r} needs speculative "
-                         "decoding, which is off (mtp.enabled: false and no "
-                         "engine_kwargs.speculative_config); leave it out")
-    try:
-        return AsyncEngineArgs(**kwargs)
-    except TypeError as exc:
-        raise ValueError(f"engine_kwargs: {exc} (accepted: the fields of vLLM's "
-                         "AsyncEngineArgs)") from exc
 
 
 async def start(spec: EngineSpec) -> VLLMEngine:
@@ -168,7 +113,7 @@ async def start(spec: EngineSpec) -> VLLMEngine:
     return engine
 
 
-class VLLMEngine:
+class VLLMEngine(SpecScheduleMethods):
     """:class:`~rollout_service.engines.base.Engine` on vLLM's ``AsyncLLM``.
 
     Create it with :func:`start` inside the event loop that will serve it.
@@ -403,79 +348,6 @@ class VLLMEngine:
         per_rank = await self._llm.collective_rpc("rollout_weight_checksums")
         return combined_checksums(per_rank)
 
-    # ---- run-time K schedule (EngineSpec.runtime_spec_schedule) ---------------------
-
-    async def apply_spec_schedule(self, schedule: Mapping[int, int]) -> dict[int, int]:
-        """Run ``schedule`` (bucket upper edge -> K) from the engine core's next step on.
-
-        Raises:
-            ScheduleRefusedError: malformed, a K above ``num_speculative_tokens``, or an
-                engine that cannot change K (started without a schedule, or the engine-core
-                patch is not installed); the previous schedule stays in force.
-            EngineUnavailableError: the engine is dead.
-        """
-        try:
-            ranges = schedule_to_ranges(schedule)
-        except ValueError as exc:
-            raise ScheduleRefusedError(str(exc)) from exc
-        lookup = await self._call_core(schedule_rpc.SET_METHOD, ranges)
-        return lookup_to_schedule(lookup)
-
-    async def check_spec_schedule(self) -> dict[str, Any]:
-        """The engine core's schedule facts (``rollout_get_spec_schedule``), after checking
-        that its lookup runs every K in ``0..num_speculative_tokens``.
-
-        Raises:
-            ScheduleRefusedError: no lookup, or a K missing from it.
-        """
-        facts = await self._call_core(schedule_rpc.GET_METHOD)
-        lookup, k_max = facts["lookup"], self.info.num_speculative_tokens
-        missing = set(range(k_max + 1)) - set(lookup or ())
-        if lookup is None or missing:
-            raise ScheduleRefusedError(f"the engine's start-up K schedule {lookup} lacks K "
-                                       f"{sorted(missing)}: those would run without graphs")
-        logger.info("run-time K schedule: model runner %s, K 0..%d, max_num_seqs %d%s",
-                    "V2" if facts["use_v2_model_runner"] else "V1", k_max,
-                    facts["max_num_seqs"], "" if facts["use_v2_model_runner"] else
-                    " (V1 follows the scheduler's K every step; on CPU every K runs eager)")
-        return facts
-
-    async def skip_drafter_at_k0(self) -> None:
-        """Every worker's speculator skips the drafter on steps at K = 0
-        (``drafter_at_k0.py``).
-
-        Raises:
-            ValueError: naming ``speculation_control.drafter_at_k0`` and why this engine
-                cannot (a CPU engine, another vLLM, another speculator).
-        """
-        try:
-            names = await self._llm.collective_rpc("rollout_skip_drafter_at_k0")
-        except Exception as exc:
-            raise ValueError(f"speculation_control.drafter_at_k0: 'skip' is not possible "
-                             f"on this engine: {exc}") from exc
-        logger.info("speculation control: steps at K = 0 skip the drafter (%s)", names[0])
-
-    async def _call_core(self, method: str, *args: Any) -> Any:
-        try:
-            return await self._llm.engine_core.call_utility_async(method, *args)
-        except EngineDeadError as exc:
-            raise EngineUnavailableError(f"vLLM engine died: {exc}") from exc
-        except Exception as exc:
-            # vLLM sends the engine core's exception back as text; the core serves on.
-            unsupported = " (is the rollout_weight_transfer plugin loaded?)" \
-                if "has no attribute" in str(exc) else ""
-            raise ScheduleRefusedError(f"{exc}{unsupported}") from exc
-
-    def subscribe_step_costs(self, sink: StepCostSink) -> None:
-        if self._step_costs is None:
-            raise RuntimeError("the engine was started without step-cost measurement "
-                               "(EngineSpec.runtime_spec_schedule)")
-        self._step_costs.subscribe(sink)
-
-    @property
-    def batch_size(self) -> int:
-        return 0 if self._step_costs is None else self._step_costs.batch_size
-
     async def health(self) -> None:
         try:
             await self._llm.check_health()
@@ -484,38 +356,6 @@ class VLLMEngine:
 
     async def shutdown(self) -> None:
         self._llm.shutdown()
-
-
-def loads_in_place(weights_load: WeightsLoad, model_config: Any) -> bool:
-    """Whether a push can be copied into the served parameters as they are.
-
-    Only where vLLM uses weights as loaded: on CUDA, unquantized. vLLM's CPU build
-    repacks every linear weight after loading and quantized methods transform theirs,
-    so there the layerwise reload (which re-runs that processing) is the only correct
-    load. ``tests/gpu`` checks that both loads leave identical parameters and outputs.
-    """
-    from vllm.platforms import current_platform
-
-    return (weights_load == "auto" and current_platform.is_cuda()
-            and getattr(model_config, "quantization", None) is None)
-
-
-def has_pushable_drafter(speculative_config: Any, model_config: Any) -> bool:
-    """Whether vLLM built a drafter that a push of the served checkpoint can load.
-
-    That is an MTP drafter (method ``mtp``, to which vLLM maps the model-specific
-    ``*_mtp`` names) read from the served checkpoint itself. vLLM can also draft with
-    n-grams, suffix trees, a separate EAGLE or draft model...: none of them holds the
-    checkpoint's tensors, so a drafter push has nothing to load.
-
-    Args:
-        speculative_config: vLLM's resolved ``SpeculativeConfig``, or None.
-        model_config: vLLM's ``ModelConfig`` of the main model.
-    """
-    if speculative_config is None or not is_mtp_method(speculative_config.method):
-        return False
-    served = {model_config.model, getattr(model_config, "model_weights", None)} - {None, ""}
-    return speculative_config.model in served
 
 
 def _cache_vllm_environment() -> None:

@@ -44,7 +44,7 @@ def check_on_vllm_mimo() -> None:
     from rollout_service.config import EMBEDDED_ENGINE_KWARGS
     from rollout_service.embedded import ensure_model
     from rollout_service.engines.speculative import MTPSettings, load_checkpoint_config
-    from rollout_service.engines.vllm.engine import build_engine_args
+    from rollout_service.engines.vllm.engine_args import build_engine_args
     from rollout_service.tools.launch import free_port
 
     path = str(ensure_model("tiny"))

@@ -347,7 +347,7 @@ def test_complete_push_becomes_the_engines_update_info() -> None:
 
 
 def test_config_and_engine_args_select_the_backend() -> None:
-    from rollout_service.engines.vllm.engine import build_engine_args
+    from rollout_service.engines.vllm.engine_args import build_engine_args
     from rollout_service.engines.vllm.plugin import BACKENDS
 
     assert ServiceConfig().weights_transport == "shm"

@@ -16,7 +16,7 @@ import pytest
 from rollout_service.config import EMBEDDED_ENGINE_KWARGS
 from rollout_service.embedded import ensure_model
 from rollout_service.engines.speculative import MTPSettings, load_checkpoint_config
-from rollout_service.engines.vllm.engine import (
+from rollout_service.engines.vllm.engine_args import (
     build_engine_args,
     has_pushable_drafter,
     loads_in_place,

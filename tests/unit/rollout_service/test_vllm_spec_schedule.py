@@ -175,7 +175,7 @@ def test_the_controlled_engine_reports_each_steps_counts() -> None:
     from rollout_service.config import EMBEDDED_ENGINE_KWARGS
     from rollout_service.embedded import ensure_model
     from rollout_service.engines.speculative import MTPSettings, load_checkpoint_config
-    from rollout_service.engines.vllm.engine import build_engine_args
+    from rollout_service.engines.vllm.engine_args import build_engine_args
     from rollout_service.engines.vllm.spec_schedule import with_startup_schedule
 
     model = str(ensure_model("tiny"))
