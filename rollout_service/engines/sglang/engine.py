@@ -7,10 +7,7 @@ SGLang except to build weight payloads (``payload``). What the server accepts is
 from its schema (``features``); its answers become results in ``answers``, with the
 acceptance counts of each answer's ``meta_info`` (``stats``).
 
-Weight pushes go to ``/update_weights_from_tensor``. The model is picked by
-``selector`` (0.5.23), else by ``disable_draft_model`` (0.5.10-0.5.12, whose draft path
-loads the drafter and then the target from the same tensors); ``/begin_weight_update``
-... ``/end_weight_update`` wrap the load where they exist.
+Weight pushes go to ``/update_weights_from_tensor`` (``weight_methods``).
 
 Streaming (``stream``) sends ``"stream": true`` to ``/generate`` and merges SGLang's
 server-sent events into deltas (``answers``); closing the stream closes the
@@ -23,7 +20,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from collections.abc import AsyncIterator, Mapping, Sequence
 from contextlib import asynccontextmanager
 from typing import Any
@@ -38,9 +34,7 @@ from rollout_service.engines.base import (
     GenerationDelta,
     GenerationResult,
     InvalidRequestError,
-    LoadTimings,
     SamplingOptions,
-    WeightUpdate,
     check_prompt,
 )
 from rollout_service.engines.chat import chat_prompt_ids, load_tokenizer
@@ -58,6 +52,7 @@ from rollout_service.engines.sglang.features import (
 from rollout_service.engines.sglang.launch import build_launch_command, start_server, stop_process
 from rollout_service.engines.sglang.payload import PayloadBuilder, build_flattened_bucket_payloads
 from rollout_service.engines.sglang.request import generate_body
+from rollout_service.engines.sglang.weight_methods import SGLangWeights
 from rollout_service.engines.speculative import MTPSettings, load_checkpoint_config
 from rollout_service.protocol.messages import PauseMode
 
@@ -87,7 +82,7 @@ async def start(spec: EngineSpec) -> SGLangEngine:
                                      served_model_name=spec.served_model_name)
 
 
-class SGLangEngine:
+class SGLangEngine(SGLangWeights):
     """:class:`~rollout_service.engines.base.Engine` over an SGLang server's HTTP API.
 
     Create it with :meth:`connect` (existing server) or :meth:`launch` (subprocess)
@@ -308,63 +303,6 @@ class SGLangEngine:
     async def resume(self) -> None:
         await self._control("/continue_generation", {})
         self._resumed.set()
-
-    # --- weights ---
-
-    async def load_weights(self, update: WeightUpdate, *, draft: bool,
-                           version: str | None) -> LoadTimings:
-        start_s = time.perf_counter()
-        route = "/update_weights_from_tensor"
-        payloads, keep_alive = await asyncio.to_thread(self._build_payloads, update,
-                                                       self._num_tp_ranks)
-        # flush_cache False: reset_prefix_cache flushes once, after both models load.
-        body = {"serialized_named_tensors": payloads, "load_format": "flattened_bucket",
-                "flush_cache": False, "weight_version": version, **self._target(route, draft)}
-        await self._begin_session(draft)
-        try:
-            await self._control(route, body)
-            loaded_s = time.perf_counter()
-        finally:
-            del keep_alive  # SGLang has copied the tensors into its parameters
-            await self._end_session()  # a failed load leaves no session open
-        return LoadTimings(load_s=loaded_s - start_s, finalize_s=time.perf_counter() - loaded_s)
-
-    async def _begin_session(self, draft: bool) -> None:
-        if self.features.has_weight_update_session:
-            await self._control("/begin_weight_update", self._target("/begin_weight_update", draft))
-
-    async def _end_session(self) -> None:
-        if self.features.has_weight_update_session:
-            await self._control("/end_weight_update", {})
-
-    def _target(self, route: str, draft: bool) -> dict[str, Any]:
-        """The field that picks the main model or the drafter on ``route``."""
-        if self.features.accepts(route, "selector"):
-            return {"selector": "draft" if draft else "target"}
-        if self.features.accepts(route, "disable_draft_model"):
-            return {"disable_draft_model": not draft}
-        if draft:
-            raise NotImplementedError(f"this SGLang server's {route} cannot target the drafter "
-                                      "(no 'selector' field); use SGLang 0.5.23 or later")
-        return {}
-
-    async def reset_prefix_cache(self) -> bool:
-        await self._control("/flush_cache", None)
-        return True
-
-    async def weight_checksums(self) -> dict[str, str]:
-        """SGLang's per-engine checksum per model where ``/weights_checker`` can target one
-        (0.5.23: SHA-256 over each rank's digest of its own, post-load parameter layout, so
-        it is comparable only with itself); {} on servers without it."""
-        route = "/weights_checker"
-        if route not in self.features.routes or not self.features.accepts(route, "selector"):
-            return {}
-        roles = {"main": "target", **({"draft": "draft"} if self._num_draft_tokens else {})}
-        checksums = {}
-        for role, selector in roles.items():
-            result = await self._control(route, {"action": "checksum", "selector": selector})
-            checksums[role] = result["per_engine_checksum"]
-        return checksums
 
     # --- lifecycle ---
 
