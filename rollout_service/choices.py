@@ -64,6 +64,14 @@ class Sequences(Protocol):
         """Each token's text on its own."""
         ...
 
+    async def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
+        """``text`` as the served checkpoint's tokenizer splits it."""
+        ...
+
+    async def decode(self, token_ids: Sequence[int]) -> str:
+        """Token ids as text."""
+        ...
+
     async def engine_info(self) -> EngineInfo:
         """The served engine's facts (model name, context length, K)."""
         ...

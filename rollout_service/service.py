@@ -22,6 +22,7 @@ import asyncio
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Iterator, Sequence
 from contextlib import aclosing, contextmanager
+from dataclasses import replace
 from typing import TypeVar
 
 from rollout_service.choices import Choice, MergedStreams
@@ -192,8 +193,7 @@ class RolloutService:
         self._check_consistent()
         with self._tracked(client_id or request_id, request_id):
             result = await self.engine.generate(prompt, sampling, request_id)
-        self._observe(result, category)
-        return result
+        return self._observe(result, category)
 
     async def stream_sequence(self, prompt: str | list[int], sampling: SamplingOptions,
                               request_id: str, *, category: str | None = None,
@@ -206,7 +206,7 @@ class RolloutService:
             async with aclosing(self.engine.stream(prompt, sampling, request_id)) as deltas:
                 async for delta in deltas:
                     if delta.result is not None:
-                        self._observe(delta.result, category)
+                        delta = replace(delta, result=self._observe(delta.result, category))
                     yield delta
 
     async def run(self, choices: Sequence[Choice]) -> list[GenerationResult]:
@@ -275,10 +275,19 @@ class RolloutService:
         """Each token's text on its own (logprobs shown by token)."""
         return await self.engine.decode_tokens(token_ids)
 
-    def _observe(self, result: GenerationResult, category: str | None) -> None:
-        self.metrics.observe(result.spec_decode, category, is_aborted=result.is_aborted)
+    async def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
+        return await self.engine.encode(text, add_special_tokens=add_special_tokens)
+
+    async def decode(self, token_ids: Sequence[int]) -> str:
+        return await self.engine.decode(token_ids)
+
+    def _observe(self, result: GenerationResult, category: str | None) -> GenerationResult:
+        """Count a finished sequence; returns it as answered: with the speculation control,
+        its verify cost ratio is that of the K its steps ran (``SpeculationControl.costed``)."""
         if self.speculation is not None:
-            self.speculation.observe(result)
+            result = self.speculation.observe(result)
+        self.metrics.observe(result.spec_decode, category, is_aborted=result.is_aborted)
+        return result
 
     async def pin_schedule(self, schedule: dict[int, int] | None) -> SpeculationControlStatus:
         """Run ``schedule`` (batch size -> K) whatever the controller decides; None unpins.

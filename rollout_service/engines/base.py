@@ -218,6 +218,14 @@ class Engine(Protocol):
         """Each token's text on its own (for log-probabilities shown by token)."""
         ...
 
+    async def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
+        """``text`` as the served checkpoint's tokenizer splits it (vLLM's ``/tokenize``)."""
+        ...
+
+    async def decode(self, token_ids: Sequence[int]) -> str:
+        """Token ids as text (vLLM's ``/detokenize``)."""
+        ...
+
     async def pause(self, mode: PauseMode = "wait") -> int:
         """Stop scheduling: ``wait`` drains running requests, ``abort`` aborts them,
         ``keep`` freezes them in place.

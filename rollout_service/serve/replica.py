@@ -140,6 +140,13 @@ class EngineReplica:
     async def decode_tokens(self, token_ids: list[int]) -> list[str]:
         return await self._service.decode_tokens(token_ids)
 
+    async def encode(self, text_and_special: tuple[str, bool]) -> list[int]:
+        text, add_special_tokens = text_and_special
+        return await self._service.encode(text, add_special_tokens=add_special_tokens)
+
+    async def decode(self, token_ids: list[int]) -> str:
+        return await self._service.decode(token_ids)
+
     async def engine_info(self, _: None = None) -> EngineInfo:
         return self._service.info
 

@@ -43,6 +43,12 @@ class ReplicatedSequences:
     async def decode_tokens(self, token_ids: Sequence[int]) -> list[str]:
         return await self._replicas.call("decode_tokens", list(token_ids))
 
+    async def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
+        return await self._replicas.call("encode", (text, add_special_tokens))
+
+    async def decode(self, token_ids: Sequence[int]) -> str:
+        return await self._replicas.call("decode", list(token_ids))
+
     async def engine_info(self) -> EngineInfo:
         """One replica's (every replica serves the same checkpoint), asked once."""
         if self._info is None:

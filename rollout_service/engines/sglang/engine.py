@@ -261,6 +261,13 @@ class SGLangEngine(SGLangWeights):
     async def chat_prompt(self, turns: Sequence[ChatTurn]) -> list[int]:
         return chat_prompt_ids(await self._local_tokenizer(), turns)
 
+    async def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
+        tokenizer = await self._local_tokenizer()
+        return list(tokenizer.encode(text, add_special_tokens=add_special_tokens))
+
+    async def decode(self, token_ids: Sequence[int]) -> str:
+        return (await self._local_tokenizer()).decode(list(token_ids))
+
     async def decode_tokens(self, token_ids: Sequence[int]) -> list[str]:
         tokenizer = await self._local_tokenizer()
         return [tokenizer.decode([token]) for token in token_ids]

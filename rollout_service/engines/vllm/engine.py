@@ -259,6 +259,12 @@ class VLLMEngine(SpecScheduleMethods):
     async def chat_prompt(self, turns: Sequence[ChatTurn]) -> list[int]:
         return chat_prompt_ids(self._tokenizer, turns)
 
+    async def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
+        return list(self._tokenizer.encode(text, add_special_tokens=add_special_tokens))
+
+    async def decode(self, token_ids: Sequence[int]) -> str:
+        return self._tokenizer.decode(list(token_ids))
+
     async def decode_tokens(self, token_ids: Sequence[int]) -> list[str]:
         # vLLM's OpenAI server shows a logprob's token the same way (decode of the id alone).
         return [self._tokenizer.decode([token]) for token in token_ids]

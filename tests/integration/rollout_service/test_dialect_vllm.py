@@ -354,6 +354,28 @@ async def test_a_push_inside_a_client_pause_leaves_generation_paused(
     assert stream.weight_versions[-1]["version"] == str(version)
 
 
+async def test_tokenize_and_detokenize_as_skyrl_calls_them(http: httpx.AsyncClient) -> None:
+    """SkyRL's ``RemoteInferenceClient.tokenize`` / ``detokenize`` without a local
+    tokenizer: one call per text, vLLM's shapes
+    (``vllm/entrypoints/serve/tokenize/protocol.py``)."""
+    tokens = await http.post("/tokenize", json={"model": MODEL, "prompt": "1 + 1 =",
+                                                "add_special_tokens": True,
+                                                "return_token_strs": True})
+    answer = tokens.json()
+    assert answer["count"] == len(answer["tokens"]) > 0 and answer["max_model_len"] == 1024
+    assert "".join(answer["token_strs"]) == "1 + 1 ="
+    text = await http.post("/detokenize", json={"model": MODEL, "tokens": answer["tokens"]})
+    assert text.json() == {"prompt": "1 + 1 ="}
+    # the ids a text prompt generates from: the same through /v1/completions
+    completion = await http.post("/v1/completions", json={
+        "prompt": "1 + 1 =", "max_tokens": 1, "return_token_ids": True})
+    assert completion.json()["choices"][0]["prompt_token_ids"] == answer["tokens"]
+    chat = await http.post("/tokenize", json={"messages": [{"role": "user", "content": "hi"}]})
+    assert chat.status_code == 200 and chat.json()["count"] > 0
+    assert (await http.post("/detokenize", json={"tokens": [10**6]})).status_code == 400
+    assert (await http.post("/tokenize", json={"model": "x", "prompt": "a"})).status_code == 404
+
+
 async def test_world_size_prefix_cache_and_weight_info(http: httpx.AsyncClient) -> None:
     assert (await http.get("/get_world_size")).json() == {"world_size": 1}
     assert (await http.post("/reset_prefix_cache")).json() == {"success": True}

@@ -30,6 +30,7 @@ from rollout_service.protocol.messages import (
 )
 from rollout_service.protocol.openai import (
     ChatLogprobs,
+    ChatMessage,
     CompletionUsage,
     PromptLogprobs,
     RequestMetrics,
@@ -169,6 +170,46 @@ class TokensStreamResponse(BaseModel):
     usage: CompletionUsage | None = Field(None, description=(
         "On the last chunk (no choices) with stream_options.include_usage."))
     metrics: RequestMetrics | None = None
+
+
+# --- tokenization (vllm/entrypoints/serve/tokenize/protocol.py) -----------------------
+
+class TokenizeRequest(BaseModel):
+    """``POST /tokenize``: a text (``prompt``) or a conversation (``messages``, by the
+    checkpoint's chat template, with the generation prompt)."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: Annotated[list[ChatMessage], Field(min_length=1)] | None = None
+    add_special_tokens: bool = Field(True, description="Text prompts only.")
+    return_token_strs: bool = Field(False, description="Each token's text too.")
+
+    @model_validator(mode="after")
+    def _one_input(self) -> TokenizeRequest:
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give exactly one of 'prompt' and 'messages'")
+        ignore_extra_fields(self.model_extra, "TokenizeRequest")
+        return self
+
+
+class TokenizeAnswer(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="allow", strict=True)
+
+    model: str | None = None
+    tokens: list[TokenId]
+
+
+class DetokenizeAnswer(BaseModel):
+    prompt: str
 
 
 # --- the RL control routes (vllm/entrypoints/rl/online/api_router.py) ----------------

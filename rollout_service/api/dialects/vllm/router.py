@@ -4,7 +4,8 @@ Runs in the service process (standalone, or the Ray Serve ingress); routes only.
 vllm-project/vllm 0.32 ``vllm/entrypoints/scale_out/token_in_token_out/api_router.py``
 (``POST /inference/v1/generate``, ``/inference/v1/abort_requests``),
 ``vllm/entrypoints/rl/online/api_router.py`` (``/pause``, ``/resume``, ``/is_paused``,
-``/abort_requests``, ``/get_world_size``, ``/weight_info``) and
+``/abort_requests``, ``/get_world_size``, ``/weight_info``),
+``vllm/entrypoints/serve/tokenize/api_router.py`` (``/tokenize``, ``/detokenize``) and
 ``vllm/entrypoints/serve/dev/cache/api_router.py`` (``/reset_prefix_cache``), which vLLM
 mounts with ``VLLM_SERVER_DEV_MODE``. The paths collide with nothing of the native API.
 Generation takes the service's ``api_key`` as every generation route does; so do the
@@ -25,6 +26,7 @@ from rollout_service.choices import Sequences
 from rollout_service.protocol.messages import PauseMode
 
 from . import protocol as vllm
+from . import serving
 from .serving import TokensServing
 
 
@@ -84,6 +86,16 @@ def vllm_router(guard: Callable[..., Awaitable[None]] | None) -> APIRouter:
     async def reset_prefix_cache(svc: GenerationControl = Depends(control)
                                  ) -> vllm.ResetPrefixCacheAnswer:
         return vllm.ResetPrefixCacheAnswer(success=await svc.reset_prefix_cache())
+
+    @router.post("/tokenize", responses=documented(400, 404, 503))
+    async def tokenize(req: vllm.TokenizeRequest,
+                       svc: Sequences = Depends(_sequences)) -> vllm.TokenizeAnswer:
+        return await serving.tokenize(svc, req)
+
+    @router.post("/detokenize", responses=documented(400, 404, 503))
+    async def detokenize(req: vllm.DetokenizeRequest,
+                         svc: Sequences = Depends(_sequences)) -> vllm.DetokenizeAnswer:
+        return await serving.detokenize(svc, req)
 
     @router.get("/get_world_size")
     async def get_world_size(include_dp: Annotated[bool, Query()] = True,

@@ -17,7 +17,13 @@ from contextlib import aclosing
 
 from rollout_service.choices import Choice, Sequences, check_model
 from rollout_service.completions import finish_reason, request_metrics, usage
-from rollout_service.engines.sequences import GenerationResult, PositionLogprobs, TokenLogprob
+from rollout_service.engines.base import InvalidRequestError
+from rollout_service.engines.sequences import (
+    ChatTurn,
+    GenerationResult,
+    PositionLogprobs,
+    TokenLogprob,
+)
 from rollout_service.logprob_views import (
     MIN_LOGPROB,
     TokenNames,
@@ -43,6 +49,30 @@ def token_logprobs(positions: Sequence[PositionLogprobs], num_top: int) -> vllm.
         vllm.TokenLogprobsContent(**one(p.token).model_dump(),
                                   top_logprobs=[one(c) for c in candidates(p, num_top)])
         for p in positions])
+
+
+async def tokenize(service: Sequences, req: vllm.TokenizeRequest) -> vllm.TokenizeAnswer:
+    """vLLM's ``/tokenize``: the ids the engine would generate from."""
+    info = await service.engine_info()
+    check_model(req.model, info.model)
+    if req.messages is not None:
+        ids = await service.chat_prompt([ChatTurn(role=m.role, content=m.text)
+                                         for m in req.messages])
+    else:
+        assert req.prompt is not None
+        ids = await service.encode(req.prompt, add_special_tokens=req.add_special_tokens)
+    return vllm.TokenizeAnswer(count=len(ids), max_model_len=info.max_model_len, tokens=ids,
+                               token_strs=await service.decode_tokens(ids)
+                               if req.return_token_strs else None)
+
+
+async def detokenize(service: Sequences, req: vllm.DetokenizeRequest) -> vllm.DetokenizeAnswer:
+    info = await service.engine_info()
+    check_model(req.model, info.model)
+    if any(t >= info.vocab_size for t in req.tokens):
+        raise InvalidRequestError(f"tokens: ids must be below the vocabulary size "
+                                  f"{info.vocab_size}")
+    return vllm.DetokenizeAnswer(prompt=await service.decode(req.tokens))
 
 
 class TokensServing:
