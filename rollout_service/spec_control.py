@@ -24,6 +24,7 @@ logger in this process. Nothing here waits on a request or makes one wait:
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import statistics
 import time
@@ -161,18 +162,43 @@ class SpeculationControl:
         self._schedule_changed()
         await self.settle()
 
-    def observe(self, result: GenerationResult) -> None:
+    def observe(self, result: GenerationResult) -> GenerationResult:
         """Count one finished sequence and decide again; never raises (a sequence with
-        inconsistent counts is logged and skipped)."""
+        inconsistent counts is logged and skipped).
+
+        Returns:
+            ``result`` with its verify cost ratio at the K its steps ran (:meth:`costed`).
+        """
         stats = result.spec_decode if isinstance(result.spec_decode, SpecDecodeStats) else None
+        batch_size = max(1, self._engine.batch_size)
+        costed = self.costed(stats, batch_size)
+        if costed is not stats:
+            result = dataclasses.replace(result, spec_decode=costed)
         try:
-            self._controller.observe(stats, self._versions(),
-                                     batch_size=max(1, self._engine.batch_size),
+            self._controller.observe(stats, self._versions(), batch_size=batch_size,
                                      now=time.monotonic())
         except ValueError:
             logger.exception("speculation control: observation skipped")
-            return
+            return result
         self._schedule_changed()
+        return result
+
+    def costed(self, stats: SpecDecodeStats | None, batch_size: int
+               ) -> SpecDecodeStats | None:
+        """``stats`` with the verify cost ratio of the K its steps ran, from the measured
+        step costs at ``batch_size`` (the engine's when the sequence finished: vLLM reports
+        no batch size per step); as they are (the engine's start-up figure at ``k_max``)
+        without per-step counts or where the table does not cover those K.
+
+        vLLM's start-up figure is measured at ``k_max`` only (model runner V2 has no dummy
+        verify step at a smaller K), so a sequence the controller ran at K = 1 would be
+        priced as a K = ``k_max`` step: its net speed-up understated, and the slow-down
+        alert firing where K = 1 pays.
+        """
+        if stats is None:
+            return None
+        ratio = self._controller.verify_cost_ratio(stats.drafts_per_k, batch_size)
+        return stats if ratio is None else dataclasses.replace(stats, verify_cost_ratio=ratio)
 
     async def pin(self, schedule: dict[int, int] | None) -> SpeculationControlStatus:
         """Run ``schedule`` whatever the controller decides; None returns to the

@@ -140,9 +140,11 @@ def _cost_panels() -> list[Builder[Panel]]:
     return [
         _timeseries(6, "Speculation: net speed-up",
                     "Estimated speed-up of decoding with drafts over decoding without: tokens "
-                    "per verify step (micro accept length) over the verify cost ratio each "
-                    "engine measured at start-up (a verify step's time over a plain decode "
-                    "step's). Below 1, speculation is a slow-down (alerted after 10m).",
+                    "per verify step over those steps' cost in plain decode steps. The verify "
+                    "cost ratio is the mean cost of a verify step: with the speculation "
+                    "control, c(K, B) / c(0, B) from its measured step costs at the K each "
+                    "step ran; otherwise the engine's start-up figure at k_max. Below 1, "
+                    "speculation is a slow-down (alerted after 10m).",
                     "none", [
                         _query("A", queries.net_speedup(PER_INSTANCE), "net speed-up {{instance}}"),
                         _query("B", queries.verify_cost_ratio(PER_INSTANCE),

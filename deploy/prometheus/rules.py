@@ -116,11 +116,12 @@ ALERTS = (
           description=(
               "On {{ $labels.instance }} the estimated net speed-up of speculative decoding "
               "has been {{ $value | humanize }} for 10m: tokens per verify step over the "
-              "measured cost of a verify step (rollout_spec_decode_verify_cost_ratio) is "
-              "below 1, so decoding without drafts would be faster. Either acceptance fell "
-              "(see the acceptance alerts) or the batch is large enough that verifying "
-              "drafts costs more than it saves: lower num_speculative_tokens, or turn "
-              "speculation off for this load.")),
+              "cost of those steps in plain decode steps (rollout_spec_decode_verify_cost_"
+              "total: with the speculation control, at the K each step ran) is below 1, so "
+              "decoding without drafts would be faster. Either acceptance fell (see the "
+              "acceptance alerts) or the batch is large enough that verifying drafts costs "
+              "more than it saves: lower num_speculative_tokens, enable "
+              "speculation_control, or turn speculation off for this load.")),
     Alert(name="RolloutServiceDown",
           expr=queries.alert_service_down(), for_s="2m", severity="critical",
           summary="Rollout service {{ $labels.instance }} is not scraped",

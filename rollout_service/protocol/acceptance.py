@@ -31,6 +31,9 @@ Definitions, per finished sequence (one engine request, ``n == 1``):
   gives it (vLLM's ``per_request_spec_decode_metrics: detailed``): vLLM's histogram has
   ``num_speculative_tokens + 1`` buckets whatever K a step ran, so from it alone a step
   at K = 1 cannot be told from a step at K = 3 that accepted one token.
+- ``drafts_per_k[K]``: drafts that proposed ``K`` tokens (length ``num_speculative_tokens +
+  1``; index 0 counts drafts whose every token a grammar invalidated), from the same
+  per-step counts: which K each verify step ran, and so what it cost.
 
 Populations of the macro averages: the accept length averages over every sequence
 with stats (one without drafts counts 1.0), the accept rate over the sequences with
@@ -47,10 +50,12 @@ Wasted work and net speed-up:
 
 - ``rejected_tokens = draft_tokens - accepted_tokens``: drafted tokens the target
   computed and threw away.
-- ``verify_cost_ratio``: measured by the engine adapter (vLLM: at start-up,
-  ``engines/vllm/verify_cost.py``), the time of one verify step with ``k`` draft tokens
-  (drafting included) over the time of one plain decode step at the same batch size;
-  None when the engine did not measure it.
+- ``verify_cost_ratio``: the mean cost of the sequence's verify steps (drafting included)
+  in plain decode steps at the same batch size. With the speculation control, from its
+  measured step costs at the K each step ran, ``c(K, B) / c(0, B)``
+  (``speculation/cost.py``, ``StepCostTable.verify_cost_ratio``); otherwise the engine
+  adapter's figure for ``k = num_speculative_tokens`` (vLLM: measured once at start-up,
+  ``engines/vllm/verify_cost.py``); None when neither is known.
 - ``net_speedup = accept_length / verify_cost_ratio``: tokens per verify step, each step
   weighed by what it costs in plain decode steps. Below 1, speculation slows the
   sequence down. A batch's figure is a micro-average: all tokens emitted by verify steps
@@ -81,6 +86,9 @@ class SpecDecodeStats:
     reached_per_position: tuple[int, ...] = ()
     """Drafts that reached position ``i`` (see the module docstring); empty when the engine
     did not report each step's counts."""
+    drafts_per_k: tuple[int, ...] = ()
+    """Drafts that proposed ``K`` tokens, by ``K`` (see the module docstring); empty when the
+    engine did not report each step's counts."""
     verify_cost_ratio: float | None = None
     """Cost of a verify step over a plain decode step, as the engine measured it (see the
     module docstring); None when not measured."""
@@ -102,6 +110,10 @@ class SpecDecodeStats:
             raise ValueError("reached_per_position must start at num_drafts, and reach at "
                              "least what is accepted and at most what the position before "
                              f"accepted: {self}")
+        if self.drafts_per_k and (sum(self.drafts_per_k) != self.num_drafts or sum(
+                k * n for k, n in enumerate(self.drafts_per_k)) != self.num_draft_tokens):
+            raise ValueError(f"drafts_per_k must add up to num_drafts and num_draft_tokens: "
+                             f"{self}")
 
     @classmethod
     def from_histogram(cls, histogram: Sequence[int], num_draft_tokens: int, *,
@@ -113,7 +125,7 @@ class SpecDecodeStats:
         and verify steps are both the histogram's total. ``steps``: each step's
         ``(proposed, accepted)`` when the engine reported them (vLLM's ``detailed``
         level: ``per_step_drafted``, ``per_step_accepted``), which give
-        ``reached_per_position``.
+        ``reached_per_position`` and ``drafts_per_k``.
 
         Raises:
             ValueError: ``steps`` that disagree with the histogram, or counts that
@@ -123,6 +135,7 @@ class SpecDecodeStats:
         num_accepted = sum(j * count for j, count in enumerate(histogram))
         per_position = tuple(sum(histogram[i + 1:]) for i in range(len(histogram) - 1))
         reached: tuple[int, ...] = ()
+        per_k: tuple[int, ...] = ()
         if steps:
             if len(steps) != num_steps or sum(d for d, _ in steps) != num_draft_tokens or (
                     sum(a for _, a in steps) != num_accepted):
@@ -131,10 +144,12 @@ class SpecDecodeStats:
             reached = tuple(sum(1 for proposed, accepted in steps
                                 if proposed > i and accepted >= i)
                             for i in range(len(per_position)))
+            per_k = tuple(sum(1 for proposed, _ in steps if proposed == k)
+                          for k in range(len(histogram)))
         return cls(num_drafts=num_steps, num_draft_tokens=num_draft_tokens,
                    num_accepted_tokens=num_accepted, num_verify_steps=num_steps,
                    accepted_per_position=per_position, reached_per_position=reached,
-                   verify_cost_ratio=verify_cost_ratio)
+                   drafts_per_k=per_k, verify_cost_ratio=verify_cost_ratio)
 
     @property
     def has_per_position(self) -> bool:

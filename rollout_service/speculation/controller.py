@@ -36,7 +36,7 @@ Cost samples take effect at the next observation.
 from __future__ import annotations
 
 import bisect
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from rollout_service.protocol.acceptance import SpecDecodeStats
@@ -196,6 +196,12 @@ class SpeculationController:
         (the service's start-up calibration), so the schedule need not wait for the first
         finished sequence."""
         self._decide()
+
+    def verify_cost_ratio(self, drafts_per_k: Sequence[int], batch_size: int
+                          ) -> float | None:
+        """A sequence's verify steps priced by the cost table
+        (:meth:`StepCostTable.verify_cost_ratio`); None where it has no measurement."""
+        return self._costs.verify_cost_ratio(drafts_per_k, batch_size)
 
     def cost_points(self) -> dict[int, tuple[StepCostSample, ...]]:
         """The step-cost table as measured (blended) points, per K."""

@@ -15,6 +15,13 @@ cost is roughly affine in B while batch sizes are measured on a geometric grid (
 ...). Outside the measured range of a K nothing is guessed: :meth:`StepCostTable.step_s`
 raises, and the controller reports "no cost data" for that bucket.
 
+Verify cost: the table also prices a finished sequence's verify steps for the net
+speed-up (``protocol/acceptance.py``): :meth:`StepCostTable.verify_cost_ratio` is the mean
+of ``c(K, B) / c(0, B)`` over its steps, each at the K it ran. The baseline is a step at
+K = 0 on the same engine, the one the controller weighs every K against; with
+``drafter_at_k0: run`` that step still runs one drafter pass, so the figure says whether
+drafting beats K = 0 here, not whether it beats an engine without a drafter.
+
 Refresh: a new sample of an already measured ``(K, B)`` blends in with weight
 ``blend_weight`` (an exponential moving average, so the table follows slow drift such as
 longer contexts late in a step without jumping on one noisy timing); a sample of a new
@@ -26,7 +33,7 @@ from __future__ import annotations
 import bisect
 import math
 import statistics
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 
@@ -115,6 +122,23 @@ class StepCostTable:
         low, high = batch_sizes[at - 1], batch_sizes[at]
         t = math.log(batch_size / low) / math.log(high / low)
         return costs[at - 1] + t * (costs[at] - costs[at - 1])
+
+    def verify_cost_ratio(self, drafts_per_k: Sequence[int], batch_size: int
+                          ) -> float | None:
+        """A sequence's verify steps in steps at K = 0: the mean of ``c(K, B) / c(0, B)``
+        over its drafts, ``drafts_per_k[K]`` of them at K, at ``batch_size``.
+
+        Returns:
+            The ratio; None without drafts or where the table does not cover K = 0 or one
+            of those K at ``batch_size`` (nothing is guessed: the caller keeps the engine's
+            own figure).
+        """
+        ks = [k for k, n in enumerate(drafts_per_k) if n]
+        if not ks or not all(self.covers(k, batch_size) for k in (0, *ks)):
+            return None
+        plain_s = self.step_s(0, batch_size)
+        verify_s = sum(drafts_per_k[k] * self.step_s(k, batch_size) for k in ks)
+        return verify_s / plain_s / sum(drafts_per_k)
 
     def points(self) -> dict[int, tuple[StepCostSample, ...]]:
         """The table as measured (blended) points, per K."""

@@ -7,13 +7,19 @@ into :class:`SpecDecodeMetrics`; Prometheus scrapes them from ``GET /metrics``.
 The batch summary a trainer logs and the figures Grafana shows use the same
 definitions, so they are the same numbers.
 
-Counters and histograms only (and the engine's measured verify cost ratio, set once),
-labels ``model``, ``engine`` and the request's ``category`` (bounded: an allow-list or
-the first categories seen, the rest ``other``; Prometheus adds ``instance``).
+Counters and histograms only (and the engine's verify cost ratio measured at start-up,
+set once), labels ``model``, ``engine`` and the request's ``category`` (bounded: an
+allow-list or the first categories seen, the rest ``other``; Prometheus adds ``instance``).
 The PromQL of every derived figure (macro and micro accept rate
 and length, per-position acceptance, shares without drafts, without stats or with
-invalid stats, verl's accept rate) is in ``telemetry/queries.py``;
-``docs/telemetry.md`` tabulates it.
+invalid stats, verl's accept rate, the verify cost ratio and the net speed-up) is in
+``telemetry/queries.py``; ``docs/telemetry.md`` tabulates it.
+
+The net speed-up reads three counters over the sequences with a verify cost ratio, not
+the start-up gauge: each sequence's ratio is that of the K its steps ran when the
+speculation control measured it (``protocol/acceptance.py``), so only a sum of verify
+steps each weighed by its own ratio divides correctly across sequences, K values and
+replicas.
 
 Nothing here fails a request: a sequence without stats, or with counts that
 contradict themselves, is counted in its own counter and logged once.
@@ -58,6 +64,9 @@ class _CategorySeries:
     accepted_tokens: Any
     rejected_tokens: Any
     verify_steps: Any
+    costed_drafts: Any
+    costed_tokens: Any
+    verify_cost: Any
     accepted_per_position: tuple[Any, ...]
     request_accept_rate: Any
     request_accept_length: Any
@@ -131,6 +140,16 @@ class SpecDecodeMetrics:
             "Drafted tokens rejected by the target (computed, then thrown away).")
         self._verify_steps = counter("rollout_spec_decode_verify_steps",
                                      "Target forward passes that verified a draft.")
+        self._costed_drafts = counter(
+            "rollout_spec_decode_costed_drafts",
+            "Verify steps with a draft, of sequences with a verify cost ratio.")
+        self._costed_tokens = counter(
+            "rollout_spec_decode_costed_tokens",
+            "Tokens those verify steps emitted: accepted drafts plus one token per step.")
+        self._verify_cost = counter(
+            "rollout_spec_decode_verify_cost",
+            "Those verify steps, each counted at its cost in plain decode steps (its "
+            "sequence's verify cost ratio, at the K the steps ran where measured).")
         self._accepted_per_position = Counter(
             "rollout_spec_decode_accepted_per_position",
             "Drafts whose token at this 0-based position was accepted.",
@@ -146,8 +165,9 @@ class SpecDecodeMetrics:
         if verify_cost_ratio is not None:
             # Measured once when the engine starts: a fact about the engine, not an average.
             Gauge("rollout_spec_decode_verify_cost_ratio",
-                  "Time of a verify step with the drafts over a plain decode step, as the "
-                  "engine measured it at start-up.", names[:2],
+                  "Time of a verify step with k_max drafts over a plain decode step, as the "
+                  "engine measured it at start-up (the net speed-up reads "
+                  "rollout_spec_decode_verify_cost_total).", names[:2],
                   registry=registry).labels(**self._labels).set(verify_cost_ratio)
         # Binding creates every series at zero, so rate() and ratios exist before traffic;
         # a category seen later gets its children on its first request.
@@ -167,6 +187,9 @@ class SpecDecodeMetrics:
             accepted_tokens=self._accepted_tokens.labels(**labels),
             rejected_tokens=self._rejected_tokens.labels(**labels),
             verify_steps=self._verify_steps.labels(**labels),
+            costed_drafts=self._costed_drafts.labels(**labels),
+            costed_tokens=self._costed_tokens.labels(**labels),
+            verify_cost=self._verify_cost.labels(**labels),
             accepted_per_position=tuple(
                 self._accepted_per_position.labels(**labels, position=str(position))
                 for position in range(self._num_positions)),
@@ -215,6 +238,11 @@ class SpecDecodeMetrics:
         series.accepted_tokens.inc(stats.num_accepted_tokens)
         series.rejected_tokens.inc(stats.num_rejected_tokens)
         series.verify_steps.inc(stats.num_verify_steps)
+        ratio = stats.verify_cost_ratio
+        if stats.num_drafts and ratio is not None:  # the sequences with a net speed-up
+            series.costed_drafts.inc(stats.num_drafts)
+            series.costed_tokens.inc(stats.num_drafts + stats.num_accepted_tokens)
+            series.verify_cost.inc(stats.num_drafts * ratio)
         for child, count in zip(series.accepted_per_position, stats.accepted_per_position):
             child.inc(count)
         series.request_accept_length.observe(stats.accept_length)

@@ -17,8 +17,7 @@ replicas (a mean of per-replica ratios is not). Macro averages are ``_sum /
 _count`` of the per-request histograms, counters too.
 
 Series read: the service's (``telemetry/acceptance.py``: ``rollout_requests_total``,
-``rollout_spec_decode_*``, the gauge ``rollout_spec_decode_verify_cost_ratio``;
-``telemetry/weights.py``: ``rollout_weight_*``; ``telemetry/drafter.py``:
+``rollout_spec_decode_*``; ``telemetry/weights.py``: ``rollout_weight_*``; ``telemetry/drafter.py``:
 ``rollout_trainer_mtp_accuracy``; ``telemetry/speculation.py``: ``rollout_speculation_*``;
 labels ``model``, ``engine``, and ``category`` on the acceptance series), vLLM's own
 (``vllm:*``, whose model label is ``model_name``, so only ``instance`` selects them), and
@@ -44,8 +43,12 @@ DRAFTS_WITH_POSITIONS = "rollout_spec_decode_drafts_with_positions_total"
 DRAFT_TOKENS = "rollout_spec_decode_draft_tokens_total"
 ACCEPTED_TOKENS = "rollout_spec_decode_accepted_tokens_total"
 REJECTED_TOKENS = "rollout_spec_decode_rejected_tokens_total"
-VERIFY_COST_RATIO = "rollout_spec_decode_verify_cost_ratio"
-"""Gauge, set once per engine when it starts (absent when not measured)."""
+COSTED_DRAFTS = "rollout_spec_decode_costed_drafts_total"
+"""Drafts of the sequences with a verify cost ratio."""
+COSTED_TOKENS = "rollout_spec_decode_costed_tokens_total"
+"""Tokens those drafts' verify steps emitted (accepted drafts plus one each)."""
+VERIFY_COST = "rollout_spec_decode_verify_cost_total"
+"""Those verify steps, each at its sequence's verify cost ratio (in plain decode steps)."""
 ACCEPTED_PER_POSITION = "rollout_spec_decode_accepted_per_position_total"
 REQUEST_ACCEPT_RATE = "rollout_spec_decode_request_accept_rate"
 """Histogram: ``_sum``, ``_count``, ``_bucket``."""
@@ -221,20 +224,26 @@ def rejected_tokens_per_s(scope: Scope) -> str:
 
 
 def verify_cost_ratio(scope: Scope) -> str:
-    """Time of a verify step over a plain decode step, as each engine measured it at
-    start-up (the highest of the group's replicas)."""
-    return _aggregate("max", f"{VERIFY_COST_RATIO}{_selector(scope)}", scope.by)
+    """Mean cost of a verify step in plain decode steps over the window, each sequence's
+    steps at the ratio of the K they ran (the speculation control's measured costs) or at
+    the engine's start-up figure for k_max.
+
+    A ratio of counters, not the start-up gauge: with the controller, K changes with the
+    batch size, and so does what a verify step costs.
+    """
+    return _ratio(VERIFY_COST, COSTED_DRAFTS, scope)
 
 
 def net_speedup(scope: Scope) -> str:
-    """Estimated net speed-up of speculation: tokens per verify step (micro accept length)
-    over the measured verify cost ratio; below 1, speculation slows decoding down.
+    """Estimated net speed-up of speculation: tokens emitted by verify steps over those
+    steps' cost in plain decode steps, each at its sequence's verify cost ratio; below 1,
+    speculation slows decoding down.
 
-    Per step, not per request: the micro accept length weighs every verify step alike,
-    which is what the engine's time is spent on. The cost ratio is the replicas' highest,
-    so a group of replicas is estimated at its slowest.
+    Per step, not per request: every verify step counts alike, which is what the engine's
+    time is spent on; both sides count only sequences with a ratio (equal to the micro
+    accept length over the ratio where every step has the same one).
     """
-    return f"({micro_accept_length(scope)}) / {verify_cost_ratio(scope)}"
+    return _ratio(COSTED_TOKENS, VERIFY_COST, scope)
 
 
 # ---- drafter health per weight version ------------------------------------------------
@@ -432,7 +441,8 @@ def alert_stats_missing() -> str:
 
 def alert_speculation_slowdown() -> str:
     """The estimated net speed-up of speculation is below 1: drafting and verifying cost
-    more than the accepted tokens save."""
+    more than the accepted tokens save, each verify step priced at the K it ran where the
+    speculation control measured it."""
     return f"{net_speedup(Scope(window=ALERT_WINDOW, by=PER_INSTANCE))} < 1"
 
 

@@ -52,6 +52,18 @@ def test_verl_accept_rate_divides_by_every_request_with_stats() -> None:
         " / sum by (model) (rate(rollout_spec_decode_request_accept_length_count[5m]))")
 
 
+def test_the_net_speedup_prices_each_verify_step_at_its_own_ratio() -> None:
+    """Counters of verify steps weighed by their sequence's ratio (the K it ran), never the
+    start-up gauge measured at k_max: the slow-down alert reads the same."""
+    assert queries.net_speedup(RULES) == (
+        "sum by (model) (rate(rollout_spec_decode_costed_tokens_total[5m]))"
+        " / sum by (model) (rate(rollout_spec_decode_verify_cost_total[5m]))")
+    assert queries.verify_cost_ratio(RULES) == (
+        "sum by (model) (rate(rollout_spec_decode_verify_cost_total[5m]))"
+        " / sum by (model) (rate(rollout_spec_decode_costed_drafts_total[5m]))")
+    assert "verify_cost_ratio" not in queries.alert_speculation_slowdown()
+
+
 def test_dashboard_matchers_select_model_only_on_the_service_series() -> None:
     selector = '{model=~"$model", instance=~"$instance"}'
     assert f"rollout_requests_total{selector}[$__rate_interval]" in \

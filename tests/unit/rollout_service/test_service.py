@@ -10,7 +10,7 @@ tests/integration/rollout_service/test_no_speculation.py.
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator, Mapping
 from dataclasses import replace
 from pathlib import Path
 
@@ -21,9 +21,11 @@ from rollout_service.config import ServiceConfig
 from rollout_service.embedded import ensure_model
 from rollout_service.engines.base import (
     EngineInfo,
+    GenerationDelta,
     GenerationResult,
     LoadTimings,
     SamplingOptions,
+    StepCostSink,
     WeightUpdate,
 )
 from rollout_service.local import build_local_service
@@ -33,7 +35,9 @@ from rollout_service.protocol.placement import ShmLocation, TensorPlacement
 from rollout_service.protocol.shm import Segment
 from rollout_service.protocol.tensors import checkpoint_tensors
 from rollout_service.service import RolloutService
+from rollout_service.speculation.cost import StepCostSample
 from rollout_service.weights.intake import PushError
+from tests.support.spec_stats import vllm_chain
 from tests.support.waiting import until
 from trainer_client.push import layout
 
@@ -228,3 +232,60 @@ def test_only_a_pushable_drafter_has_a_version_series(info: EngineInfo,
     exported = sorted(sample.labels["role"] for metric in registry.collect()
                       if metric.name == "rollout_weight_version" for sample in metric.samples)
     assert exported == roles
+
+
+class ScheduledFakeEngine(FakeEngine):
+    """FAKE engine with vLLM's schedule side too: takes every schedule, streams its one
+    result, and hands the step costs a test feeds (``step``) to the subscribers as vLLM's
+    stat logger does."""
+
+    def __init__(self, info: EngineInfo, spec_decode: SpecDecodeStats) -> None:
+        super().__init__(info, spec_decode)
+        self.sinks: list[StepCostSink] = []
+        self.batch_size = 1
+
+    async def apply_spec_schedule(self, schedule: Mapping[int, int]) -> dict[int, int]:
+        return dict(schedule)
+
+    def subscribe_step_costs(self, sink: StepCostSink) -> None:
+        self.sinks.append(sink)
+
+    async def stream(self, prompt: str | list[int], sampling: SamplingOptions,
+                     request_id: str) -> AsyncIterator[GenerationDelta]:
+        result = await self.generate(prompt, sampling, request_id)
+        yield GenerationDelta(text="", token_ids=result.token_ids, result=result)
+
+    def step(self, k: int, batch_size: int, step_s: float) -> None:
+        for sink in self.sinks:
+            sink(StepCostSample(k=k, batch_size=batch_size, step_s=step_s))
+
+
+async def test_a_sequence_is_answered_and_exported_at_the_cost_of_the_k_it_ran() -> None:
+    """vLLM's ratio is measured at start-up at K = k_max (1.9 here). A sequence the
+    controller ran at K = 1 costs c(1, 1) / c(0, 1) = 1.2 of its measured steps: net
+    speed-up 1.5 / 1.2 = 1.25 in the response, streamed or not, and in the counters the
+    slow-down alert reads (at 1.9 it read 0.79: an alert where K = 1 paid)."""
+    at_k1 = vllm_chain(40, [0.5, 0.5], k=1, k_max=2, detailed=True)
+    engine = ScheduledFakeEngine(replace(MTP, verify_cost_ratio=1.9),
+                                 replace(at_k1, verify_cost_ratio=1.9))
+    config = ServiceConfig.model_validate({"speculation_control": {
+        "enabled": True, "num_steps_per_cost_sample": 1, "calibration": {"enabled": False}}})
+    service, registry = build_local_service(engine, config)
+    await service.start()
+    for k, step_s in enumerate((0.010, 0.012, 0.019)):
+        engine.step(k, 1, step_s)
+    request = messages.GenerateRequest(prompt_token_ids=[1, 2], max_tokens=2)
+    response = await service.generate(request)
+    spec = response.outputs[0].spec_decode
+    assert spec is not None and spec.verify_cost_ratio == pytest.approx(1.2)
+    assert spec.net_speedup == pytest.approx(1.25)
+    assert response.acceptance.net_speedup == pytest.approx(1.25)
+    deltas = [d async for d in service.stream_sequence([1, 2], SamplingOptions(max_tokens=2),
+                                                       "streamed")]
+    streamed = deltas[-1].result
+    assert streamed is not None and isinstance(streamed.spec_decode, SpecDecodeStats)
+    assert streamed.spec_decode.net_speedup == pytest.approx(1.25)
+    labels = {"model": "tiny", "engine": "vllm", "category": "none"}
+    tokens = registry.get_sample_value("rollout_spec_decode_costed_tokens_total", labels)
+    cost = registry.get_sample_value("rollout_spec_decode_verify_cost_total", labels)
+    assert (tokens, cost) == (2 * 60, pytest.approx(2 * 40 * 1.2))

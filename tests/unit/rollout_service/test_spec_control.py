@@ -34,6 +34,7 @@ from rollout_service.spec_control import (
 from rollout_service.speculation.acceptance import WeightVersions
 from rollout_service.speculation.cost import StepCostSample
 from rollout_service.telemetry.speculation import SpeculationMetrics
+from tests.support.spec_stats import vllm_chain, vllm_stats
 
 K_MAX = 2
 BUCKETS = [1, 2, 4, 8, 16]
@@ -175,6 +176,32 @@ async def test_a_pin_overrides_the_controller_until_unpinned(
     assert fake(control).applied[-1] == control._controller.schedule()
     assert all(b.reason != "pinned" and b.k == b.controller_k for b in status.buckets)
     assert k_series(registry, 1) == status.buckets[0].k
+
+
+async def test_a_sequence_is_priced_at_the_k_it_ran_not_at_k_max(
+        control: SpeculationControl) -> None:
+    """The engine's start-up ratio is for K = k_max (1.9 here); a sequence run at K = 1
+    costs c(1, B) / c(0, B) of the measured table, at the engine's batch size when it
+    finished. Without per-step counts, or where the table has no measurement, the
+    engine's figure stays."""
+    engine = fake(control)
+
+    def ratio(stats: SpecDecodeStats) -> float | None:
+        start_up = dataclasses.replace(stats, verify_cost_ratio=1.9)
+        costed = control.observe(dataclasses.replace(sequence(0.5), spec_decode=start_up))
+        assert isinstance(costed.spec_decode, SpecDecodeStats)
+        return costed.spec_decode.verify_cost_ratio
+
+    at_k1 = vllm_chain(40, [0.5, 0.5], k=1, k_max=K_MAX, detailed=True)
+    assert ratio(at_k1) == pytest.approx(0.023 / 0.020)  # c(1, 1) / c(0, 1)
+    mixed = vllm_stats([(1, 1)] * 10 + [(2, 2)] * 10, k_max=K_MAX, detailed=True)
+    engine.batch_size = 16
+    assert ratio(mixed) == pytest.approx((10 * 0.053 + 10 * 0.086) / 0.020 / 20)
+    engine.batch_size = 32  # beyond the measured batch sizes
+    assert ratio(at_k1) == 1.9
+    engine.batch_size = 1
+    assert ratio(vllm_chain(40, [0.5, 0.5], k=1, k_max=K_MAX)) == 1.9  # no per-step counts
+    assert control.status().num_observations == 4
 
 
 async def test_inconsistent_counts_are_skipped_not_raised(control: SpeculationControl) -> None:

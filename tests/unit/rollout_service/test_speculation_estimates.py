@@ -214,6 +214,27 @@ def test_no_cost_is_guessed_outside_the_measurements() -> None:
     assert not costs.covers(0, 1) and costs.covers(0, 5)
 
 
+def test_a_sequences_verify_steps_are_priced_at_the_k_each_ran() -> None:
+    """c(K, B) / c(0, B) per verify step, at the K vLLM's per-step counts say it ran;
+    nothing is guessed where the table has no measurement."""
+    costs = table((0, 1, 0.010), (0, 4, 0.020), (1, 1, 0.012), (1, 4, 0.026),
+                  (2, 1, 0.016), (2, 4, 0.030))
+    mixed = vllm_stats([(1, 1)] * 10 + [(2, 1)] * 30, k_max=2, detailed=True)
+    assert costs.verify_cost_ratio(mixed.drafts_per_k, 1) == pytest.approx(
+        (10 * 1.2 + 30 * 1.6) / 40)
+    assert costs.verify_cost_ratio(mixed.drafts_per_k, 2) == pytest.approx(
+        (10 * 0.019 + 30 * 0.023) / 0.015 / 40)  # halfway in log B
+    assert costs.verify_cost_ratio(mixed.drafts_per_k, 8) is None  # beyond B = 4
+    at_k1 = vllm_chain(20, [0.5], k=1, k_max=2, detailed=True)
+    assert table((0, 1, 0.01), (1, 1, 0.012)).verify_cost_ratio(
+        at_k1.drafts_per_k, 1) == pytest.approx(1.2)
+    assert table((1, 1, 0.012), (2, 1, 0.016)).verify_cost_ratio(
+        at_k1.drafts_per_k, 1) is None  # no K = 0 to compare with
+    assert table((0, 1, 0.01)).verify_cost_ratio(at_k1.drafts_per_k, 1) is None
+    assert costs.verify_cost_ratio((), 1) is None  # no per-step counts
+    assert costs.verify_cost_ratio((0, 0, 0), 1) is None  # no drafts
+
+
 def test_new_samples_blend_in() -> None:
     costs = table((1, 8, 1.0))
     costs.record(StepCostSample(k=1, batch_size=8, step_s=2.0))
@@ -268,6 +289,7 @@ def test_the_engine_adapter_passes_vllms_per_step_counts_on() -> None:
     assert isinstance(stats, SpecDecodeStats)
     assert stats.accepted_per_position == (4, 2, 1)
     assert stats.reached_per_position == (5, 3, 1)
+    assert stats.drafts_per_k == (0, 2, 1, 2)  # the K of each step: what it cost
     summary = RequestSpecDecodeMetrics.new(3)
     summary.observe(num_draft_tokens=1, num_accepted=1)
     assert to_stats(summary).reached_per_position == ()  # type: ignore[union-attr]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -11,6 +13,7 @@ from rollout_service.protocol.acceptance import SpecDecodeStats, summarize
 from rollout_service.protocol.messages import SpecDecodeInfo
 from rollout_service.service import to_spec_info
 from rollout_service.telemetry.acceptance import SpecDecodeMetrics
+from tests.support.spec_stats import vllm_chain, vllm_stats
 
 LABELS = {"model": "m", "engine": "vllm"}
 
@@ -82,3 +85,40 @@ def test_exporter_without_a_measured_ratio_has_no_ratio_series() -> None:
     registry = CollectorRegistry()
     SpecDecodeMetrics(registry=registry, num_speculative_tokens=1, **LABELS)
     assert registry.get_sample_value("rollout_spec_decode_verify_cost_ratio", LABELS) is None
+
+
+def test_vllms_per_step_counts_say_how_many_drafts_ran_at_each_k() -> None:
+    """The K of each verify step, which its cost depends on; vLLM's histogram alone has
+    ``k_max + 1`` buckets whatever K ran and cannot say it."""
+    steps = [(1, 1), (1, 0), (3, 2), (2, 2), (3, 0)]
+    assert vllm_stats(steps, k_max=3, detailed=True).drafts_per_k == (0, 2, 1, 2)
+    assert vllm_stats(steps, k_max=3).drafts_per_k == ()  # the summary level has no steps
+    with pytest.raises(ValueError, match="drafts_per_k"):
+        SpecDecodeStats(num_drafts=2, num_draft_tokens=3, num_accepted_tokens=1,
+                        num_verify_steps=2, drafts_per_k=(0, 2, 0))  # 2 tokens, not 3
+
+
+def test_exporter_weighs_each_verify_step_at_its_sequences_ratio() -> None:
+    """The net speed-up's series: a sequence the controller ran at K = 1 (ratio 1.2) and
+    one at K = 2 (ratio 1.6) divide as the batch summary does; one without a ratio, and
+    one without drafts, count in neither side. A gauge of one ratio could not say this."""
+    registry = CollectorRegistry()
+    exporter = SpecDecodeMetrics(registry=registry, num_speculative_tokens=2,
+                                 verify_cost_ratio=1.9, **LABELS)
+    at_k1 = replace(vllm_chain(40, [0.5], k=1, k_max=2, detailed=True), verify_cost_ratio=1.2)
+    at_k2 = replace(vllm_chain(10, [0.8, 0.5], k=2, k_max=2, detailed=True),
+                    verify_cost_ratio=1.6)
+    unknown = vllm_chain(30, [0.9], k=1, k_max=2, detailed=True)
+    no_drafts = replace(vllm_chain(0, [], k=0, k_max=2), verify_cost_ratio=1.9)
+    for seq in (at_k1, at_k2, unknown, no_drafts):
+        exporter.observe(seq)
+
+    def value(name: str) -> float | None:
+        return registry.get_sample_value(name, {**LABELS, "category": "none"})
+
+    assert value("rollout_spec_decode_costed_drafts_total") == 40 + 10
+    assert value("rollout_spec_decode_costed_tokens_total") == (40 + 20) + (10 + 12)
+    assert value("rollout_spec_decode_verify_cost_total") == pytest.approx(40 * 1.2 + 10 * 1.6)
+    net = value("rollout_spec_decode_costed_tokens_total") / value(  # type: ignore[operator]
+        "rollout_spec_decode_verify_cost_total")
+    assert net == pytest.approx(summarize([at_k1, at_k2, unknown, no_drafts]).net_speedup)
