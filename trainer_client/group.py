@@ -26,6 +26,7 @@ from urllib.parse import urlsplit
 
 import torch
 
+from rollout_service.client import ServiceError
 from rollout_service.protocol import messages
 from rollout_service.protocol.broadcast import Group, GroupSpec, Rendezvous, join
 
@@ -126,6 +127,10 @@ class TrainerGroup:
                                   is_cancelled=refused.is_set)
             except BaseException as exc:  # handed to the caller below
                 failure.append(exc)
+                if not _was_cancelled(exc):
+                    # At once, not after the update's answer: a worker blocked in gloo
+                    # receiving from this rank ends only when its sockets close.
+                    group.close()
 
         sender = threading.Thread(target=send, name="rollout-weights-broadcast", daemon=True)
         started = time.monotonic()
@@ -134,10 +139,13 @@ class TrainerGroup:
             result = update()
         except BaseException as exc:
             refused.set()  # a sender still waiting for receivers stops waiting
+            if not _keeps_group(exc):  # ends the receives still blocked on this rank
+                group.close()
             sender.join(group.spec.timeout_s + JOIN_MARGIN_S)
             exc.add_note(f"the trainer's broadcast of {key}: {_sender_state(sender, failure)} "
                          f"{time.monotonic() - started:.1f} s after it started")
-            if sender.is_alive() or (failure and not _was_cancelled(failure[0])):
+            if (sender.is_alive() or (failure and not _was_cancelled(failure[0]))
+                    or not _keeps_group(exc)):
                 self.close()
             raise
         sender.join(group.spec.timeout_s + JOIN_MARGIN_S)
@@ -165,6 +173,12 @@ class TrainerGroup:
         if self._group is not None:
             self._group.close()
             self._group = None
+
+
+def _keeps_group(exc: BaseException) -> bool:
+    """Whether the service kept the group after this update failure: a bucket it refused
+    (400); anything else (a broken broadcast, a replica gone) closed it there."""
+    return isinstance(exc, ServiceError) and exc.status == 400
 
 
 def _was_cancelled(exc: BaseException) -> bool:

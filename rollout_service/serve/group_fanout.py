@@ -235,25 +235,26 @@ class GroupFanOut:
         return response
 
     async def _receive(self, group: _Group, command: Command) -> dict[str, CommandResult]:
-        """Every member's receive of one bucket; the failed ones. The first failure closes
-        the group on the others at once (unless it is a refusal that kept the group), so
-        that their receives end instead of waiting out the group's timeout."""
+        """Every member's receive of one bucket; the failed ones. At the first failure that
+        breaks the group the coordinator closes it on every member and answers at once,
+        collecting the others' answers in the background: a member whose receive is
+        blocked in gloo ends only when the trainer closes its sockets (neither abort nor
+        shutdown of a gloo group ends a pending receive), which the trainer does as soon
+        as its broadcast fails or its update is answered with a failure."""
         futures = self._coordinator.dispatch(self.member_ids(), command)
-        collected = asyncio.create_task(self._coordinator.collect(
+        collected = asyncio.ensure_future(self._coordinator.collect(
             futures, command.id, timeout_s=group.response.timeout_s + ACK_MARGIN_S))
-        is_closed = False
         while not collected.done():
             pending = [f for f in futures.values() if not f.done()]
             await asyncio.wait([collected, *pending], timeout=0.5,
                                return_when=asyncio.FIRST_COMPLETED)
-            broken = [f.result() for f in futures.values() if f.done()
-                      and not f.result().ok and _breaks(f.result())]
-            if broken and not is_closed:
-                is_closed = True
+            done = {r: f.result() for r, f in futures.items() if f.done()}
+            if any(not result.ok and _breaks(result) for result in done.values()):
+                self._in_background(collected)
                 await self.close()
-        results = collected.result()
-        failed = {r: result for r, result in results.items() if not result.ok}
-        if failed and not is_closed and any(_breaks(result) for result in failed.values()):
+                return {r: result for r, result in done.items() if not result.ok}
+        failed = {r: result for r, result in collected.result().items() if not result.ok}
+        if any(_breaks(result) for result in failed.values()):
             await self.close()
         return failed
 
