@@ -22,6 +22,7 @@ from rollout_service.engines.sequences import (
     GenerationResult,
     SamplingOptions,
 )
+from rollout_service.protocol.messages import WeightStatus
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -140,6 +141,17 @@ class UnknownModelError(LookupError):
 
     def __init__(self, model: str) -> None:
         super().__init__(f"The model `{model}` does not exist.")
+
+
+DEFAULT_WEIGHT_VERSION = "default"
+"""The weight version vLLM and SGLang label the weights they started with (before any
+push), in responses and in their weight-version routes alike."""
+
+
+def weight_version_label(status: WeightStatus) -> str:
+    """The main model's served version as the engines label it in responses."""
+    version = status.main_version
+    return DEFAULT_WEIGHT_VERSION if version is None else str(version)
 
 
 def check_model(model: str | None, served: str) -> None:

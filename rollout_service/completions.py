@@ -23,6 +23,7 @@ import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from contextlib import aclosing
+from dataclasses import replace
 from typing import Any
 
 from rollout_service.choices import Choice, Sequences, check_model
@@ -58,16 +59,25 @@ def num_logprobs(req: OpenAIRequest) -> int | None:
     return (req.top_logprobs or 0) if req.logprobs else None
 
 
+def is_echoed(req: OpenAIRequest) -> bool:
+    return isinstance(req, openai.CompletionRequest) and req.echo
+
+
 def fan_out(prompts: Sequence[str | list[int]], req: OpenAIRequest, max_tokens: int,
             request_id: str) -> list[Choice]:
     """``req.n`` choices per prompt, in OpenAI's order; choice ``i`` of a prompt uses
-    ``seed + i``; all abortable by the call's ``request_id`` (vLLM's field, or the id)."""
+    ``seed + i``; all abortable by the call's ``request_id`` (vLLM's field, or the id).
+    With ``echo`` the prompt's logprobs default to the output's top N (vLLM's rule)."""
     client_id = req.request_id or request_id
+    num_top = num_logprobs(req)
+    prompt_top = req.prompt_logprobs
+    if prompt_top is None and is_echoed(req):
+        prompt_top = num_top
     return [Choice(prompt=prompt, request_id=f"{request_id}-{p}-{i}", category=req.category,
-                   client_id=client_id, sampling=vllm_sampling_options(
+                   client_id=client_id, sampling=replace(vllm_sampling_options(
                        req, max_tokens=max_tokens, temperature=req.temperature,
                        top_p=req.top_p, seed=None if req.seed is None else req.seed + i,
-                       stop=req.stop, logprobs=num_logprobs(req)))
+                       stop=req.stop, logprobs=num_top), prompt_logprobs=prompt_top))
             for p, prompt in enumerate(prompts) for i in range(req.n)]
 
 
@@ -137,21 +147,33 @@ class OpenAICompletions:
 
     # ---- /v1/completions ------------------------------------------------------------
 
+    async def _echoes(self, req: openai.CompletionRequest, prompts: Sequence[str | list[int]]
+                      ) -> list[str]:
+        """Each prompt's text as ``echo`` repeats it ("" without echo)."""
+        if not req.echo:
+            return [""] * len(prompts)
+        return [p if isinstance(p, str) else await self._service.decode(p) for p in prompts]
+
     async def complete(self, req: openai.CompletionRequest) -> openai.CompletionResponse:
         """Every prompt times ``n``, choices in that order."""
         info = await self._info(req)
         request_id = f"cmpl-{uuid.uuid4().hex}"
-        results = await self._service.run(
-            fan_out(completion_prompts(req.prompt), req, req.max_tokens, request_id))
+        prompts = completion_prompts(req.prompt)
+        results = await self._service.run(fan_out(prompts, req, req.max_tokens, request_id))
+        echoes = await self._echoes(req, prompts)
         names = self._names(req)
-        if req.logprobs is not None or req.prompt_logprobs is not None:
-            await names.learn([lps for r in results for lps in (r.logprobs, r.prompt_logprobs)])
+        if req.logprobs is not None or req.prompt_logprobs is not None or req.echo:
+            await names.learn([lps for r in results for lps in (r.logprobs, r.prompt_logprobs)],
+                              [t for r in results for t in r.prompt_token_ids] if req.echo
+                              else ())
         return openai.CompletionResponse(
             id=request_id, created=int(time.time()), model=info.model,
             choices=[openai.CompletionChoice(
-                index=i, text=r.text, **self._choice_fields(req, r),
+                index=i, text=echoes[i // req.n] + r.text, **self._choice_fields(req, r),
                 logprobs=None if r.logprobs is None or req.logprobs is None
-                else completion_logprobs(r.logprobs, names, req.logprobs),
+                else completion_logprobs(r.logprobs, names, req.logprobs, echoed=(
+                    r.prompt_token_ids, r.prompt_logprobs or [None] * len(r.prompt_token_ids))
+                    if req.echo else None),
                 token_ids=list(r.token_ids) if req.return_token_ids else None,
                 prompt_token_ids=list(r.prompt_token_ids) if req.return_token_ids else None,
                 prompt_logprobs=None if r.prompt_logprobs is None
@@ -165,23 +187,33 @@ class OpenAICompletions:
         """:meth:`complete` as chunks (module docstring)."""
         info = await self._info(req)
         request_id = f"cmpl-{uuid.uuid4().hex}"
-        choices = fan_out(completion_prompts(req.prompt), req, req.max_tokens, request_id)
+        prompts = completion_prompts(req.prompt)
+        choices = fan_out(prompts, req, req.max_tokens, request_id)
         header = {"id": request_id, "created": int(time.time()), "model": info.model}
         results: dict[int, GenerationResult] = {}
         names, offsets, started = self._names(req), [0] * len(choices), set()
-        every_delta = bool(req.return_token_ids) or req.logprobs is not None
+        every_delta = bool(req.return_token_ids) or req.logprobs is not None or req.echo
         async with aclosing(self._stream(choices, results, every_delta=every_delta)) as deltas:
             async for index, delta in deltas:
-                logprobs = None
-                if req.logprobs is not None:
-                    await names.learn([delta.logprobs])
-                    logprobs = completion_logprobs(delta.logprobs, names, req.logprobs,
-                                                   text_offset=offsets[index])
-                offsets[index] += len(delta.text)
                 is_first = index not in started
                 started.add(index)
+                # echo: the prompt (and its logprobs) lead the choice's first chunk
+                echo = is_first and req.echo and delta.prompt_token_ids is not None
+                text = delta.text
+                if echo:
+                    prompt = prompts[index // req.n]
+                    text = (prompt if isinstance(prompt, str)
+                            else await self._service.decode(prompt)) + text
+                logprobs = None
+                if req.logprobs is not None:
+                    prompt_ids = delta.prompt_token_ids or ()
+                    await names.learn([delta.logprobs], prompt_ids if echo else ())
+                    logprobs = completion_logprobs(
+                        delta.logprobs, names, req.logprobs, text_offset=offsets[index],
+                        echoed=(prompt_ids, [None] * len(prompt_ids)) if echo else None)
+                offsets[index] += len(text)
                 yield openai.CompletionChunk(**header, choices=[openai.CompletionStreamChoice(
-                    index=index, text=delta.text, logprobs=logprobs,
+                    index=index, text=text, logprobs=logprobs,
                     **self._choice_fields(req, delta.result),
                     token_ids=list(delta.token_ids) if req.return_token_ids else None,
                     prompt_token_ids=_list(delta.prompt_token_ids)

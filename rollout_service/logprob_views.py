@@ -56,19 +56,29 @@ def candidates(p: PositionLogprobs, num_top: int) -> list[TokenLogprob]:
 
 
 def completion_logprobs(positions: Sequence[PositionLogprobs], names: TokenNames,
-                        num_top: int, *, text_offset: int = 0) -> openai.CompletionLogprobs:
+                        num_top: int, *, text_offset: int = 0,
+                        echoed: tuple[Sequence[int], Sequence[PositionLogprobs | None]]
+                        | None = None) -> openai.CompletionLogprobs:
     """OpenAI's legacy ``logprobs`` of a completion choice (or a chunk's new tokens, whose
     offsets start at ``text_offset``), as vLLM fills them (``_create_completion_logprobs``:
-    ``top_logprobs`` holds the sampled token and the ``num_top`` most likely)."""
-    tokens = [names[p.token.token_id] for p in positions]
+    ``top_logprobs`` holds the sampled token and the ``num_top`` most likely). With
+    ``echo``, the prompt's ids and prompt logprobs come first (``echoed``; the first
+    position has none)."""
+    ids: list[int] = [p.token.token_id for p in positions]
+    steps: list[PositionLogprobs | None] = list(positions)
+    if echoed is not None:
+        ids = [*echoed[0], *ids]
+        steps = [*echoed[1], *steps]
+    tokens = [names[t] for t in ids]
     offsets, offset = [], text_offset
     for token in tokens:
         offsets.append(offset)
         offset += len(token)
     return openai.CompletionLogprobs(
-        tokens=tokens, token_logprobs=[max(p.token.logprob, MIN_LOGPROB) for p in positions],
-        top_logprobs=[{names[c.token_id]: max(c.logprob, MIN_LOGPROB)
-                       for c in candidates(p, num_top)} for p in positions],
+        tokens=tokens,
+        token_logprobs=[None if p is None else max(p.token.logprob, MIN_LOGPROB) for p in steps],
+        top_logprobs=[None if p is None else {names[c.token_id]: max(c.logprob, MIN_LOGPROB)
+                                             for c in candidates(p, num_top)} for p in steps],
         text_offset=offsets)
 
 

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from rollout_service.protocol.messages import (
     MAX_BATCH,
@@ -116,15 +116,9 @@ class CompletionRequest(_OpenAISampling):
     max_tokens: Int = Field(16, ge=1)
     logprobs: NumLogprobs | None = Field(None, description=(
         "Each sampled token's log-probability, and the N most likely at each position."))
-    echo: bool = Field(False, json_schema_extra={"const": False}, description=(
-        "Only false: the prompt is not repeated."))
-
-    @field_validator("echo")
-    @classmethod
-    def _no_echo(cls, echo: bool) -> bool:
-        if echo:
-            raise ValueError("only false is supported")
-        return echo
+    echo: bool = Field(False, description=(
+        "The prompt before each choice's text, and with logprobs, the prompt's logprobs "
+        "before the choice's (prompt_logprobs defaults to logprobs then), as vLLM does."))
 
 
 ChatRole = Literal["system", "developer", "user", "assistant"]

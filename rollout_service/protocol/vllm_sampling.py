@@ -52,6 +52,7 @@ REFUSED_UNLESS: dict[str, tuple[Any, ...]] = {
     "truncate_prompt_tokens": (None,),
     "prompt_embeds": (None,),
     "suffix": (None, ""),
+    "echo": (None, False),
     "length_penalty": (1.0, 1),
     "logits_processors": (None, []),
     "tools": (None, []),

@@ -229,7 +229,37 @@ async def test_flush_health_and_weight_version(http: httpx.AsyncClient) -> None:
     assert (await http.get("/health_generate")).status_code == 200
     version = (await http.get("/get_weight_version")).json()["weight_version"]
     main = (await http.get("/health")).json()["weights"]["main_version"]
-    assert version == (None if main is None else str(main))
+    assert version == ("default" if main is None else str(main))
+    # the label every answer's meta_info carries (slime compares the two)
+    out = (await http.post("/generate", json={"input_ids": PROMPT_IDS,
+                                              "sampling_params": {"max_new_tokens": 2}})).json()
+    assert out["meta_info"]["weight_version"] == version
+
+
+async def test_server_and_model_info_as_slime_reads_them(http: httpx.AsyncClient) -> None:
+    """slime ``slime/backends/sglang_utils/external.py`` (``get_server_info``,
+    ``discover_external_engines``): ``/server_info`` or ``/get_server_info``, read for
+    ``tp_size``, ``pp_size``, ``dp_size``, ``ep_size``."""
+    for path in ("/server_info", "/get_server_info"):
+        info = (await http.get(path)).json()
+        assert (info["tp_size"], info["pp_size"], info["dp_size"], info["ep_size"]) == (
+            1, 1, 1, 1)
+        assert info["speculative_num_draft_tokens"] == NUM_SPECULATIVE_TOKENS + 1
+        assert info["context_length"] == 1024
+    for path in ("/model_info", "/get_model_info"):
+        model = (await http.get(path)).json()
+        assert model["is_generation"] and model["served_model_name"] == "embedded:tiny"
+
+
+async def test_custom_params_are_ignored_as_sglang_ignores_them(http: httpx.AsyncClient) -> None:
+    """slime sends ``custom_params`` with ``--rollout-top-p`` below 1
+    (``sglang_rollout.py``, ``GenerateState``); SGLang hands them to a custom logit
+    processor only."""
+    response = await http.post("/generate", json={
+        "input_ids": PROMPT_IDS, "sampling_params": {
+            "max_new_tokens": 3, "top_p": 0.9,
+            "custom_params": {"return_top_p_token_ids": True}}})
+    assert response.status_code == 200, response.text
 
 
 @pytest.mark.parametrize(("body", "field"), [

@@ -185,6 +185,29 @@ async def test_completions_take_vllms_extensions_and_answer_in_vllms_shape(
     assert all(str(t) in p for t, p in zip(PROMPT_IDS[1:], prompt[1:]))
 
 
+async def test_echo_scores_a_prompt_as_areals_teacher_asks(http: httpx.AsyncClient) -> None:
+    """AReaL's vLLM backend ``build_score_request`` / ``parse_score_response``
+    (``areal/engine/vllm_remote.py``): ``echo`` with prompt logprobs; the prompt's token is
+    the first entry of each position, and the prompt leads the text and the logprobs."""
+    response = await http.post("/v1/completions", json={
+        "prompt": PROMPT_IDS, "max_tokens": 1, "temperature": 0.0, "logprobs": 1,
+        "prompt_logprobs": 1, "echo": True})
+    assert response.status_code == 200, response.text
+    [choice] = response.json()["choices"]
+    prompt = choice["prompt_logprobs"]
+    assert len(prompt) == len(PROMPT_IDS) and not prompt[0]
+    assert [int(next(iter(p))) for p in prompt[1:]] == PROMPT_IDS[1:]
+    scores = [next(iter(p.values()))["logprob"] for p in prompt[-3:]]
+    assert all(s <= 0 for s in scores)
+    decoded = (await http.post("/detokenize", json={"tokens": PROMPT_IDS})).json()["prompt"]
+    assert choice["text"].startswith(decoded)
+    logprobs = choice["logprobs"]
+    assert len(logprobs["tokens"]) == len(PROMPT_IDS) + 1
+    assert logprobs["token_logprobs"][0] is None and logprobs["top_logprobs"][0] is None
+    assert logprobs["token_logprobs"][1:len(PROMPT_IDS)] == [
+        p[str(t)]["logprob"] for p, t in zip(prompt[1:], PROMPT_IDS[1:])]
+
+
 async def test_streamed_completions_as_vllms_benchmark_reads_them(
         http: httpx.AsyncClient) -> None:
     """vLLM's ``vllm/benchmarks/lib/endpoint_request_func.py``
@@ -303,6 +326,24 @@ async def test_abort_requests_aborts_those_named_and_only_those(
     assert totals((await http.get("/metrics")).text) == (aborted + 1, missing)
 
 
+async def test_areals_pause_routes_abort_and_hold_until_continue(
+        http: httpx.AsyncClient) -> None:
+    """AReaL's vLLM backend (``areal/engine/vllm_remote.py``: ``get_pause_request``,
+    ``get_resume_request``) calls its patched server's ``/areal_pause_generation`` and
+    ``/areal_continue_generation`` (``areal/engine/vllm_ext/areal_vllm_server.py``)."""
+    running = await frozen(http, "areal-vllm")
+    paused = await http.post("/areal_pause_generation", json={})
+    assert paused.json()["success"] is True
+    try:
+        await running.finished()
+        assert (await http.get("/is_paused")).json() == {"is_paused": True}
+    finally:
+        resumed = await http.post("/areal_continue_generation", json={})
+    assert resumed.json() == {"success": True, "message": "Generation continued"}
+    assert running.finish_reason == "abort"
+    assert (await http.get("/is_paused")).json() == {"is_paused": False}
+
+
 async def test_an_aborted_rollout_resubmitted_with_its_tokens_completes(
         http: httpx.AsyncClient) -> None:
     """AReaL's partial rollouts (``areal/infra/remote_inf_engine.py``): on finish reason
@@ -382,7 +423,7 @@ async def test_world_size_prefix_cache_and_weight_info(http: httpx.AsyncClient) 
     info = (await http.get("/weight_info")).json()
     status = (await http.get("/health")).json()["weights"]
     expected = status["main_version"]
-    assert info == {"weight_version": None if expected is None else str(expected)}
+    assert info == {"weight_version": "default" if expected is None else str(expected)}
 
 
 async def test_control_routes_take_the_api_key(service: ServiceProcess) -> None:

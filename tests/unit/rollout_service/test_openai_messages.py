@@ -54,7 +54,7 @@ COMPLETION_BODIES = [
     ({"model": "m", "prompt": [[]]}, False),
     ({"model": "m", "prompt": [""]}, False),
     ({"model": "m", "prompt": ["a", 1]}, False),
-    ({"model": "m", "prompt": "a", "echo": True}, False),
+    ({"model": "m", "prompt": "a", "echo": True, "logprobs": 1}, True),
     ({"model": "m", "prompt": "a", "echo": 0}, False),
     ({"model": "m", "prompt": "a", "stop": ""}, False),
     # vLLM's rules: model optional, top-N logprobs, its sampling extensions, unknown

@@ -15,7 +15,15 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Discriminator,
+    Field,
+    Tag,
+    model_validator,
+)
 
 from rollout_service.protocol.messages import (
     MAX_BATCH,
@@ -41,10 +49,12 @@ _LENIENT = ConfigDict(extra="allow", strict=True)
 
 _SAMPLING_REFUSED: dict[str, tuple[Any, ...]] = {
     "json_schema": (None,), "regex": (None,), "ebnf": (None,), "structural_tag": (None,),
-    "logit_bias": (None, {}), "custom_params": (None, {}), "beam_width": (None, 1),
+    "logit_bias": (None, {}), "beam_width": (None, 1),
     "stop_regex": (None, [], ""),
 }
-"""SGLang sampling fields that would change what is sampled, and their neutral values."""
+"""SGLang sampling fields that would change what is sampled, and their neutral values
+(``custom_params`` is not one: SGLang hands it only to a custom logit processor, and
+``custom_logit_processor`` is refused; slime sends it with ``--rollout-top-p`` < 1)."""
 _REQUEST_REFUSED: dict[str, tuple[Any, ...]] = {
     "input_embeds": (None,), "image_data": (None, []), "video_data": (None, []),
     "audio_data": (None, []), "lora_path": (None,), "custom_logit_processor": (None,),
@@ -105,6 +115,14 @@ class SGLangSamplingParams(BaseModel):
 
 
 TokenIds = Annotated[list[TokenId], Field(min_length=1)]
+
+
+def _one_or_list(value: Any) -> str:
+    """A batch field's shape by its JSON type, so that a refusal names only its own."""
+    return "per-prompt" if isinstance(value, list) else "one"
+
+
+
 StartLen = Annotated[int, Field(ge=-1), BeforeValidator(integral)]
 """A prompt position; -1: none."""
 _ONE_PROMPT = {"oneOf": [{"required": ["text"], "properties": {"text": {"not": {"type": "null"}}}},
@@ -129,7 +147,10 @@ class GenerateReqInput(BaseModel):
                        Field(min_length=1, max_length=MAX_BATCH)] | None) = None
     input_ids: (TokenIds | Annotated[list[TokenIds], Field(min_length=1, max_length=MAX_BATCH)]
                 | None) = None
-    sampling_params: SGLangSamplingParams | list[SGLangSamplingParams] | None = Field(
+    sampling_params: Annotated[
+        Annotated[SGLangSamplingParams, Tag("one")]
+        | Annotated[list[SGLangSamplingParams], Tag("per-prompt")],
+        Discriminator(_one_or_list)] | None = Field(
         None, description="One for every prompt, or one per prompt of a batch.")
     rid: str | list[str] | None = Field(None, description=(
         "The id /abort_request aborts a prompt's sequences by (a batch: one per prompt)."))
@@ -236,7 +257,44 @@ class StatusAnswer(BaseModel):
 
 
 class WeightVersionAnswer(BaseModel):
-    weight_version: str | None
+    weight_version: str = Field(description="The main model's; 'default' before any push.")
+
+
+class ServerInfo(BaseModel):
+    """``GET /server_info`` (``/get_server_info``): the server arguments an SGLang client
+    reads to size and check an engine (slime ``slime/backends/sglang_utils/external.py``:
+    ``tp_size``, ``pp_size``, ``dp_size``, ``ep_size``); one engine of this service, with
+    no data or expert parallelism."""
+
+    model_path: str
+    served_model_name: str
+    tp_size: int
+    pp_size: int = 1
+    dp_size: int = 1
+    ep_size: int = 1
+    moe_dp_size: int = 1
+    num_gpus: int
+    context_length: int
+    speculative_algorithm: str | None = Field(description=(
+        "The engine's speculative method (vLLM's name, e.g. 'mtp'); None when off."))
+    speculative_num_steps: int | None
+    speculative_eagle_topk: int | None
+    speculative_num_draft_tokens: int | None
+    disaggregation_mode: Literal["null"] = "null"
+    enable_memory_saver: bool = False
+    weight_version: str
+    version: str = Field(description="This service, not SGLang.")
+    internal_states: list[dict[str, Any]] = Field(default_factory=list)
+
+
+class ModelInfo(BaseModel):
+    """``GET /model_info`` (``/get_model_info``)."""
+
+    model_path: str
+    served_model_name: str
+    tokenizer_path: str
+    is_generation: bool = True
+    weight_version: str
 
 
 class Load(BaseModel):

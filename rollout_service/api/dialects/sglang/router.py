@@ -3,8 +3,9 @@
 Runs in the service process (standalone, or the Ray Serve ingress); routes only. Mirrors
 sgl-project/sglang 0.5.23 ``python/sglang/srt/entrypoints/http_server.py``
 (``/pause_generation``, ``/continue_generation``, ``/abort_request``, ``/flush_cache``,
-``/health_generate``, ``/get_weight_version`` of earlier releases) and
-``entrypoints/v1_loads.py`` (``/v1/loads``). ``POST /generate`` is the native API's path
+``/health_generate``, ``/server_info``, ``/model_info`` and their ``/get_*`` names,
+``/get_weight_version`` of earlier releases) and ``entrypoints/v1_loads.py``
+(``/v1/loads``). ``POST /generate`` is the native API's path
 too: the app's one handler tells the two apart by the body's keys
 (:func:`generate_dialect`) and hands SGLang's to :func:`sglang_generate`. Every route
 takes the service's ``api_key`` as generation does (slime and AReaL send no other token).
@@ -23,7 +24,7 @@ from fastapi.responses import PlainTextResponse, Response
 from rollout_service.api.errors import documented
 from rollout_service.api.openai import event_stream
 from rollout_service.api.ports import AppState, GenerationControl, WeightPushes
-from rollout_service.choices import Sequences
+from rollout_service.choices import Sequences, weight_version_label
 
 from . import protocol as sgl
 from .serving import SGLangServing
@@ -112,8 +113,31 @@ def sglang_router(guard: Callable[..., Awaitable[None]] | None) -> APIRouter:
     @router.get("/get_weight_version")
     async def get_weight_version(svc: WeightPushes = Depends(weights)
                                  ) -> sgl.WeightVersionAnswer:
-        version = (await svc.get_status()).main_version
-        return sgl.WeightVersionAnswer(weight_version=None if version is None else str(version))
+        return sgl.WeightVersionAnswer(weight_version=weight_version_label(await svc.get_status()))
+
+    async def server_info(seqs: Sequences = Depends(sequences),
+                          svc: WeightPushes = Depends(weights)) -> sgl.ServerInfo:
+        info = await seqs.engine_info()
+        k = info.num_speculative_tokens
+        return sgl.ServerInfo(
+            model_path=info.model_path, served_model_name=info.model, tp_size=info.world_size,
+            num_gpus=info.world_size, context_length=info.max_model_len,
+            speculative_algorithm=info.speculative_method, speculative_num_steps=k or None,
+            speculative_eagle_topk=1 if k else None,
+            speculative_num_draft_tokens=k + 1 if k else None,
+            weight_version=weight_version_label(await svc.get_status()),
+            version=f"mtp-rollout ({info.engine})")
+
+    async def model_info(seqs: Sequences = Depends(sequences),
+                         svc: WeightPushes = Depends(weights)) -> sgl.ModelInfo:
+        info = await seqs.engine_info()
+        return sgl.ModelInfo(model_path=info.model_path, served_model_name=info.model,
+                             tokenizer_path=info.model_path,
+                             weight_version=weight_version_label(await svc.get_status()))
+
+    for path, route in (("/server_info", server_info), ("/get_server_info", server_info),
+                        ("/model_info", model_info), ("/get_model_info", model_info)):
+        router.add_api_route(path, route, methods=["GET"], operation_id=path.strip("/"))
 
     @router.get("/v1/loads")
     async def loads(svc: GenerationControl = Depends(control),

@@ -243,10 +243,19 @@ class ResetPrefixCacheAnswer(BaseModel):
         "False while running requests hold cached blocks (retry, or pause first)."))
 
 
+class SuccessAnswer(BaseModel):
+    """AReaL's patched vLLM server's answer (``areal/engine/vllm_ext/areal_vllm_server.py``,
+    ``to_json_response``)."""
+
+    success: bool
+    message: str
+
+
 class WorldSizeAnswer(BaseModel):
     world_size: int
 
 
 class WeightInfoAnswer(BaseModel):
-    weight_version: str | None = Field(description=(
-        "The served main model's version, as vLLM's weight_version string."))
+    weight_version: str = Field(description=(
+        "The served main model's version, as vLLM's weight_version string ('default' "
+        "before any push)."))

@@ -7,7 +7,10 @@ vllm-project/vllm 0.32 ``vllm/entrypoints/scale_out/token_in_token_out/api_route
 ``/abort_requests``, ``/get_world_size``, ``/weight_info``),
 ``vllm/entrypoints/serve/tokenize/api_router.py`` (``/tokenize``, ``/detokenize``) and
 ``vllm/entrypoints/serve/dev/cache/api_router.py`` (``/reset_prefix_cache``), which vLLM
-mounts with ``VLLM_SERVER_DEV_MODE``. The paths collide with nothing of the native API.
+mounts with ``VLLM_SERVER_DEV_MODE``; and the two routes AReaL's vLLM backend calls on
+its own patched vLLM server (inclusionAI/AReaL
+``areal/engine/vllm_ext/areal_vllm_server.py``: ``/areal_pause_generation``,
+``/areal_continue_generation``). The paths collide with nothing of the native API.
 Generation takes the service's ``api_key`` as every generation route does; so do the
 control routes, since the frameworks that call them (SkyRL, AReaL) send no other token.
 """
@@ -22,7 +25,7 @@ from fastapi import APIRouter, Body, Depends, Query, Request
 from rollout_service.api.errors import documented
 from rollout_service.api.openai import event_stream, event_stream_doc
 from rollout_service.api.ports import GenerationControl, WeightPushes
-from rollout_service.choices import Sequences
+from rollout_service.choices import Sequences, weight_version_label
 from rollout_service.protocol.messages import PauseMode
 
 from . import protocol as vllm
@@ -68,6 +71,19 @@ def vllm_router(guard: Callable[..., Awaitable[None]] | None) -> APIRouter:
         await svc.resume()
         return vllm.ResumeAnswer()
 
+    @router.post("/areal_pause_generation", responses=documented(503))
+    async def areal_pause(svc: GenerationControl = Depends(control)) -> vllm.SuccessAnswer:
+        """AReaL's vLLM backend's pause (its patched server's route): abort every request
+        and hold new ones until ``/areal_continue_generation``."""
+        await svc.pause("abort")
+        return vllm.SuccessAnswer(success=True,
+                                  message="Generation paused and all requests aborted")
+
+    @router.post("/areal_continue_generation", responses=documented(503))
+    async def areal_continue(svc: GenerationControl = Depends(control)) -> vllm.SuccessAnswer:
+        await svc.resume()
+        return vllm.SuccessAnswer(success=True, message="Generation continued")
+
     @router.get("/is_paused")
     async def is_paused(svc: GenerationControl = Depends(control)) -> vllm.IsPausedAnswer:
         return vllm.IsPausedAnswer(is_paused=await svc.is_paused())
@@ -104,9 +120,7 @@ def vllm_router(guard: Callable[..., Awaitable[None]] | None) -> APIRouter:
 
     @router.get("/weight_info")
     async def weight_info(svc: WeightPushes = Depends(weights)) -> vllm.WeightInfoAnswer:
-        status = await svc.get_status()
-        version = status.main_version
-        return vllm.WeightInfoAnswer(weight_version=None if version is None else str(version))
+        return vllm.WeightInfoAnswer(weight_version=weight_version_label(await svc.get_status()))
 
     return router
 
