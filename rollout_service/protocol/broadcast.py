@@ -43,15 +43,25 @@ from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
+from rollout_service.protocol.group_store import (
+    Rendezvous,
+    StoreCounters,
+    all_receiving_key,
+    finished_key,
+    group_store,
+    receiving_key,
+)
 from rollout_service.protocol.store import bucket_checksum, checksum_hex
 
 if TYPE_CHECKING:
     import torch
 
 __all__ = ["Backend", "BucketRefused", "FrameHeader", "Group", "GroupSpec", "Rendezvous",
-           "StoreCounters", "bucket_checksum", "checksum_hex", "join"]
+           "Rendezvous_Style", "StoreCounters", "bucket_checksum", "checksum_hex",
+           "group_store", "join"]
 
 Backend = Literal["nccl", "gloo"]
+Rendezvous_Style = Literal["rollout", "torch"]
 TRAINER_RANK = 0
 """The broadcast's source."""
 HEADER_MAGIC = 0x524F4C4C4F555431  # "ROLLOUT1"
@@ -76,6 +86,10 @@ class GroupSpec:
     backend: Backend
     timeout_s: float
     """How long a rank waits for the others in the join and in each collective."""
+    style: Rendezvous_Style = "rollout"
+    """How the ranks meet in the store (:func:`group_store`): ``rollout``, this project's
+    trainer; ``torch``, a trainer's torch.distributed group made the way SGLang's
+    ``init_custom_process_group`` makes it (slime, AReaL)."""
 
     def as_dict(self) -> dict[str, Any]:
         """JSON-safe, for vLLM's worker RPC."""
@@ -92,47 +106,6 @@ class FrameHeader:
     """:func:`bucket_checksum` of the payload, an unsigned 64-bit integer."""
     index: int
     """The bucket's position in its push (0, 1, ...)."""
-
-
-class Rendezvous:
-    """The store every rank of the trainer's groups meets at (the trainer's process).
-
-    One server for the trainer's lifetime, on a free port; each group uses its own key
-    prefix, so an abandoned group's keys never meet a new one's.
-    """
-
-    def __init__(self, address: str, timeout_s: float) -> None:
-        import torch.distributed as dist
-
-        self.address = address
-        self._store = dist.TCPStore(address, 0, None, True,
-                                    datetime.timedelta(seconds=timeout_s),
-                                    wait_for_workers=False)
-
-    @property
-    def port(self) -> int:
-        return int(self._store.port)
-
-
-class StoreCounters:
-    """A service's read-only view of one group's counters in the trainer's store.
-
-    The service waits here for its own workers' receives to end (each worker counts
-    itself under its server's ``rank_offset``) instead of asking the workers.
-    """
-
-    def __init__(self, spec: GroupSpec) -> None:
-        import torch.distributed as dist
-
-        self._store = dist.PrefixStore(spec.group_id, dist.TCPStore(
-            spec.master_address, spec.master_port, None, False,
-            datetime.timedelta(seconds=spec.timeout_s)))
-        self._server = spec.rank_offset
-
-    def finished(self, key: str) -> int:
-        """How many of this server's workers have finished receiving ``key`` (received it
-        or failed)."""
-        return int(self._store.add(_finished(key, self._server), 0))
 
 
 class Group:
@@ -173,8 +146,8 @@ class Group:
         try:
             header = torch.zeros(HEADER_WORDS, dtype=torch.int64, device=slot.device)
             work = self._start(header)
-            if self._store.add(_receiving(key), 1) == self.spec.world_size - 1:
-                self._store.set(_all_receiving(key), b"1")  # the last one wakes the trainer
+            if self._store.add(receiving_key(key), 1) == self.spec.world_size - 1:
+                self._store.set(all_receiving_key(key), b"1")  # the last one wakes the trainer
             self._wait(work, header)
             magic, nbytes, checksum, index = (int(v) for v in header.tolist())
             if magic != HEADER_MAGIC:
@@ -200,10 +173,30 @@ class Group:
         finally:
             self._count_finished(key)
 
+    def receive_raw(self, slot: torch.Tensor, key: str, nbytes: int) -> torch.Tensor:
+        """A worker's part of a bucket in the frameworks' framing: one collective of
+        exactly ``nbytes``, no header and no checksum (vLLM's packed chunks, SGLang's
+        one broadcast per tensor); counted in the store as :meth:`receive_bucket` counts.
+        Nothing can check its length: a trainer that sends more aborts a gloo receiver
+        (the reason this project's own framing has a header).
+
+        Raises:
+            RuntimeError: the trainer did not send within the group's timeout, or left.
+        """
+        try:
+            payload = slot[:nbytes]
+            work = self._start(payload)
+            if self._store.add(receiving_key(key), 1) == self.spec.world_size - 1:
+                self._store.set(all_receiving_key(key), b"1")
+            self._wait(work, payload)
+            return payload
+        finally:
+            self._count_finished(key)
+
     def _count_finished(self, key: str) -> None:
         """Tell this server's service that this worker's receive of ``key`` ended."""
         try:
-            self._store.add(_finished(key, self.spec.rank_offset), 1)
+            self._store.add(finished_key(key, self.spec.rank_offset), 1)
         except RuntimeError:  # the store gone: the service's own deadline ends its wait
             pass
 
@@ -238,11 +231,11 @@ class Group:
         while True:
             step = min(0.2, max(deadline - time.monotonic(), 0.001))
             try:
-                self._store.wait([_all_receiving(key)], datetime.timedelta(seconds=step))
+                self._store.wait([all_receiving_key(key)], datetime.timedelta(seconds=step))
                 return
             except RuntimeError as exc:  # torch's DistStoreError is one
                 if is_cancelled() or time.monotonic() >= deadline:
-                    ready = self._store.add(_receiving(key), 0)
+                    ready = self._store.add(receiving_key(key), 0)
                     why = "the update was refused" if is_cancelled() else (
                         f"within {self.spec.timeout_s:g} s")
                     raise RuntimeError(f"bucket {key}: {ready} of {self.spec.world_size - 1} "
@@ -302,22 +295,6 @@ def _signed(value: int) -> int:
     return value - (1 << 64) if value >= 1 << 63 else value
 
 
-def _receiving(key: str) -> str:
-    """The store counter of the workers (of every server) receiving bucket ``key``."""
-    return f"receiving/{key}"
-
-
-def _finished(key: str, server: int) -> str:
-    """The store counter of one server's workers whose receive of ``key`` ended."""
-    return f"finished/{key}/{server}"
-
-
-def _all_receiving(key: str) -> str:
-    """The store key the last worker to receive bucket ``key`` sets; the trainer waits on
-    it (a blocking wait in the store)."""
-    return f"all-receiving/{key}"
-
-
 NCCL_ERROR_HANDLING = "2"
 """``TORCH_NCCL_ASYNC_ERROR_HANDLING`` for this transport's NCCL groups: ``CleanUpOnly``,
 so that a collective that times out or loses a rank (a trainer that died mid-broadcast)
@@ -356,8 +333,7 @@ def join(spec: GroupSpec, rank: int, device: torch.device | None = None) -> Grou
     import torch.distributed as dist
 
     timeout = datetime.timedelta(seconds=spec.timeout_s)
-    store = dist.PrefixStore(spec.group_id, dist.TCPStore(
-        spec.master_address, spec.master_port, None, False, timeout))
+    store = group_store(spec, is_rank=True)
     if spec.backend == "gloo":
         pg = dist.ProcessGroupGloo(store, rank, spec.world_size, timeout)
     else:
@@ -367,10 +343,11 @@ def join(spec: GroupSpec, rank: int, device: torch.device | None = None) -> Grou
         options._timeout = timeout
         with _nccl_errors_raise():
             pg = dist.ProcessGroupNCCL(store, rank, spec.world_size, options)
-    # A first collective, so that joining means every rank is reachable (NCCL connects
-    # lazily otherwise) and a late rank fails the join, not the first push.
-    probe = torch.zeros(1, dtype=torch.uint8,
-                        device=device if spec.backend == "nccl" else "cpu")
     group = Group(spec, rank, pg, store)
-    group.broadcast(probe)
+    if spec.style == "rollout":
+        # A first collective, so that joining means every rank is reachable (NCCL
+        # connects lazily otherwise) and a late rank fails the join, not the first push.
+        # A ``torch``-style trainer sends none: its first collective is a tensor's.
+        group.broadcast(torch.zeros(1, dtype=torch.uint8,
+                                    device=device if spec.backend == "nccl" else "cpu"))
     return group

@@ -464,6 +464,12 @@ class WeightGroupRequest(BaseModel):
         = Field(None, description=(
         "The largest bucket the trainer broadcasts (each worker's ring slot size); "
         "default: the service's weights_bucket_bytes."))
+    rendezvous: Literal["rollout", "torch"] = Field("rollout", description=(
+        "How the ranks meet in the trainer's store: 'rollout', this service's own trainer "
+        "(WeightPusher: keys under group_id, a probe broadcast when all have joined); "
+        "'torch', a trainer's torch.distributed group made as SGLang's "
+        "init_custom_process_group makes it (slime, AReaL: torch's own key prefixes, no "
+        "probe), for the dialects' weight routes."))
     num_buckets: Annotated[int, Field(ge=1, le=MAX_BUCKETS_IN_FLIGHT),
                            BeforeValidator(integral)] | None = Field(None, description=(
         "Ring slots per worker: buckets received and not yet written to the server's "

@@ -206,6 +206,8 @@ class GroupFanOut:
                                      "is closed; make a new group")
             assert bucket is not None  # nccl: check_bucket requires it
             if bucket.nbytes > group.response.bucket_bytes:
+                if bucket.checksum is None:  # no header: the trainer broadcasts it regardless
+                    await self.close()
                 raise PushError(400, f"bucket: {bucket.nbytes} bytes is more than the group's "
                                      f"bucket_bytes {group.response.bucket_bytes}")
         except PushError as exc:

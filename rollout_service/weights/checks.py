@@ -172,6 +172,8 @@ def validate_placement(push: ActivePush, placement: TensorPlacement,
         assert bucket is not None  # nccl: check_bucket required it
         _check_span(name, location.offset, placement, bucket.end,
                     f"stream received with bucket {bucket.index}")
+        _check_received(name, location.offset, location.offset + placement.nbytes,
+                        [*push.buckets, bucket])
         return
     if not isinstance(location, ShmLocation):
         return
@@ -180,6 +182,19 @@ def validate_placement(push: ActivePush, placement: TensorPlacement,
         raise PushError(400, f"tensors: {name!r} lies in segment {location.segment!r}, the "
                              f"push announced {req.segment!r}")
     _check_span(name, location.offset, placement, req.segment_bytes, "segment")
+
+
+def _check_received(name: str, start: int, end: int, buckets: list[BucketInfo]) -> None:
+    """The tensor's bytes all arrived in the push's buckets (which may leave gaps in the
+    stream: the frameworks' raw buckets sit at aligned offsets)."""
+    position = start
+    for bucket in buckets:
+        if bucket.offset <= position < bucket.end:
+            position = bucket.end
+        if position >= end:
+            return
+    raise PushError(400, f"tensors: {name!r} [{start}, {end}) is not all in the buckets "
+                         f"received (from byte {position} on)")
 
 
 def _check_span(name: str, offset: int, placement: TensorPlacement, size: int,
@@ -236,7 +251,7 @@ def check_bucket(push: ActivePush, req: messages.PushUpdateRequest) -> BucketInf
         raise PushError(400, f"bucket: index {req.bucket.index} is not the push's next bucket "
                              f"({len(push.buckets)})")
     start = push.buckets[-1].end if push.buckets else 0
-    if req.bucket.offset != start:
-        raise PushError(400, f"bucket: offset {req.bucket.offset} does not follow the last "
-                             f"bucket (the stream so far ends at {start})")
+    if req.bucket.offset < start:
+        raise PushError(400, f"bucket: offset {req.bucket.offset} lies before the end of the "
+                             f"last bucket ({start})")
     return req.bucket

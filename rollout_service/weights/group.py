@@ -95,7 +95,7 @@ class WeightGroups:
         spec = GroupSpec(group_id=req.group_id, master_address=req.master_address,
                          master_port=req.master_port, world_size=req.world_size,
                          rank_offset=req.rank_offset, backend=backend,
-                         timeout_s=req.timeout_s or timeout_s)
+                         timeout_s=req.timeout_s or timeout_s, style=req.rendezvous)
         try:
             counters = await asyncio.to_thread(StoreCounters, spec)
         except RuntimeError as exc:  # no store there within the timeout
@@ -165,6 +165,8 @@ class WeightGroups:
         group, counters = self.current, self._counters
         assert group is not None and counters is not None  # begin checked the group
         if bucket.nbytes > group.bucket_bytes:
+            if bucket.checksum is None:  # no header: the trainer broadcasts it regardless
+                await self.close()
             raise PushError(400, f"bucket: {bucket.nbytes} bytes is more than the group's "
                                  f"bucket_bytes {group.bucket_bytes}")
         self._touch()

@@ -179,16 +179,24 @@ class PushReceiver:
             self._receive_one(order)
 
     def _receive_one(self, bucket: BucketInfo) -> None:
-        announced = FrameHeader(nbytes=bucket.nbytes, checksum=bucket.checksum_value,
-                                index=bucket.index)
+        announced = None if bucket.checksum is None else FrameHeader(
+            nbytes=bucket.nbytes, checksum=bucket.checksum_value, index=bucket.index)
         key = f"{self.push_id}/{bucket.index}"
+        if bucket.nbytes > self._ring.slot_bytes:  # a raw bucket's length is the update's
+            self._group.close()  # its broadcast comes anyway: no receive may match it
+            self._fail(bucket.index, f"refused, left the group: bucket {bucket.index} of "
+                                     f"{bucket.nbytes} bytes is larger than the "
+                                     f"{self._ring.slot_bytes}-byte slot")
+            return
         try:
             slot = self._ring.acquire(self._timeout_s)
         except RuntimeError as exc:
             self._fail(bucket.index, f"failed: {exc}")
             return
         try:
-            payload = self._group.receive_bucket(slot, key, announced)
+            payload = (self._group.receive_raw(slot, key, bucket.nbytes)
+                       if announced is None else
+                       self._group.receive_bucket(slot, key, announced))
         except BucketRefused as exc:
             self._ring.release(slot)
             if exc.must_leave:

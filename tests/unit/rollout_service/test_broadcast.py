@@ -275,6 +275,73 @@ def test_a_refused_bucket_is_reported_and_stops_the_push(
     receiver.close()
 
 
+def _torch_style_trainer(spec: GroupSpec, tensors: list[torch.Tensor]) -> None:
+    """A trainer as slime and AReaL make theirs (SGLang's ``init_custom_process_group``:
+    torch's own rendezvous and custom group, one plain broadcast per tensor, no header)."""
+    from torch.distributed.distributed_c10d import (
+        PrefixStore,
+        _new_process_group_helper,
+        _world,
+        rendezvous,
+    )
+
+    timeout = datetime.timedelta(seconds=spec.timeout_s)
+    store, _, _ = next(rendezvous(f"tcp://{spec.master_address}:{spec.master_port}", 0,
+                                  spec.world_size, timeout=timeout))
+    store.set_timeout(timeout)
+    pg, _ = _new_process_group_helper(spec.world_size, 0, [], "gloo",
+                                      PrefixStore(spec.group_id, store),
+                                      group_name=spec.group_id, timeout=timeout)
+    _world.pg_group_ranks[pg] = {i: i for i in range(spec.world_size)}
+    for tensor in tensors:
+        dist.broadcast(tensor, 0, group=pg)
+
+
+def test_a_torch_style_trainer_reaches_the_receivers_tensor_by_tensor(
+        tmp_path: Path) -> None:
+    """The frameworks' framing (the dialects' routes): a trainer of torch's own making that
+    broadcasts each tensor on its own, no header, no checksum; the workers join its group
+    as torch lays it out, receive each tensor as a raw bucket at its 64-byte aligned
+    offset, and the writer's stored copy holds each at that offset; the service reads
+    its workers' counts through the same layout."""
+    from rollout_service.protocol.broadcast import StoreCounters
+    from rollout_service.tools.launch import free_port
+
+    spec = GroupSpec(group_id="weight_update_group", master_address="127.0.0.1",
+                     master_port=free_port(), world_size=3, rank_offset=1, backend="gloo",
+                     timeout_s=20.0, style="torch")
+    tensors = [torch.randint(0, 256, (n,), dtype=torch.uint8) for n in (100, 30, 64)]
+    offsets = [0, 128, 192]  # each at a 64-byte boundary: gaps between them
+    trainer, out = in_thread(lambda: _torch_style_trainer(spec, tensors))
+    members = {}
+    threads = [threading.Thread(target=lambda r=r: members.__setitem__(r, join(spec, r)))
+               for r in (1, 2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert set(members) == {1, 2}
+    plan = BucketReceive(push_id="p", store_path=str(tmp_path / "p.bin"), slot_bytes=128,
+                         num_slots=2)
+    receivers = {r: PushReceiver(members[r], plan, device=torch.device("cpu"),
+                                 is_writer=r == 1) for r in (1, 2)}
+    for index, (tensor, offset) in enumerate(zip(tensors, offsets, strict=True)):
+        for receiver in receivers.values():
+            receiver.start(BucketInfo(index=index, offset=offset, nbytes=tensor.numel(),
+                                      checksum=None))
+    trainer.join(60)
+    assert out == [None], out
+    for receiver in receivers.values():
+        state, _ = wait_for(lambda r=receiver: r.report(3), lambda report: report[0] != "running",
+                            timeout_s=30)
+        assert state == "done"
+        receiver.close()
+    stored = (tmp_path / "p.bin").read_bytes()
+    for tensor, offset in zip(tensors, offsets, strict=True):
+        assert stored[offset:offset + tensor.numel()] == tensor.numpy().tobytes()
+    assert StoreCounters(spec).finished("p/2") == 2
+
+
 # ---- the intake's bucket checks --------------------------------------------------
 
 
@@ -300,12 +367,13 @@ async def test_buckets_follow_one_another_and_placements_lie_in_what_arrived() -
     intake = PushIntake(CHECKPOINT, timeout_s=60.0, has_draft=True, transport="nccl")
     push_id = intake.begin(begin(), {"main": None, "draft": None}).push_id
     update = messages.PushUpdateRequest
-    with pytest.raises(PushError, match="bucket: offset 8 does not follow"):
-        check_bucket(intake.get(push_id), update(push_id=push_id, bucket=bucket(0, 8, 32)))
+    check_bucket(intake.get(push_id), update(push_id=push_id, bucket=bucket(0, 8, 32)))
     with pytest.raises(PushError, match="bucket: required by transport 'nccl'"):
         check_bucket(intake.get(push_id), update(push_id=push_id, tensors=[at("w", 0)]))
     # 'w' (24 bytes) lies in bucket 0; 'b' starts there and ends in bucket 1
     intake.update(update(push_id=push_id, tensors=[at("w", 0)], bucket=bucket(0, 0, 32)))
+    with pytest.raises(PushError, match="bucket: offset 16 lies before the end of the last"):
+        check_bucket(intake.get(push_id), update(push_id=push_id, bucket=bucket(1, 16, 8)))
     with pytest.raises(PushError, match=r"\[32, 44\) lies outside the 40-byte stream received"):
         intake.update(update(push_id=push_id, tensors=[at("b", 32)], bucket=bucket(1, 32, 8)))
     assert intake.active is None  # a bad placement rejects the push
@@ -314,6 +382,11 @@ async def test_buckets_follow_one_another_and_placements_lie_in_what_arrived() -
     intake.update(update(push_id=push_id, tensors=[at("w", 0), at("b", 32)],
                          bucket=bucket(1, 32, 32)))
     assert [b.index for b in intake.start_loading(push_id).buckets] == [0, 1]
+    intake.end(intake.active, "aborted", "next case")  # type: ignore[arg-type]
+    push_id = intake.begin(begin(), {"main": None, "draft": None}).push_id
+    intake.update(update(push_id=push_id, bucket=bucket(0, 0, 16)))
+    with pytest.raises(PushError, match=r"'w' \[8, 32\) is not all in the buckets received"):
+        intake.update(update(push_id=push_id, tensors=[at("w", 8)], bucket=bucket(1, 32, 32)))
 
 
 def test_a_bucket_is_refused_on_other_transports() -> None:
