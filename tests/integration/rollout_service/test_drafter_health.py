@@ -63,6 +63,12 @@ async def test_each_sequence_reports_its_waste_and_net_speedup(
     name = "rollout_spec_decode_rejected_tokens_total"
     assert sample_sum(after, name) - sample_sum(before, name) == rejected
     assert sample_sum(after, "rollout_spec_decode_verify_cost_ratio") == ratio
+    # Without the speculation control every verify step is priced at that one ratio.
+    drafts = sum(s.num_drafts for s in seqs)
+    for name, value in (("costed_drafts", drafts), ("costed_tokens", tokens),
+                        ("verify_cost", drafts * ratio)):
+        name = f"rollout_spec_decode_{name}_total"
+        assert sample_sum(after, name) - sample_sum(before, name) == pytest.approx(value)
 
 
 def _by_category(text: str, name: str) -> dict[str, float]:

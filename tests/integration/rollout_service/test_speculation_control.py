@@ -153,6 +153,35 @@ async def test_every_k_serves_at_every_batch_size(client: RolloutClient,
     assert (await client.health()).status == "ok"
 
 
+async def test_a_sequence_is_priced_at_the_k_it_ran(client: RolloutClient,
+                                                   unpinned: None) -> None:
+    """The engine measured its start-up verify cost at K = k_max; a lone sequence pinned at
+    K = 1 is priced at c(1, 1) / c(0, 1) of the controller's own table, in the response and
+    in the counters the slow-down alert reads (vLLM's output handler records a step's
+    costs before the sequence it finished resumes, and nothing steps afterwards, so the
+    table read after it is the one it was priced with)."""
+    await client.pin_schedule({1: 1})
+    before = await client.metrics_text()
+    spec = (await sequence(client, PROMPTS[0])).spec_decode
+    after = await client.metrics_text()
+    health = await client.health()
+    assert health.speculation is not None and health.speculation_control is not None
+    costs = {(p.k, p.batch_size): p.step_s for p in health.speculation_control.cost_table}
+    ratio = costs[(1, 1)] / costs[(0, 1)]
+    assert spec is not None and spec.num_drafts > 0 and spec.num_draft_tokens == spec.num_drafts
+    assert spec.verify_cost_ratio == pytest.approx(ratio, rel=1e-9)
+    assert spec.verify_cost_ratio != health.speculation.verify_cost_ratio  # not k_max's
+    assert spec.net_speedup == pytest.approx(spec.accept_length / ratio, rel=1e-9)
+
+    def added(name: str) -> float:
+        return sample_sum(after, name) - sample_sum(before, name)
+
+    assert added("rollout_spec_decode_verify_cost_total") == pytest.approx(
+        spec.num_drafts * ratio, rel=1e-9)
+    assert added("rollout_spec_decode_costed_tokens_total") == \
+        spec.num_drafts + spec.num_accepted_tokens
+
+
 @pytest.mark.parametrize("body, message", [
     ({"schedule": [{"batch_size": 4, "k": NUM_SPECULATIVE_TOKENS + 1}]},
      f"K={NUM_SPECULATIVE_TOKENS + 1} in range \\[1, 4\\] exceeds the engine's "
