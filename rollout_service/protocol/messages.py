@@ -158,8 +158,10 @@ class SpecDecodeInfo(BaseModel):
     num_rejected_tokens: int = Field(0, description=(
         "Drafted tokens the target rejected: work computed and thrown away."))
     verify_cost_ratio: float | None = Field(None, description=(
-        "Time of a verify step with the drafts over a plain decode step, as the engine "
-        "measured it (docs/telemetry.md); None when not measured."))
+        "Time of this sequence's verify steps over plain decode steps: with the speculation "
+        "control, the measured cost at the K each step ran (c(K, B) / c(0, B)), else the "
+        "engine's start-up figure at the largest K (docs/telemetry.md); None when not "
+        "measured."))
     net_speedup: float | None = Field(None, description=(
         "accept_length / verify_cost_ratio: below 1, speculation slowed this sequence down; "
         "None without drafts or without a measured cost ratio."))
