@@ -251,15 +251,22 @@ async def test_server_and_model_info_as_slime_reads_them(http: httpx.AsyncClient
         assert model["is_generation"] and model["served_model_name"] == "embedded:tiny"
 
 
-async def test_custom_params_are_ignored_as_sglang_ignores_them(http: httpx.AsyncClient) -> None:
-    """slime sends ``custom_params`` with ``--rollout-top-p`` below 1
-    (``sglang_rollout.py``, ``GenerateState``); SGLang hands them to a custom logit
-    processor only."""
-    response = await http.post("/generate", json={
+async def test_custom_params_are_ignored_but_slimes_top_p_replay_is_refused(
+        http: httpx.AsyncClient) -> None:
+    """SGLang hands ``custom_params`` to a custom logit processor only: ignored. slime sends
+    ``{"return_top_p_token_ids": true}`` with ``--rollout-top-p`` below 1
+    (``slime/rollout/sglang_rollout.py``, ``GenerateState``) and asserts the replay only its
+    patched SGLang returns (``slime/ray/rollout.py``): refused at once, naming it."""
+    ignored = await http.post("/generate", json={
+        "input_ids": PROMPT_IDS, "sampling_params": {
+            "max_new_tokens": 3, "top_p": 0.9, "custom_params": {"some_processor_arg": 1}}})
+    assert ignored.status_code == 200, ignored.text
+    replay = await http.post("/generate", json={
         "input_ids": PROMPT_IDS, "sampling_params": {
             "max_new_tokens": 3, "top_p": 0.9,
             "custom_params": {"return_top_p_token_ids": True}}})
-    assert response.status_code == 200, response.text
+    assert replay.status_code == 400
+    assert "return_top_p_token_ids" in replay.json()["error"]["message"]
 
 
 @pytest.mark.parametrize(("body", "field"), [

@@ -110,6 +110,14 @@ class SGLangSamplingParams(BaseModel):
 
     @model_validator(mode="after")
     def _extra_fields(self) -> SGLangSamplingParams:
+        custom = (self.model_extra or {}).get("custom_params")
+        if isinstance(custom, dict) and custom.get("return_top_p_token_ids"):
+            # slime's top-p replay: only slime's patched SGLang answers it (THUDM/slime
+            # docker/patch/latest/sglang-top_p.patch), and slime asserts the answer on every
+            # sample, so a stock server fails it a whole rollout later; fail it now.
+            raise ValueError("custom_params.return_top_p_token_ids: the top-p replay of "
+                             "slime's patched SGLang is not supported; run slime with "
+                             "--rollout-top-p 1")
         _refuse_or_ignore(self.model_extra, _SAMPLING_REFUSED, "sampling_params")
         return self
 
