@@ -6,7 +6,7 @@ the rendezvous (a torch ``TCPStore`` on a free port of its host) and is rank 0, 
 frameworks (vLLM's ``NCCLTrainerWeightTransferEngine``, vllm-project/vllm
 ``vllm/distributed/weight_transfer/nccl_engine.py``; SkyRL's
 ``weight_sync/control_plane.py``): its first push asks the service how many ranks it
-takes (``GET /weights/group``), names the group to it (``POST /weights/group``: address,
+takes (``GET /weights/group/state``), names the group to it (``POST /weights/group``: address,
 port, world size, rank offset 1) and joins, blocking until every engine worker has
 joined. Each bucket of a push is then broadcast while that bucket's ``/weights/update``
 runs: the HTTP call on this thread, the broadcast on another, sent once every worker is
@@ -50,7 +50,7 @@ class TrainerGroup:
     """Rank 0 of the trainer's group (module docstring).
 
     Args:
-        state: ``GET /weights/group`` (the pusher's authenticated call).
+        state: ``GET /weights/group/state`` (the pusher's authenticated call).
         create: ``POST /weights/group``.
         release: ``POST /weights/group/release``.
         address: where the service's hosts reach this process.

@@ -154,7 +154,8 @@ class WeightPusher:
         self._staging_enabled = cuda_ipc_staging and transport == "cuda_ipc"
         self._staging: torch.Tensor | None = None
         self._group = None if transport != "nccl" else TrainerGroup(
-            state=lambda: messages.WeightGroupState.model_validate(self._get("/weights/group")),
+            state=lambda: messages.WeightGroupState.model_validate(
+                self._get("/weights/group/state")),
             create=lambda req: messages.WeightGroupResponse.model_validate(
                 self._call("/weights/group", req)),
             release=lambda req: self._call("/weights/group/release", req),

@@ -111,7 +111,7 @@ class WeightPushes(Protocol):
         ...
 
     async def group_state(self) -> messages.WeightGroupState:
-        """The ranks this service needs and its current group (``GET /weights/group``)."""
+        """The ranks this service needs and its current group (``GET /weights/group/state``)."""
         ...
 
 

@@ -42,7 +42,7 @@ def weights_router(weights_token: str | None) -> APIRouter:
         rank_offset), then name it in each push's begin (docs/weight-pushes.md)."""
         return await mgr.create_group(req)
 
-    @router.get("/group", responses=documented(403))
+    @router.get("/group/state", responses=documented(403))
     async def group_state(mgr: WeightPushes = Depends(pushes)) -> messages.WeightGroupState:
         """How many ranks this service takes in a group, and its current group."""
         return await mgr.group_state()

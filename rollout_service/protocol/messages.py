@@ -26,7 +26,6 @@ from rollout_service.protocol.cuda_ipc import ByteBufferHandle
 from rollout_service.protocol.placement import TensorPlacement, Transport
 from rollout_service.protocol.shm import SEGMENT_NAME_PATTERN
 from rollout_service.protocol.speculation import SpeculationControlStatus
-from rollout_service.protocol.store import BucketInfo
 from rollout_service.protocol.tensors import Dtype
 
 _STRICT = ConfigDict(extra="forbid", strict=True)
@@ -452,7 +451,7 @@ class WeightGroupRequest(BaseModel):
         "Ranks in the group: the trainer and every receiver of every server it pushes to."))
     rank_offset: Int = Field(1, ge=1, le=1 << 20, description=(
         "The rank of this service's first worker (the trainer is 0); its workers take "
-        "num_ranks consecutive ranks from here (GET /weights/group says how many)."))
+        "num_ranks consecutive ranks from here (GET /weights/group/state says how many)."))
     backend: GroupBackend | None = Field(None, description=(
         "torch.distributed backend: nccl for engines on CUDA, gloo on the CPU (how CI tests "
         "the same protocol); default: the engine's."))
@@ -508,7 +507,7 @@ class WeightGroupResponse(BaseModel):
 
 
 class WeightGroupState(BaseModel):
-    """``GET /weights/group``: how many ranks this service needs in a group, and its
+    """``GET /weights/group/state``: how many ranks this service needs in a group, and its
     current group (None when it has none)."""
 
     num_ranks: int = Field(description=(
@@ -531,6 +530,54 @@ class PushBeginResponse(BaseModel):
     timeout_s: float = Field(description=(
         "The push is aborted after this long without a call (the begin's timeout_s, or the "
         "service's push_timeout_s)."))
+
+
+CHECKSUM_PATTERN = r"^[0-9a-f]{16}$"
+_WHOLE_WORDS_WITH_A_CHECKSUM = {
+    "if": {"properties": {"checksum": {"type": "string"}}, "required": ["checksum"]},
+    "then": {"properties": {"nbytes": {"multipleOf": 8}}}}
+"""A bucket with a checksum is whole 64-bit words, in JSON Schema."""
+
+
+class BucketInfo(BaseModel):
+    """One bucket of a ``nccl`` push, as its ``/weights/update`` announces it and as the
+    trainer's in-band header repeats it: a piece of the push's byte stream (the buckets of
+    a push follow one another in the stream, from offset 0), its length and its checksum
+    (``protocol.store.bucket_checksum``)."""
+
+    model_config = ConfigDict(**_STRICT, frozen=True,
+                              json_schema_extra=_WHOLE_WORDS_WITH_A_CHECKSUM)
+
+    index: Int = Field(ge=0, description=(
+        "The bucket's position in the push: 0 for the first update, then 1, 2, ..."))
+    offset: Int = Field(ge=0, description=(
+        "Where the bucket starts in the push's byte stream: at or past the previous "
+        "bucket's end (this service's trainers send them back to back from 0)."))
+    nbytes: Int = Field(gt=0, description=(
+        "Bytes the trainer broadcasts for this bucket (at most the group's bucket_bytes; a "
+        "multiple of 8 with a checksum)."))
+    checksum: str | None = Field(pattern=CHECKSUM_PATTERN, description=(
+        "The payload's checksum, 16 hex digits (docs/weight-pushes.md says how to compute "
+        "it), sent again in the bucket's in-band header; checked by every receiver before "
+        "anything of the push loads. null: the frameworks' framing, one collective of "
+        "exactly nbytes with no header, whose length nothing can check (the dialects' "
+        "weight routes; a trainer of this protocol sends a checksum)."))
+
+    @model_validator(mode="after")
+    def _whole_words(self) -> BucketInfo:
+        if self.checksum is not None and self.nbytes % 8:
+            raise ValueError(f"nbytes: {self.nbytes} is not a multiple of 8 (the checksum "
+                             "runs over 64-bit words)")
+        return self
+
+    @property
+    def checksum_value(self) -> int:
+        assert self.checksum is not None
+        return int(self.checksum, 16)
+
+    @property
+    def end(self) -> int:
+        return self.offset + self.nbytes
 
 
 class PushUpdateRequest(BaseModel):

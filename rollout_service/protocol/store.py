@@ -26,14 +26,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
-
+from rollout_service.protocol.messages import BucketInfo
 from rollout_service.protocol.shm import SHM_DIR, Segment
 
 if TYPE_CHECKING:
     import torch
 
-CHECKSUM_PATTERN = r"^[0-9a-f]{16}$"
+__all__ = ["BucketInfo", "StoreRef", "StoreWriter", "bucket_checksum", "check_store_dir",
+           "checksum_hex", "map_store"]
+
 CHECKSUM_CHUNK_WORDS = 1 << 20
 """Words per step of :func:`bucket_checksum`: its temporaries stay at 16 MiB."""
 _MASK64 = (1 << 64) - 1
@@ -69,53 +70,6 @@ def bucket_checksum(data: torch.Tensor) -> int:
 def checksum_hex(value: int) -> str:
     """The wire form of a checksum: 16 lowercase hex digits."""
     return f"{value & _MASK64:016x}"
-
-
-_WHOLE_WORDS_WITH_A_CHECKSUM = {
-    "if": {"properties": {"checksum": {"type": "string"}}, "required": ["checksum"]},
-    "then": {"properties": {"nbytes": {"multipleOf": 8}}}}
-"""A bucket with a checksum is whole 64-bit words, in JSON Schema."""
-
-
-class BucketInfo(BaseModel):
-    """One bucket of a ``nccl`` push, as its ``/weights/update`` announces it and as the
-    trainer's in-band header repeats it: a piece of the push's byte stream (the buckets of
-    a push follow one another in the stream, from offset 0), its length and its checksum
-    (:func:`bucket_checksum`)."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True, strict=True,
-                              json_schema_extra=_WHOLE_WORDS_WITH_A_CHECKSUM)
-
-    index: int = Field(ge=0, description=(
-        "The bucket's position in the push: 0 for the first update, then 1, 2, ..."))
-    offset: int = Field(ge=0, description=(
-        "Where the bucket starts in the push's byte stream: at or past the previous "
-        "bucket's end (this service's trainers send them back to back from 0)."))
-    nbytes: int = Field(gt=0, description=(
-        "Bytes the trainer broadcasts for this bucket (at most the group's bucket_bytes; a "
-        "multiple of 8 with a checksum)."))
-    checksum: str | None = Field(pattern=CHECKSUM_PATTERN, description=(
-        "The payload's checksum, 16 hex digits (docs/weight-pushes.md says how to compute "
-        "it), sent again in the bucket's in-band header; checked by every receiver before "
-        "anything of the push loads. null: the frameworks' framing, one collective of "
-        "exactly nbytes with no header, whose length nothing can check (the dialects' "
-        "weight routes; a trainer of this protocol sends a checksum)."))
-
-    @model_validator(mode="after")
-    def _whole_words(self) -> BucketInfo:
-        if self.checksum is not None and self.nbytes % 8:
-            raise ValueError(f"nbytes: {self.nbytes} is not a multiple of 8 (the checksum "
-                             "runs over 64-bit words)")
-        return self
-
-    @property
-    def checksum_value(self) -> int:
-        assert self.checksum is not None
-        return int(self.checksum, 16)
-
-    @property
-    def end(self) -> int:
-        return self.offset + self.nbytes
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -15,7 +15,7 @@ later, or failed a load) catches up without the trainer.
 A member that fails a bucket or dies fails the push on every replica (none has loaded
 anything) and, unless every member only refused the bucket, closes the group on all of
 them at once (a stalled receive would otherwise wait out the group's timeout); the
-trainer makes a new group, sized for the replicas then serving (``GET /weights/group``).
+trainer makes a new group, sized for the replicas then serving (``GET /weights/group/state``).
 A group has one owner: another is refused (409) until it is released or its lease ends.
 """
 
@@ -185,7 +185,7 @@ class GroupFanOut:
         if gone:
             await self.close()
             raise PushError(409, f"group_id: replica {gone[0]} of group {group_id!r} is gone; "
-                                 "make a new group (GET /weights/group says its ranks)")
+                                 "make a new group (GET /weights/group/state says its ranks)")
 
     async def update(self, intake: PushIntake, req: messages.PushUpdateRequest
                      ) -> messages.PushUpdateResponse:

@@ -95,7 +95,7 @@ def engine_processes(service: ServiceProcess) -> set[int]:
 
 
 def group_state(service: ServiceProcess) -> messages.WeightGroupState:
-    response = httpx.get(f"{service.url}/weights/group", headers=HEADERS, timeout=60)
+    response = httpx.get(f"{service.url}/weights/group/state", headers=HEADERS, timeout=60)
     assert response.status_code == 200, response.text
     return messages.WeightGroupState.model_validate(response.json())
 

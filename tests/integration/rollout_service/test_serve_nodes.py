@@ -125,7 +125,7 @@ def test_the_replicas_sit_on_nodes_of_their_own(app: ServeOnNodes) -> None:
 def test_a_push_reaches_both_replicas_in_one_broadcast_per_bucket(
         app: ServeOnNodes, original: dict[str, torch.Tensor]) -> None:
     baseline, shm_before = one_copy(app), shm_entries()
-    group = httpx.get(f"{app.url}/weights/group", headers=HEADERS, timeout=60).json()
+    group = httpx.get(f"{app.url}/weights/group/state", headers=HEADERS, timeout=60).json()
     assert group["num_ranks"] == 2 and group["current"] is None
     version = served(app).newest_version + 1
     with trainer(app) as pusher:
