@@ -40,6 +40,7 @@ from tests.integration.conftest import (
 from tests.integration.conftest import weights_checksums as checksums
 from tests.integration.conftest import weights_status as status
 from tests.support.faulty_trainer import break_bucket, push_and_die
+from tests.support.shm_usage import new_shm_files, process_tree
 from trainer_client.push import WeightPusher
 
 pytestmark = pytest.mark.skipif(TARGET.transport != "shm" or TARGET.tensor_device != "cpu",
@@ -83,13 +84,6 @@ def changed(original: dict[str, torch.Tensor], *names: str) -> dict[str, torch.T
     return out
 
 
-def shm_entries() -> set[tuple[str, int]]:
-    """Every file under /dev/shm with its size. A push must create or grow none; vLLM's
-    own RPC rings (``psm_*``, fixed-size, there before any push) are written by every
-    engine call, pushes or not, so their contents and times are not compared."""
-    return {(e.name, e.stat().st_size) for e in os.scandir("/dev/shm")}
-
-
 def engine_processes(service: ServiceProcess) -> set[int]:
     return {p.pid for p in psutil.Process(service.child.pid).children(recursive=True)}
 
@@ -111,11 +105,14 @@ def test_pushes_change_main_and_drafter_and_restore_bit_for_bit(
         nccl_service: ServiceProcess, pusher: WeightPusher,
         original: dict[str, torch.Tensor]) -> None:
     """Five buckets per push, through rings of two 1 MiB slots: main and drafter change,
-    the original comes back bit for bit, no worker held more than its two slots, and
-    nothing touched /dev/shm."""
-    baseline, shm_before = checksums(nccl_service), shm_entries()
+    the original comes back bit for bit, no worker held more than its two slots, and no
+    process of the push (the trainer, the service, its engine's) touched /dev/shm."""
+    baseline = checksums(nccl_service)
     version = served_version(nccl_service) + 1
-    report = pusher.push(changed(original, MAIN_PARAM, DRAFT_PARAM).items(), version=version)
+    in_push = [os.getpid(), *process_tree(nccl_service.child.pid)]  # trainer and service
+    with new_shm_files(lambda: in_push) as shm_usage:
+        report = pusher.push(changed(original, MAIN_PARAM, DRAFT_PARAM).items(),
+                             version=version)
     moved = checksums(nccl_service)
     assert moved["main"] != baseline["main"] and moved["draft"] != baseline["draft"]
     assert report.num_buckets == 5 and report.server.timings.receive_s > 0
@@ -125,7 +122,8 @@ def test_pushes_change_main_and_drafter_and_restore_bit_for_bit(
     assert (state.main_version, state.draft_version) == (version, version)
     pusher.push(original.items(), version=version + 1)
     assert checksums(nccl_service) == baseline
-    assert shm_entries() == shm_before
+    # no process of the push mapped or opened a file under /dev/shm
+    assert not shm_usage.new, shm_usage.new
 
 
 def test_a_refused_push_changes_nothing_and_keeps_the_group(

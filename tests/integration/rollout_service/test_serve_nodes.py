@@ -40,6 +40,7 @@ from tests.integration.conftest import (
     wait_for,
 )
 from tests.support.faulty_trainer import break_bucket, push_and_die
+from tests.support.shm_usage import new_shm_files, process_tree
 from trainer_client.push import WeightPusher
 
 pytestmark = pytest.mark.skipif(TARGET.transport != "shm" or TARGET.tensor_device != "cpu",
@@ -110,12 +111,6 @@ def one_copy(app: ServeOnNodes) -> dict[str, str]:
     return next(iter(digests.values()))
 
 
-def shm_entries() -> set[tuple[str, int]]:
-    """Files under /dev/shm and their sizes (Ray's and vLLM's own are there before any
-    push; a push must add or grow none)."""
-    return {(e.name, e.stat().st_size) for e in os.scandir("/dev/shm")}
-
-
 def test_the_replicas_sit_on_nodes_of_their_own(app: ServeOnNodes) -> None:
     nodes = replica_node_ids("rollout")
     assert len(nodes) == 2 and len(set(nodes.values())) == 2
@@ -124,11 +119,13 @@ def test_the_replicas_sit_on_nodes_of_their_own(app: ServeOnNodes) -> None:
 
 def test_a_push_reaches_both_replicas_in_one_broadcast_per_bucket(
         app: ServeOnNodes, original: dict[str, torch.Tensor]) -> None:
-    baseline, shm_before = one_copy(app), shm_entries()
+    baseline = one_copy(app)
+    in_push = [os.getpid(), *(pid for replica in health(app)["replicas"]
+                              for pid in process_tree(replica["pid"]))]
     group = httpx.get(f"{app.url}/weights/group/state", headers=HEADERS, timeout=60).json()
     assert group["num_ranks"] == 2 and group["current"] is None
     version = served(app).newest_version + 1
-    with trainer(app) as pusher:
+    with trainer(app) as pusher, new_shm_files(lambda: in_push) as shm_usage:
         report = pusher.push(changed(original, MAIN_PARAM, DRAFT_PARAM).items(),
                              version=version)
         assert sorted(report.server.replicas or ()) == sorted(checksums(app))
@@ -141,7 +138,8 @@ def test_a_push_reaches_both_replicas_in_one_broadcast_per_bucket(
         assert (state.main_version, state.draft_version) == (version, version)
         pusher.push(original.items(), version=version + 1)
     assert one_copy(app) == baseline
-    assert shm_entries() == shm_before
+    # neither the trainer nor a replica's processes touched /dev/shm
+    assert not shm_usage.new, shm_usage.new
 
 
 def test_a_refused_bucket_loads_nothing_on_any_replica(

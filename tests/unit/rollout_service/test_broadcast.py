@@ -534,3 +534,20 @@ def test_the_group_request_states_its_bounds() -> None:
                          ("master_port", 70000), ("num_buckets", 9), ("bucket_bytes", 8)]:
         with pytest.raises(ValueError, match=field):
             messages.WeightGroupRequest.model_validate({**good, field: value})
+
+
+def test_the_shm_check_sees_a_segment_the_push_maps() -> None:
+    """The integration tests' proof that a push touches no /dev/shm would pass vacuously
+    if the sampler saw nothing: a segment mapped and let go inside the block is seen."""
+    import os
+
+    from rollout_service.protocol.shm import Segment
+    from tests.support.shm_usage import new_shm_files
+
+    with new_shm_files(lambda: [os.getpid()]) as usage:
+        with Segment.create("mtp-rollout-test-shm-check", 4096) as segment:
+            segment.tensor(0, torch.uint8, (8,)).fill_(1)
+            mapped_at = usage.num_samples
+            wait_for(lambda: usage.num_samples, lambda n: n >= mapped_at + 2, timeout_s=30,
+                     interval_s=0.01)
+    assert "/dev/shm/mtp-rollout-test-shm-check" in usage.new
