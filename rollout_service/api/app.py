@@ -27,9 +27,10 @@ from rollout_service.api.dialects.sglang.router import (
     sglang_generate,
     sglang_router,
 )
+from rollout_service.api.dialects.vllm import protocol as vllm
 from rollout_service.api.dialects.vllm.router import vllm_router
 from rollout_service.api.errors import bearer_guard, documented, install_error_handlers
-from rollout_service.api.openai import openai_router
+from rollout_service.api.openai import event_stream_doc, openai_router
 from rollout_service.api.openapi import install_openapi
 from rollout_service.api.ports import AppState, Rollouts
 from rollout_service.api.speculation import speculation_router
@@ -106,7 +107,8 @@ def create_app(config: ServiceConfig, open_state: StateOpener | None = None) -> 
 
     app = FastAPI(title="MTP rollout service", lifespan=lifespan)
     install_error_handlers(app)
-    install_openapi(app, stream_chunks=(openai.CompletionChunk, openai.ChatCompletionChunk))
+    install_openapi(app, stream_chunks=(openai.CompletionChunk, openai.ChatCompletionChunk,
+                                        vllm.TokensStreamResponse, sglang.GenerateOutput))
     guard = bearer_guard(api_key, scheme_name="apiKey",
                          description="The service's api_key (generation endpoints).")
     weights_token = config.resolved_weights_token()
@@ -126,7 +128,8 @@ def create_app(config: ServiceConfig, open_state: StateOpener | None = None) -> 
         200: {"model": messages.GenerateResponse | sglang.GenerateOutput
               | list[sglang.GenerateOutput], "description": (
                   "The native answer, or SGLang's (one object for one sequence, else a "
-                  "list; with stream: server-sent events of GenerateOutput)")},
+                  "list; with stream: server-sent events of GenerateOutput)"),
+              **event_stream_doc(sglang.GenerateOutput)},
         **errors})
     async def generate(req: GenerateBody, request: Request) -> Any:
         """The native API's one prompt and ``n`` sequences, or SGLang's ``/generate``

@@ -293,7 +293,9 @@ async def test_pause_wait_drains_abort_aborts_and_resume_serves_what_queued(
 
 
 async def frozen(http: httpx.AsyncClient, request_id: str, **sampling: object) -> Streamed:
-    """A request caught running by a pause in mode keep (the service is left paused)."""
+    """A request that a pause in mode keep found unfinished at the client (the service is
+    left paused). It may still have finished in the engine just before the pause: each test
+    checks its ending and tries again when it shows that (``first_caught``)."""
     async def attempt() -> Streamed | None:
         stream = await Streamed(http, request_id, LONG, **sampling).started()
         await http.post("/pause", params={"mode": "keep"})
@@ -311,16 +313,21 @@ async def test_abort_requests_aborts_those_named_and_only_those(
         return (sample_sum(text, "rollout_aborted_requests_total"),
                 sample_sum(text, "rollout_spec_decode_missing_stats_requests_total"))
 
-    aborted, missing = totals((await http.get("/metrics")).text)
-    kept = await Streamed(http, "kept", 60).started()
-    doomed = await frozen(http, "doomed")
-    try:
-        answer = await http.post("/abort_requests", json={"request_ids": ["doomed"]})
-        assert answer.json() == {"status": "aborted", "aborted": 1}
-        await doomed.finished()
-    finally:
-        await http.post("/resume")
-    await kept.finished()
+    async def attempt() -> tuple[Streamed, Streamed, tuple[float, float]] | None:
+        before = totals((await http.get("/metrics")).text)
+        kept = await Streamed(http, "kept", 60).started()
+        doomed = await frozen(http, "doomed")
+        try:
+            answer = await http.post("/abort_requests", json={"request_ids": ["doomed"]})
+            assert answer.json()["status"] == "aborted"
+            await doomed.finished()
+        finally:
+            await http.post("/resume")
+        await kept.finished()
+        return None if doomed.finish_reason == "length" else (doomed, kept, before)
+
+    doomed, kept, (aborted, missing) = await first_caught(
+        attempt, what="the request finished in the engine before the pause")
     assert doomed.finish_reason == "abort" and len(doomed.token_ids) < LONG
     assert (kept.finish_reason, len(kept.token_ids)) == ("length", 60)
     assert totals((await http.get("/metrics")).text) == (aborted + 1, missing)
@@ -331,15 +338,19 @@ async def test_areals_pause_routes_abort_and_hold_until_continue(
     """AReaL's vLLM backend (``areal/engine/vllm_remote.py``: ``get_pause_request``,
     ``get_resume_request``) calls its patched server's ``/areal_pause_generation`` and
     ``/areal_continue_generation`` (``areal/engine/vllm_ext/areal_vllm_server.py``)."""
-    running = await frozen(http, "areal-vllm")
-    paused = await http.post("/areal_pause_generation", json={})
-    assert paused.json()["success"] is True
-    try:
-        await running.finished()
-        assert (await http.get("/is_paused")).json() == {"is_paused": True}
-    finally:
-        resumed = await http.post("/areal_continue_generation", json={})
-    assert resumed.json() == {"success": True, "message": "Generation continued"}
+    async def attempt() -> Streamed | None:
+        running = await frozen(http, "areal-vllm")
+        paused = await http.post("/areal_pause_generation", json={})
+        assert paused.json()["success"] is True
+        try:
+            await running.finished()
+            assert (await http.get("/is_paused")).json() == {"is_paused": True}
+        finally:
+            resumed = await http.post("/areal_continue_generation", json={})
+        assert resumed.json() == {"success": True, "message": "Generation continued"}
+        return None if running.finish_reason == "length" else running
+
+    running = await first_caught(attempt, what="the request finished before the pause")
     assert running.finish_reason == "abort"
     assert (await http.get("/is_paused")).json() == {"is_paused": False}
 
@@ -348,10 +359,14 @@ async def test_an_aborted_rollout_resubmitted_with_its_tokens_completes(
         http: httpx.AsyncClient) -> None:
     """AReaL's partial rollouts (``areal/infra/remote_inf_engine.py``): on finish reason
     ``abort`` the client sends the prompt plus the tokens so far, for what is left."""
-    partial = await frozen(http, "partial", temperature=0.0)
-    await http.post("/pause", params={"mode": "abort"})   # aborts what the pause kept
-    await http.post("/resume")
-    await partial.finished()
+    async def attempt() -> Streamed | None:
+        partial = await frozen(http, "partial", temperature=0.0)
+        await http.post("/pause", params={"mode": "abort"})   # aborts what the pause kept
+        await http.post("/resume")
+        await partial.finished()
+        return None if partial.finish_reason == "length" else partial
+
+    partial = await first_caught(attempt, what="the request finished before the pause")
     assert partial.finish_reason == "abort"
     rest = LONG - len(partial.token_ids)
     resumed = await http.post("/inference/v1/generate", json={
@@ -372,27 +387,35 @@ async def test_a_push_inside_a_client_pause_leaves_generation_paused(
     from tests.integration.conftest import TARGET, WEIGHTS_TOKEN, served_version
     from trainer_client.push import WeightPusher
 
-    stream = await frozen(http, "frozen")
-    try:
+    tensors = load_file(str(ensure_model("tiny") / "model.safetensors"),
+                        device=TARGET.tensor_device)
+
+    async def attempt() -> tuple[Streamed, int, bool] | None:
+        stream = await frozen(http, "frozen")
         version = served_version(service) + 1
-        tensors = load_file(str(ensure_model("tiny") / "model.safetensors"),
-                            device=TARGET.tensor_device)
+        try:
+            def push() -> None:
+                with WeightPusher(service.url, WEIGHTS_TOKEN,
+                                  transport=TARGET.transport) as pusher:  # type: ignore[arg-type]
+                    pusher.push(tensors.items(), version=version, pause_mode="keep")
 
-        def push() -> None:
-            with WeightPusher(service.url, WEIGHTS_TOKEN,
-                              transport=TARGET.transport) as pusher:  # type: ignore[arg-type]
-                pusher.push(tensors.items(), version=version, pause_mode="keep")
+            await asyncio.to_thread(push)
+            assert (await http.get("/is_paused")).json() == {"is_paused": True}
+            assert (await http.get("/weight_info")).json() == {"weight_version": str(version)}
+            assert (await http.get("/get_weight_version")).json() == {
+                "weight_version": str(version)}
+            done_before_resume = stream.is_done
+        finally:
+            await http.post("/resume")
+        await stream.finished()
+        if stream.weight_versions[-1]["version"] != str(version):
+            return None   # it ended in the engine before the pause: no token is the push's
+        return stream, version, done_before_resume
 
-        await asyncio.to_thread(push)
-        assert (await http.get("/is_paused")).json() == {"is_paused": True}
-        assert (await http.get("/weight_info")).json() == {"weight_version": str(version)}
-        assert (await http.get("/get_weight_version")).json() == {"weight_version": str(version)}
-        assert not stream.is_done, "the push's resume ended the client's pause"
-    finally:
-        await http.post("/resume")
-    await stream.finished()
+    stream, version, done_before_resume = await first_caught(
+        attempt, what="the request finished in the engine before the pause")
+    assert not done_before_resume, "the push's resume ended the client's pause"
     assert (stream.finish_reason, len(stream.token_ids)) == ("length", LONG)
-    assert stream.weight_versions[-1]["version"] == str(version)
 
 
 async def test_tokenize_and_detokenize_as_skyrl_calls_them(http: httpx.AsyncClient) -> None:
