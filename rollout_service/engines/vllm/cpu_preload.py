@@ -12,6 +12,12 @@ is left out.
 Measured with ``bench/serving.py --modes service,service-no-preload`` on the
 embedded tiny model, 2-core CPU machine: see docs/benchmarks.md.
 ``ROLLOUT_CPU_PRELOAD=0`` turns it off.
+
+One OpenMP runtime only: vLLM's CPU platform preloads PyTorch's GNU OpenMP (``libgomp``)
+into ``LD_PRELOAD`` of the process that builds an engine config when it finds no OpenMP
+there, and its engine refuses to start with both (``vllm/utils/ompmultiprocessing.py``
+asserts it). A process that built a config before (a test, a benchmark in-process) would
+hand both to every engine it starts next; the GNU one is dropped when Intel's is added.
 """
 
 from __future__ import annotations
@@ -45,8 +51,12 @@ def preload_for_cpu_engine() -> list[str]:
     if not current_platform.is_cpu() or os.environ.get(SWITCH_ENV, "1") == "0":
         return []
     current = [p for p in os.environ.get("LD_PRELOAD", "").split(":") if p]
-    added = [lib for lib in cpu_preload_libraries() if lib not in current]
-    if added:
-        os.environ["LD_PRELOAD"] = ":".join([*added, *current])
-        logger.info("LD_PRELOAD for vLLM's CPU engine: %s", os.environ["LD_PRELOAD"])
+    libraries = cpu_preload_libraries()
+    if any("libiomp" in lib for lib in libraries):
+        current = [p for p in current if "libgomp" not in Path(p).name]
+    added = [lib for lib in libraries if lib not in current]
+    preload = ":".join([*added, *current])
+    if preload != os.environ.get("LD_PRELOAD", ""):
+        os.environ["LD_PRELOAD"] = preload
+        logger.info("LD_PRELOAD for vLLM's CPU engine: %s", preload)
     return added

@@ -15,6 +15,8 @@ had died of an illegal memory access after K = 0 was pinned under load
 
 from __future__ import annotations
 
+import os
+
 import pytest
 from vllm.platforms import current_platform
 
@@ -35,7 +37,11 @@ pytestmark = [pytest.mark.gpu] if IS_CUDA else []
 @pytest.mark.parametrize("drafter_at_k0", [
     "run", pytest.param("skip", marks=pytest.mark.skipif(
         not IS_CUDA, reason="drafter_at_k0: skip needs model runner V2 (CUDA)"))])
-async def test_random_k_changes_under_load_never_fail_a_request(drafter_at_k0: str) -> None:
+async def test_random_k_changes_under_load_never_fail_a_request(
+        drafter_at_k0: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The engine runs in this process, whose environment vLLM's CPU platform changes
+    # (LD_PRELOAD): restored afterwards, for the services later tests start from here.
+    monkeypatch.setenv("LD_PRELOAD", os.environ.get("LD_PRELOAD", ""))
     if IS_CUDA:  # vLLM's defaults: compile and CUDA graphs, as served
         model, kwargs = str(ensure_model("tiny")), {"dtype": "bfloat16",
                                                     "gpu_memory_utilization": 0.3}
