@@ -37,7 +37,7 @@ from grafana_foundation_sdk.models.dashboard import (
 )
 from grafana_foundation_sdk.models.prometheus import PromQueryFormat
 
-from rollout_service.telemetry import queries
+from rollout_service.telemetry import alerts, queries
 
 OUTPUT = Path(__file__).parent / "dashboards" / "rollout.json"
 UID = "mtp-rollout"
@@ -45,7 +45,7 @@ DATASOURCE = DataSourceRef(type_val="prometheus", uid="${datasource}")
 SCOPE = queries.Scope(window="$__rate_interval", model="$model", instance="$instance")
 """The acceptance panels: every selected replica summed."""
 PER_INSTANCE = replace(SCOPE, by=("instance",))
-PUSHES = replace(PER_INSTANCE, window=queries.PUSH_WINDOW)
+PUSHES = replace(PER_INSTANCE, window=alerts.PUSH_WINDOW)
 """Weight pushes come once per training step, minutes apart: a rate window of a
 few scrapes would show mostly gaps. The window matches the push alerts'."""
 

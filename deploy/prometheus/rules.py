@@ -3,11 +3,11 @@
 Runs on a developer's machine or in CI, never in the service: ``python -m
 deploy.prometheus.rules`` writes ``deploy/prometheus/rules.yml``, which
 ``prometheus.yml`` loads. Every expression comes from
-``rollout_service/telemetry/queries.py``; this module names them, and gives each
-alert its severity and annotations. The committed YAML must equal what this
+``rollout_service/telemetry/queries.py`` and ``alerts.py``; this module names them, and
+gives each alert its severity and annotations. The committed YAML must equal what this
 module generates (tests/integration/test_deploy.py checks it, checks it with
 promtool, unit-tests each alert and evaluates every expression against a real
-Prometheus), so edit this file or queries.py, not the YAML.
+Prometheus), so edit this file, queries.py or alerts.py, not the YAML.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from rollout_service.telemetry import queries
+from rollout_service.telemetry import alerts, queries
 
 OUTPUT = Path(__file__).parent / "rules.yml"
 SCOPE = queries.Scope(window="5m", by=("model",))
@@ -54,7 +54,7 @@ class Alert:
 
 ALERTS = (
     Alert(name="RolloutAcceptRateDroppedAfterWeightPush",
-          expr=queries.alert_accept_rate_dropped_after_push(), for_s="2m", severity="critical",
+          expr=alerts.alert_accept_rate_dropped_after_push(), for_s="2m", severity="critical",
           summary="Drafter acceptance of {{ $labels.model }} halved by a weight push",
           description=(
               "The drafts of {{ $labels.model }} on recently pushed weights are accepted at "
@@ -64,7 +64,7 @@ ALERTS = (
               "rollout_weight_version by role and GET /weights/checksums; rollouts are "
               "slower but their tokens are unaffected.")),
     Alert(name="RolloutAcceptanceBelowTrainingAccuracy",
-          expr=queries.alert_acceptance_below_training_accuracy(), for_s="2m",
+          expr=alerts.alert_acceptance_below_training_accuracy(), for_s="2m",
           severity="critical",
           summary="Rollout acceptance of {{ $labels.model }} far below its training accuracy",
           description=(
@@ -77,7 +77,7 @@ ALERTS = (
               "trainer trained. Check the trainer's export of the MTP layers (names, the "
               "order of the input projection's halves) and that pushes target both.")),
     Alert(name="RolloutDrafterVersionBehindMain",
-          expr=queries.alert_drafter_behind_main(), for_s="5m", severity="warning",
+          expr=alerts.alert_drafter_behind_main(), for_s="5m", severity="warning",
           summary="MTP drafter of {{ $labels.model }} on {{ $labels.instance }} is behind main",
           description=(
               "On {{ $labels.instance }} the drafter has served a weight version {{ $value }} "
@@ -85,7 +85,7 @@ ALERTS = (
               "acceptance falls. Push with target=\"both\" (WeightPusher.push), or check the "
               "trainer's drafter export.")),
     Alert(name="RolloutWeightPushFailed",
-          expr=queries.alert_push_unsuccessful(), severity="warning",
+          expr=alerts.alert_push_unsuccessful(), severity="warning",
           summary="Weight push {{ $labels.outcome }} on {{ $labels.instance }}",
           description=(
               "{{ $value | humanize }} weight push(es) to {{ $labels.model }} on "
@@ -95,7 +95,7 @@ ALERTS = (
               "cancelled mid-push; failed: the engine could not load the weights (see the "
               "service log and GET /weights/status).")),
     Alert(name="RolloutWeightPushSlow",
-          expr=queries.alert_push_slow(), severity="warning",
+          expr=alerts.alert_push_slow(), severity="warning",
           summary="Weight pushes on {{ $labels.instance }} take {{ $value | humanizeDuration }}",
           description=(
               "Completed weight pushes to {{ $labels.model }} on {{ $labels.instance }} took "
@@ -103,7 +103,7 @@ ALERTS = (
               "replica generates nothing meanwhile). Check the push's bucket size, shared "
               "memory and the engine's load time.")),
     Alert(name="RolloutSpecDecodeStatsMissing",
-          expr=queries.alert_stats_missing(), for_s="5m", severity="warning",
+          expr=alerts.alert_stats_missing(), for_s="5m", severity="warning",
           summary="Engine on {{ $labels.instance }} returns no spec-decode stats",
           description=(
               "Requests to {{ $labels.model }} on {{ $labels.instance }} finish without "
@@ -111,7 +111,7 @@ ALERTS = (
               "The engine likely runs with per_request_spec_decode_metrics=\"none\" or a "
               "version without per-request stats; see the service log's warning.")),
     Alert(name="RolloutSpeculationSlowdown",
-          expr=queries.alert_speculation_slowdown(), for_s="10m", severity="warning",
+          expr=alerts.alert_speculation_slowdown(), for_s="10m", severity="warning",
           summary="Speculation slows {{ $labels.model }} on {{ $labels.instance }} down",
           description=(
               "On {{ $labels.instance }} the estimated net speed-up of speculative decoding "
@@ -123,7 +123,7 @@ ALERTS = (
               "more than it saves: lower num_speculative_tokens, enable "
               "speculation_control, or turn speculation off for this load.")),
     Alert(name="RolloutServiceDown",
-          expr=queries.alert_service_down(), for_s="2m", severity="critical",
+          expr=alerts.alert_service_down(), for_s="2m", severity="critical",
           summary="Rollout service {{ $labels.instance }} is not scraped",
           description=(
               "Prometheus cannot scrape /metrics of {{ $labels.instance }} for 2m: the replica "
@@ -133,8 +133,8 @@ ALERTS = (
 HEADER = """\
 # Recording rules and alerts of the MTP rollout service.
 #
-# GENERATED by deploy/prometheus/rules.py from rollout_service/telemetry/queries.py
-# (`python -m deploy.prometheus.rules`); edit those, not this file. docs/telemetry.md
+# GENERATED by deploy/prometheus/rules.py from rollout_service/telemetry/queries.py and
+# alerts.py (`python -m deploy.prometheus.rules`); edit those, not this file. docs/telemetry.md
 # defines every figure. Ratios sum numerator and denominator over replicas before
 # dividing, so they are exact across replicas.
 """

@@ -35,7 +35,7 @@ from rollout_service.client import RolloutClient
 from rollout_service.embedded import ensure_model
 from rollout_service.embedded.corpus import arithmetic_prompts
 from rollout_service.protocol import messages
-from rollout_service.telemetry import queries
+from rollout_service.telemetry import alerts, catalogue, queries
 from rollout_service.tools.launch import ServiceProcess
 from rollout_service.tools.scrape import sample_sum
 from tests.integration.conftest import (
@@ -326,7 +326,7 @@ def test_test_time_override_changes_only_the_waiting() -> None:
 
 
 def test_rules_alert_on_every_condition_of_queries() -> None:
-    assert sorted(_alerts().values()) == sorted(alert() for alert in queries.ALERTS)
+    assert sorted(_alerts().values()) == sorted(alert() for alert in alerts.ALERTS)
 
 
 def test_dashboard_queries_use_its_variables() -> None:
@@ -500,7 +500,7 @@ async def test_dashboard_variables_have_values(mix: Mix, prometheus: str) -> Non
 
 async def test_every_figure_has_data_in_every_scope(mix: Mix, prometheus: str) -> None:
     """Every figure of ``queries.py``, whichever consumer renders it, has finite data."""
-    for figure in queries.FIGURES:
+    for figure in catalogue.FIGURES:
         for scope in FIGURE_SCOPES:
             query = figure.query(scope)
             _assert_finite(await _vector(prometheus, query, mix.at), query)
@@ -530,7 +530,7 @@ async def test_every_alert_runs_and_its_operands_have_data(mix: Mix, prometheus:
 
 async def test_every_referenced_series_exists(mix: Mix, prometheus: str) -> None:
     recorded = _recorded()
-    figures = [f.query(scope) for f in queries.FIGURES for scope in FIGURE_SCOPES]
+    figures = [f.query(scope) for f in catalogue.FIGURES for scope in FIGURE_SCOPES]
     exprs = [*_dashboard_exprs(), *recorded.values(), *_alerts().values(), *figures]
     names = set().union(*(_metric_names(e) for e in exprs))
     assert "vllm:e2e_request_latency_seconds_bucket" in names and "up" in names

@@ -12,7 +12,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from rollout_service.protocol.messages import TrainingStats
-from rollout_service.telemetry import queries
+from rollout_service.telemetry import alerts, catalogue, queries
 from rollout_service.telemetry.acceptance import SpecDecodeMetrics
 from rollout_service.telemetry.drafter import DrafterHealth
 from rollout_service.telemetry.speculation import SpeculationMetrics
@@ -24,9 +24,9 @@ DASHBOARD = queries.Scope(window="$__rate_interval", model="$model", instance="$
 
 
 def _every_expression() -> list[str]:
-    scopes = (queries.DOCS_SCOPE, RULES, DASHBOARD)
-    return [*(f.query(s) for f in queries.FIGURES for s in scopes),
-            *(alert() for alert in queries.ALERTS)]
+    scopes = (catalogue.DOCS_SCOPE, RULES, DASHBOARD)
+    return [*(f.query(s) for f in catalogue.FIGURES for s in scopes),
+            *(alert() for alert in alerts.ALERTS)]
 
 
 def test_ratio_sums_numerator_and_denominator_before_dividing() -> None:
@@ -61,7 +61,7 @@ def test_the_net_speedup_prices_each_verify_step_at_its_own_ratio() -> None:
     assert queries.verify_cost_ratio(RULES) == (
         "sum by (model) (rate(rollout_spec_decode_verify_cost_total[5m]))"
         " / sum by (model) (rate(rollout_spec_decode_costed_drafts_total[5m]))")
-    assert "verify_cost_ratio" not in queries.alert_speculation_slowdown()
+    assert "verify_cost_ratio" not in alerts.alert_speculation_slowdown()
 
 
 def test_dashboard_matchers_select_model_only_on_the_service_series() -> None:
@@ -95,24 +95,24 @@ def test_every_rollout_series_read_is_exported() -> None:
 
 
 def test_every_figure_has_a_meaning_and_a_unit() -> None:
-    for figure in queries.FIGURES:
+    for figure in catalogue.FIGURES:
         assert figure.meaning and figure.unit, figure.name
-    assert len({f.name for f in queries.FIGURES}) == len(queries.FIGURES)
+    assert len({f.name for f in catalogue.FIGURES}) == len(catalogue.FIGURES)
 
 
 def test_docs_table_is_generated() -> None:
     text = DOCS.read_text()
-    assert text == queries.replace_table(text), (
+    assert text == catalogue.replace_table(text), (
         "the PromQL table in docs/telemetry.md differs from queries.py: run "
         "`python -m rollout_service.telemetry.queries docs/telemetry.md`")
 
 
 def test_docs_table_escapes_pipes() -> None:
-    row = next(line for line in queries.markdown_table().splitlines()
+    row = next(line for line in catalogue.markdown_table().splitlines()
                if line.startswith("| unsuccessful pushes"))
     assert row.count("|") - row.count("\\|") == 5  # four cells
 
 
 def test_replace_table_refuses_text_without_markers() -> None:
     with pytest.raises(ValueError, match="PromQL table"):
-        queries.replace_table("# no table here\n")
+        catalogue.replace_table("# no table here\n")
