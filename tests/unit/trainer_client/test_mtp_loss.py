@@ -18,7 +18,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tests.support.spawned import rendezvous_address, run_spawned
-from trainer_client import mtp_loss
+from trainer_client import mtp_autoscale, mtp_loss
 from trainer_client.batch import Rollout, pack_padded, pack_thd
 from trainer_client.mtp_loss import (
     MTPLossConfig,
@@ -328,8 +328,8 @@ def test_roll_left_zeroes_the_tail_instead_of_wrapping() -> None:
 def fallback_autoscaler(monkeypatch: pytest.MonkeyPatch) -> None:
     """The autoscaler written here (used without megatron-core); Megatron's is tested in
     the GPTModel process below. Keeps this process free of the megatron import."""
-    monkeypatch.setattr(mtp_loss, "_autoscaler", lambda: mtp_loss._MTPLossAutoScaler)
-    monkeypatch.setattr(mtp_loss._MTPLossAutoScaler, "main_loss_backward_scale",
+    monkeypatch.setattr(mtp_autoscale, "_autoscaler", lambda: mtp_autoscale._MTPLossAutoScaler)
+    monkeypatch.setattr(mtp_autoscale._MTPLossAutoScaler, "main_loss_backward_scale",
                         torch.tensor(1.0))
 
 
@@ -429,7 +429,7 @@ def _check_against_gpt_model(address: str) -> None:
 
     dist.init_process_group("gloo", init_method=address, rank=0, world_size=1)
     parallel_state.initialize_model_parallel()
-    assert mtp_loss._autoscaler() is MTPLossAutoScaler
+    assert mtp_autoscale._autoscaler() is MTPLossAutoScaler
     assert mtp_loss.megatron_has_process_mtp_loss() == hasattr(
         __import__("megatron.core.transformer.multi_token_prediction", fromlist=["x"]),
         "process_mtp_loss")
