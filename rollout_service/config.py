@@ -42,6 +42,11 @@ EMBEDDED_ENGINE_KWARGS: dict[str, Any] = {
     "kv_cache_memory_bytes": 512 * 1024**2,
     "dtype": "float32",
 }
+# The same for an SGLang server (GPU only): its context length alone. vLLM's keys above are
+# not SGLang server arguments (its argparse refuses --max-model-len and the others), and
+# float32 would not run on SGLang's FA3 attention; the checkpoint is bf16, which SGLang's
+# dtype "auto" keeps.
+EMBEDDED_SGLANG_ENGINE_KWARGS: dict[str, Any] = {"context_length": 1024}
 
 
 class CalibrationSettings(BaseModel):
@@ -140,8 +145,10 @@ class ServiceConfig(BaseModel):
     engine_kwargs: dict[str, Any] = Field(
         default_factory=dict,
         description=("Passed to the engine as is (vLLM: AsyncEngineArgs fields), except "
-                     "'speculative_config', which is merged with 'mtp'. For the embedded "
-                     f"model, {EMBEDDED_ENGINE_KWARGS} are the defaults."))
+                     "'speculative_config', which is merged with 'mtp'; SGLang: server "
+                     "arguments, as launch_server's flags with underscores. For the embedded "
+                     f"model, {EMBEDDED_ENGINE_KWARGS} (vLLM) or "
+                     f"{EMBEDDED_SGLANG_ENGINE_KWARGS} (SGLang) are the defaults."))
     mtp: MTPSettings = Field(default_factory=MTPSettings,
                              description="MTP speculative decoding settings.")
     telemetry: TelemetryConfig = Field(default_factory=TelemetryConfig, description=(
@@ -167,6 +174,14 @@ class ServiceConfig(BaseModel):
                            "pushes are refused (403)."))
     weights_token_file: Path | None = Field(
         None, description="File holding the weights token (first line), e.g. a mounted secret.")
+    dialect_weights_auth: Literal["weights_token", "none"] = Field(
+        "weights_token", description=(
+            "Who may call the dialects' weight routes (SGLang's /init_weights_update_group, "
+            "/update_weights_from_distributed...; vLLM's /init_weight_transfer_engine, "
+            "/update_weights...): 'weights_token', the weights token as a bearer token or "
+            "as the password of the server URL (http://weights:<token>@host:port); "
+            "'none', anyone who reaches the port, for clients that can send nothing "
+            "(slime), behind the engine's own network boundary."))
     push_timeout_s: float = Field(
         60.0, gt=0, description=("A weight push with no call from the trainer for this long is "
                                  "aborted; the old weights stay served."))
@@ -274,7 +289,9 @@ class ServiceConfig(BaseModel):
 
         size = self.model.removeprefix(EMBEDDED_PREFIX)
         path = ensure_model(size)
-        return str(path), {**EMBEDDED_ENGINE_KWARGS, **self.engine_kwargs}
+        defaults = (EMBEDDED_SGLANG_ENGINE_KWARGS if self.engine == "sglang"
+                    else EMBEDDED_ENGINE_KWARGS)
+        return str(path), {**defaults, **self.engine_kwargs}
 
 
 def load_config(path: str | Path | None = None, **overrides: Any) -> ServiceConfig:

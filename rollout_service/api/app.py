@@ -28,7 +28,10 @@ from rollout_service.api.dialects.sglang.router import (
     sglang_router,
 )
 from rollout_service.api.dialects.vllm import protocol as vllm
+from rollout_service.api.dialects.sglang.weights_router import sglang_weights_router
 from rollout_service.api.dialects.vllm.router import vllm_router
+from rollout_service.api.dialects.vllm.weights_router import vllm_weights_router
+from rollout_service.api.dialects.weights_auth import dialect_weights_guard
 from rollout_service.api.errors import bearer_guard, documented, install_error_handlers
 from rollout_service.api.openai import event_stream_doc, openai_router
 from rollout_service.api.openapi import install_openapi
@@ -117,6 +120,9 @@ def create_app(config: ServiceConfig, open_state: StateOpener | None = None) -> 
     app.include_router(openai_router(config.model_name, guard))
     app.include_router(vllm_router(guard))
     app.include_router(sglang_router(guard))
+    weights_guard = dialect_weights_guard(weights_token, config.dialect_weights_auth)
+    app.include_router(vllm_weights_router(weights_guard))
+    app.include_router(sglang_weights_router(weights_guard))
 
     async def rollouts(request: Request) -> Rollouts:
         return request.app.state.serving.rollouts

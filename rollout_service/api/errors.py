@@ -105,7 +105,7 @@ def classify(exc: Exception) -> tuple[int, str, str]:
     if isinstance(exc, InvalidRequestError):
         return 400, str(exc), "invalid_request_error"
     if isinstance(exc, Unauthorized):
-        return 401, "missing or invalid bearer token", "authentication_error"
+        return 401, str(exc) or "missing or invalid bearer token", "authentication_error"
     if isinstance(exc, Forbidden | SpeculationControlOff):
         return 403, str(exc), "permission_error"
     if isinstance(exc, UnknownModelError):

@@ -61,7 +61,7 @@ __all__ = ["Backend", "BucketRefused", "FrameHeader", "Group", "GroupSpec", "Ren
            "group_store", "join"]
 
 Backend = Literal["nccl", "gloo"]
-Rendezvous_Style = Literal["rollout", "torch"]
+Rendezvous_Style = Literal["rollout", "torch", "vllm"]
 TRAINER_RANK = 0
 """The broadcast's source."""
 HEADER_MAGIC = 0x524F4C4C4F555431  # "ROLLOUT1"
@@ -89,7 +89,8 @@ class GroupSpec:
     style: Rendezvous_Style = "rollout"
     """How the ranks meet in the store (:func:`group_store`): ``rollout``, this project's
     trainer; ``torch``, a trainer's torch.distributed group made the way SGLang's
-    ``init_custom_process_group`` makes it (slime, AReaL)."""
+    ``init_custom_process_group`` makes it (slime, AReaL); ``vllm``, vLLM's
+    ``StatelessProcessGroup`` and PyNccl (``vllm_rendezvous.py``)."""
 
     def as_dict(self) -> dict[str, Any]:
         """JSON-safe, for vLLM's worker RPC."""
@@ -333,6 +334,16 @@ def join(spec: GroupSpec, rank: int, device: torch.device | None = None) -> Grou
     import torch.distributed as dist
 
     timeout = datetime.timedelta(seconds=spec.timeout_s)
+    if spec.style == "vllm":
+        from rollout_service.protocol import vllm_rendezvous
+
+        if spec.backend == "gloo":
+            pg, base = vllm_rendezvous.join_stand_in(spec, rank)
+        else:
+            assert device is not None and device.type == "cuda", device
+            torch.cuda.set_device(device)
+            pg, base = vllm_rendezvous.join_pynccl(spec, rank, device)
+        return Group(spec, rank, pg, vllm_rendezvous.counters_store(base))
     store = group_store(spec, is_rank=True)
     if spec.backend == "gloo":
         pg = dist.ProcessGroupGloo(store, rank, spec.world_size, timeout)

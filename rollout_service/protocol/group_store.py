@@ -71,13 +71,20 @@ def all_receiving_key(key: str) -> str:
 
 def group_store(spec: GroupSpec, *, is_rank: bool) -> Any:
     """The store a group's ranks use, as ``spec.style`` lays it out: ``rollout``, the
-    trainer's store under ``group_id``; ``torch``, the prefixes torch's own
+    trainer's store under ``group_id``; ``vllm``, vLLM's ``StatelessProcessGroup`` store
+    with this service's counters under ``rollout/`` (``vllm_rendezvous.py``); ``torch``,
+    the prefixes torch's own
     ``_new_process_group_helper`` adds to a custom group's store (``group_id``, then
     ``group_id/``, then the device: ``cpu/`` for gloo, ``cuda/`` for NCCL), a rank's
     client counting itself in the world (the trainer's store waits for that many
     clients), the service's not (``is_rank`` False)."""
     import torch.distributed as dist
 
+    if spec.style == "vllm":
+        from rollout_service.protocol import vllm_rendezvous
+
+        return vllm_rendezvous.counters_store(vllm_rendezvous.stateless_store(
+            spec, is_rank=is_rank))
     timeout = datetime.timedelta(seconds=spec.timeout_s)
     world = spec.world_size if is_rank and spec.style == "torch" else None
     base = dist.TCPStore(spec.master_address, spec.master_port, world, False, timeout)

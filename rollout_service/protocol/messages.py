@@ -307,6 +307,7 @@ class ErrorResponse(BaseModel):
 
 PushTarget = Literal["main", "draft", "both"]
 PauseMode = Literal["wait", "abort", "keep"]
+PushClient = Literal["rollout", "sglang", "vllm"]
 
 
 class ParamSpec(BaseModel):
@@ -394,8 +395,17 @@ class PushBeginRequest(BaseModel):
         "cuda_ipc only (optional there): the trainer's staging buffer, a byte buffer (1-D "
         "uint8) exported once; a placement without a handle lies in it at its offset. "
         "The trainer writes it before the first update that names a tensor in it."))
-    total_bytes: Int = Field(gt=0, description="Sum of the announced tensors' sizes.")
-    params: list[ParamSpec] = Field(min_length=1)
+    total_bytes: Int | None = Field(None, gt=0, description=(
+        "Sum of the announced tensors' sizes (required with params)."))
+    params: list[ParamSpec] | None = Field(None, min_length=1, description=(
+        "Every tensor of the push, checked against the served checkpoint before anything "
+        "moves. null (nccl only): the served checkpoint's tensors, each named by the "
+        "update that carries it and checked there before its bucket is received: the "
+        "frameworks' dialects, whose trainers announce tensors call by call; by finish "
+        "every tensor must have arrived (target 'draft': any of them)."))
+    client: PushClient = Field("rollout", description=(
+        "Which protocol drives the push: 'rollout' (this one), or a framework dialect's "
+        "weight routes ('sglang', 'vllm'), which commit only their own pushes."))
     pause_mode: PauseMode = Field("wait", description=(
         "How generation is paused while the engine loads: 'wait' lets running requests "
         "finish, 'abort' aborts them, 'keep' freezes them until the load is done."))
@@ -410,6 +420,15 @@ class PushBeginRequest(BaseModel):
 
     @model_validator(mode="after")
     def _transport_fields(self) -> PushBeginRequest:
+        if self.params is None:
+            if self.transport != "nccl":
+                raise ValueError(f"params: required by transport {self.transport!r} (only "
+                                 "'nccl' pushes may name their tensors update by update)")
+            if self.total_bytes is not None:
+                raise ValueError("total_bytes: leave it out without params (the tensors are "
+                                 "named by the updates)")
+        elif self.total_bytes is None:
+            raise ValueError("total_bytes: required with params")
         needed = _FIELDS_BY_TRANSPORT[self.transport]
         missing = [f for f in needed if getattr(self, f) is None]
         if missing:
@@ -465,12 +484,14 @@ class WeightGroupRequest(BaseModel):
         = Field(None, description=(
         "The largest bucket the trainer broadcasts (each worker's ring slot size); "
         "default: the service's weights_bucket_bytes."))
-    rendezvous: Literal["rollout", "torch"] = Field("rollout", description=(
+    rendezvous: Literal["rollout", "torch", "vllm"] = Field("rollout", description=(
         "How the ranks meet in the trainer's store: 'rollout', this service's own trainer "
         "(WeightPusher: keys under group_id, a probe broadcast when all have joined); "
         "'torch', a trainer's torch.distributed group made as SGLang's "
         "init_custom_process_group makes it (slime, AReaL: torch's own key prefixes, no "
-        "probe), for the dialects' weight routes."))
+        "probe); 'vllm', vLLM's StatelessProcessGroup and PyNccl communicator "
+        "(NCCLTrainerWeightTransferEngine: SkyRL, vLLM's examples; on the CPU a gloo "
+        "stand-in over the same store). The last two are the dialects' weight routes'."))
     num_buckets: Annotated[int, Field(ge=1, le=MAX_BUCKETS_IN_FLIGHT),
                            BeforeValidator(integral)] | None = Field(None, description=(
         "Ring slots per worker: buckets received and not yet written to the server's "
@@ -515,6 +536,9 @@ class WeightGroupState(BaseModel):
         "every serving replica's): a trainer's world_size counts them."))
     backend: GroupBackend
     current: WeightGroupResponse | None = None
+    max_tensor_bytes: int | None = Field(None, description=(
+        "The served checkpoint's largest tensor: the smallest bucket_bytes that takes a "
+        "trainer's broadcast of one whole tensor (the frameworks' framing)."))
 
 
 class WeightGroupRelease(BaseModel):
@@ -583,17 +607,41 @@ class BucketInfo(BaseModel):
 class PushUpdateRequest(BaseModel):
     """One bucket: these tensors are now in place (written in the segment, or exported
     as CUDA IPC handles), or, for ``nccl``, broadcast by the trainer while this call runs
-    (``bucket`` says its length and checksum)."""
+    (``bucket`` says its length and checksum; ``buckets``, several collectives of the
+    frameworks' framing in order)."""
 
-    model_config = _STRICT
+    model_config = ConfigDict(**_STRICT, json_schema_extra={"not": {
+        "required": ["bucket", "buckets"]}})
 
     push_id: str
     tensors: list[TensorPlacement] = Field(default_factory=list, description=(
         "The tensors now in place (nccl: those whose last byte is in this bucket; none "
         "when the bucket ends inside a tensor)."))
     bucket: BucketInfo | None = Field(None, description=(
-        "nccl only (required there): the bucket the trainer broadcasts during this call; "
-        "every placement lies in it."))
+        "nccl only (required there, or buckets): the bucket the trainer broadcasts during "
+        "this call; every placement lies in it."))
+    buckets: list[BucketInfo] | None = Field(None, min_length=1, max_length=1 << 16,
+                                             description=(
+        "nccl, the frameworks' framing only (each checksum null): the collectives the "
+        "trainer broadcasts during this call, in order (one per tensor, or vLLM's packed "
+        "chunks); every placement lies in them. Give bucket or buckets, not both."))
+
+    @model_validator(mode="after")
+    def _one_bucket_field(self) -> PushUpdateRequest:
+        if self.bucket is not None and self.buckets is not None:
+            raise ValueError("buckets: give bucket or buckets, not both")
+        if self.buckets is not None and any(b.checksum is not None for b in self.buckets):
+            raise ValueError("buckets: only buckets of the frameworks' framing (checksum "
+                             "null) travel several to an update; send a checksummed bucket "
+                             "alone in bucket")
+        return self
+
+    @property
+    def all_buckets(self) -> list[BucketInfo]:
+        """``bucket`` or ``buckets`` as one list (empty for the other transports)."""
+        if self.buckets is not None:
+            return list(self.buckets)
+        return [] if self.bucket is None else [self.bucket]
 
 
 class PushUpdateResponse(BaseModel):
@@ -605,6 +653,9 @@ class PushFinishRequest(BaseModel):
     model_config = _STRICT
 
     push_id: str
+    version: Int | None = Field(None, ge=0, description=(
+        "The version to serve instead of begin's (the frameworks name it at the end: "
+        "vLLM's finish_weight_update); newer than the served one of every target."))
 
 
 class PushAbortRequest(BaseModel):
@@ -653,12 +704,28 @@ class LastPush(BaseModel):
     detail: str
 
 
+class ActivePushState(BaseModel):
+    """The push between its begin and its end, as far as it has come: what a dialect's
+    weight route needs to go on with the push its framework's earlier calls began."""
+
+    push_id: str
+    client: PushClient
+    target: PushTarget
+    version: int
+    group_id: str | None
+    num_buckets: int = Field(description="nccl: buckets received so far.")
+    stream_bytes: int = Field(description="nccl: where the last bucket ends in the stream.")
+    num_tensors: int = Field(description="Tensors placed so far.")
+
+
 class WeightStatus(BaseModel):
     """``GET /weights/status`` and the ``weights`` part of ``/health``."""
 
     main_version: int | None
     draft_version: int | None
     active_push_id: str | None
+    active_push: ActivePushState | None = Field(None, description=(
+        "The push in progress, if any (its id is active_push_id)."))
     consistent: bool = Field(description=(
         "False only after an engine failure in the middle of a load: the service then "
         "refuses generation until a complete push arrives."))

@@ -39,7 +39,8 @@ class Command(BaseModel):
     group: messages.WeightGroupRequest | None = None
     """``group_join``: the trainer's group, at this replica's own rank offset."""
     push_id: str | None = None
-    bucket: BucketInfo | None = None
+    buckets: list[BucketInfo] = Field(default_factory=list)
+    """``bucket``: an update's buckets, received in order."""
     peers: list[str] = Field(default_factory=list)
     """``fetch``: the stored-copy addresses of replicas that serve ``push``."""
 

@@ -240,7 +240,8 @@ class WeightsCoordinator(GroupRoutes):
         Raises:
             PushError: naming the replicas that did not load it.
         """
-        push = self._intake.start_loading(req.push_id)
+        push = self._intake.start_loading(req.push_id, version=req.version, versions={
+            "main": self.main_version, "draft": self.draft_version})
         return await self._to_the_end(self._finish(push))
 
     async def _finish(self, push: ActivePush) -> messages.PushFinishResponse:
@@ -261,7 +262,7 @@ class WeightsCoordinator(GroupRoutes):
             self._intake.record(req, "failed", "no live replica")
             raise PushError(503, "no live engine replica to load the push")
         stored = StoredPush(push_id=push.push_id, begin=req,
-                            placements=[push.placements[name] for name in push.expected],
+                            placements=push.ordered_placements(),
                             buckets=list(push.buckets))
         results = await self._send(targets, Command(id=uuid.uuid4().hex, kind="load",
                                                     push=stored))
@@ -369,6 +370,7 @@ class WeightsCoordinator(GroupRoutes):
         return messages.WeightStatus(
             main_version=self.main_version, draft_version=self.draft_version,
             active_push_id=self._intake.active.push_id if self._intake.active else None,
+            active_push=self._intake.active.state() if self._intake.active else None,
             consistent=consistent, last_push=self._intake.last_push)
 
     def replicas(self) -> list[messages.ReplicaHealth]:

@@ -200,16 +200,16 @@ class GroupFanOut:
         push = intake.get(req.push_id)
         group = self._group
         try:
-            bucket = check_bucket(push, req)
+            buckets = check_bucket(push, req)
             if group is None or group.response.group_id != push.request.group_id:
                 raise PushError(409, f"group_id: the push's group {push.request.group_id!r} "
                                      "is closed; make a new group")
-            assert bucket is not None  # nccl: check_bucket requires it
-            if bucket.nbytes > group.response.bucket_bytes:
-                if bucket.checksum is None:  # no header: the trainer broadcasts it regardless
-                    await self.close()
-                raise PushError(400, f"bucket: {bucket.nbytes} bytes is more than the group's "
-                                     f"bucket_bytes {group.response.bucket_bytes}")
+            for bucket in buckets:
+                if bucket.nbytes > group.response.bucket_bytes:
+                    if bucket.checksum is None:  # no header: the trainer broadcasts regardless
+                        await self.close()
+                    raise PushError(400, f"bucket: {bucket.nbytes} bytes is more than the "
+                                         f"group's bucket_bytes {group.response.bucket_bytes}")
         except PushError as exc:
             intake.end(push, "rejected", str(exc))
             raise
@@ -221,7 +221,8 @@ class GroupFanOut:
         push.is_receiving = True
         try:
             failed = await self._receive(group, Command(
-                id=uuid.uuid4().hex, kind="bucket", push_id=push.push_id, bucket=bucket))
+                id=uuid.uuid4().hex, kind="bucket", push_id=push.push_id, buckets=buckets),
+                num_buckets=len(buckets))
         finally:
             push.is_receiving = False
             push.last_call_s = group.last_used_s = time.monotonic()
@@ -229,14 +230,15 @@ class GroupFanOut:
             raise refusal
         if failed:
             status = max(result.status for result in failed.values())
-            detail = (f"broadcast: bucket {bucket.index} failed on {_named(failed)}; nothing "
+            detail = (f"broadcast: bucket {buckets[-1].index} failed on {_named(failed)}; nothing "
                       "was loaded on any replica, the old weights are still served")
             intake.end(push, "rejected" if status == 400 else "failed", detail)
             raise PushError(status, detail)
         assert response is not None
         return response
 
-    async def _receive(self, group: _Group, command: Command) -> dict[str, CommandResult]:
+    async def _receive(self, group: _Group, command: Command, *, num_buckets: int = 1
+                       ) -> dict[str, CommandResult]:
         """Every member's receive of one bucket; the failed ones. At the first failure that
         breaks the group the coordinator closes it on every member and answers at once,
         collecting the others' answers in the background: a member whose receive is
@@ -245,7 +247,8 @@ class GroupFanOut:
         as its broadcast fails or its update is answered with a failure."""
         futures = self._coordinator.dispatch(self.member_ids(), command)
         collected = asyncio.ensure_future(self._coordinator.collect(
-            futures, command.id, timeout_s=group.response.timeout_s + ACK_MARGIN_S))
+            futures, command.id,
+            timeout_s=group.response.timeout_s * num_buckets + ACK_MARGIN_S))
         while not collected.done():
             pending = [f for f in futures.values() if not f.done()]
             await asyncio.wait([collected, *pending], timeout=0.5,
@@ -312,6 +315,7 @@ class GroupRoutes:
     whose ``groups`` is its :class:`GroupFanOut`, or None for ``shm``)."""
 
     groups: GroupFanOut | None
+    intake: PushIntake
 
     def _need_groups(self) -> GroupFanOut:
         if self.groups is None:
@@ -328,7 +332,8 @@ class GroupRoutes:
         return await self._need_groups().release(req.group_id)
 
     async def group_state(self) -> messages.WeightGroupState:
-        return self._need_groups().state()
+        return self._need_groups().state().model_copy(update={
+            "max_tensor_bytes": self.intake.max_tensor_bytes})
 
 
 def _breaks(result: CommandResult) -> bool:

@@ -61,9 +61,9 @@ class ReplicaGroup:
             elif command.kind == "group_leave":
                 await self._groups.close()
             else:
-                assert command.push_id is not None and command.bucket is not None
+                assert command.push_id is not None and command.buckets
                 try:
-                    await self._groups.receive_bucket(command.push_id, command.bucket)
+                    await self._groups.receive_buckets(command.push_id, command.buckets)
                 except PushError:
                     self._groups.discard(command.push_id)
                     raise

@@ -58,6 +58,23 @@ class ActivePush:
     """``nccl``: an update call is waiting for its bucket's broadcast (no timeout then:
     the group's own timeout ends a stalled broadcast)."""
 
+    @property
+    def is_announced_per_update(self) -> bool:
+        """Whether the updates name the tensors (begin announced none: the dialects)."""
+        return self.request.params is None
+
+    def ordered_placements(self) -> list[TensorPlacement]:
+        """The tensors that arrived, in the checkpoint's (or the announcement's) order."""
+        return [self.placements[name] for name in self.expected if name in self.placements]
+
+    def state(self) -> messages.ActivePushState:
+        req = self.request
+        return messages.ActivePushState(
+            push_id=self.push_id, client=req.client, target=req.target, version=req.version,
+            group_id=req.group_id, num_buckets=len(self.buckets),
+            stream_bytes=self.buckets[-1].end if self.buckets else 0,
+            num_tensors=len(self.placements))
+
 
 def check_target(target: messages.PushTarget, *, has_draft: bool) -> None:
     """Refuse a push that names the drafter where no drafter can load it.
@@ -96,6 +113,9 @@ def validate_announcement(req: messages.PushBeginRequest, checkpoint: dict[str, 
     if req.transport != transport:
         raise PushError(400, f"transport: {req.transport!r} is not this service's weights "
                              f"transport {transport!r} (weights_transport in its config)")
+    if req.params is None:  # each update names its tensors, checked there
+        return dict(checkpoint)
+    assert req.total_bytes is not None  # wire validation: required with params
     announced: dict[str, TensorMeta] = {}
     for spec in req.params:
         expected = checkpoint.get(spec.name)
@@ -137,7 +157,7 @@ def _validate_segment(req: messages.PushBeginRequest, total: int) -> None:
 
 
 def validate_placement(push: ActivePush, placement: TensorPlacement,
-                       bucket: BucketInfo | None = None) -> None:
+                       buckets: list[BucketInfo] | None = None) -> None:
     """Check one bucket entry against the announcement and the push's transport
     (the segment's name and bounds, the staging buffer's or the broadcast bucket's
     bounds; a CUDA IPC handle's shape and dtype are checked by the placement itself).
@@ -147,13 +167,18 @@ def validate_placement(push: ActivePush, placement: TensorPlacement,
     """
     name = placement.name
     meta = push.expected.get(name)
+    is_per_update = push.is_announced_per_update
+    placed, announced = (("is", "the served model has") if is_per_update
+                         else ("is placed as", "begin announced"))
     if meta is None:
-        raise PushError(400, f"tensors: {name!r} was not announced in begin")
+        raise PushError(400, f"tensors: {name!r} is not in the served model"
+                        if push.is_announced_per_update else
+                        f"tensors: {name!r} was not announced in begin")
     if name in push.placements:
         raise PushError(400, f"tensors: {name!r} was already sent in this push")
     if placement.meta != meta:
-        raise PushError(400, f"tensors: {name!r} is placed as {placement.dtype} "
-                             f"{list(placement.shape)}, begin announced {meta.dtype} "
+        raise PushError(400, f"tensors: {name!r} {placed} {placement.dtype} "
+                             f"{list(placement.shape)}, {announced} {meta.dtype} "
                              f"{list(meta.shape)}")
     req = push.request
     if placement.transport != req.transport:
@@ -169,11 +194,12 @@ def validate_placement(push: ActivePush, placement: TensorPlacement,
                         "staging buffer (cuda_ipc_buffer)")
         return
     if isinstance(location, BroadcastLocation):
-        assert bucket is not None  # nccl: check_bucket required it
-        _check_span(name, location.offset, placement, bucket.end,
-                    f"stream received with bucket {bucket.index}")
+        assert buckets  # nccl: check_bucket required them
+        last = buckets[-1]
+        _check_span(name, location.offset, placement, last.end,
+                    f"stream received with bucket {last.index}")
         _check_received(name, location.offset, location.offset + placement.nbytes,
-                        [*push.buckets, bucket])
+                        [*push.buckets, *buckets])
         return
     if not isinstance(location, ShmLocation):
         return
@@ -232,26 +258,30 @@ def check_no_overlap(placements: Iterable[TensorPlacement],
                 raise PushError(400, f"tensors: {after!r} overlaps {before!r} in {where}")
 
 
-def check_bucket(push: ActivePush, req: messages.PushUpdateRequest) -> BucketInfo | None:
-    """An update's ``bucket``: required for ``nccl`` (the next one in order), refused for
-    the other transports.
+def check_bucket(push: ActivePush, req: messages.PushUpdateRequest) -> list[BucketInfo]:
+    """An update's buckets: required for ``nccl`` (the next ones in order, each starting
+    at or after the previous one's end), refused for the other transports (empty list).
 
     Raises:
-        PushError(400): naming ``bucket``.
+        PushError(400): naming ``bucket`` (or ``buckets``).
     """
     transport = push.request.transport
+    buckets = req.all_buckets
     if transport != "nccl":
-        if req.bucket is not None:
+        if buckets:
             raise PushError(400, f"bucket: not used by transport {transport!r}; leave it out")
-        return None
-    if req.bucket is None:
+        return []
+    if not buckets:
         raise PushError(400, "bucket: required by transport 'nccl' (the bucket the trainer "
                              "broadcasts during this update: index, nbytes, checksum)")
-    if req.bucket.index != len(push.buckets):
-        raise PushError(400, f"bucket: index {req.bucket.index} is not the push's next bucket "
-                             f"({len(push.buckets)})")
+    index = len(push.buckets)
     start = push.buckets[-1].end if push.buckets else 0
-    if req.bucket.offset < start:
-        raise PushError(400, f"bucket: offset {req.bucket.offset} lies before the end of the "
-                             f"last bucket ({start})")
-    return req.bucket
+    for bucket in buckets:
+        if bucket.index != index:
+            raise PushError(400, f"bucket: index {bucket.index} is not the push's next "
+                                 f"bucket ({index})")
+        if bucket.offset < start:
+            raise PushError(400, f"bucket: offset {bucket.offset} lies before the end of "
+                                 f"the last bucket ({start})")
+        index, start = index + 1, bucket.end
+    return buckets

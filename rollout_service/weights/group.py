@@ -154,49 +154,61 @@ class WeightGroups:
         return group
 
     async def receive_bucket(self, push_id: str, bucket: BucketInfo) -> None:
-        """Receive one bucket of ``push_id`` in every worker (the trainer broadcasts it as
-        this runs); returns once every worker has it checked.
+        """:meth:`receive_buckets` of one bucket."""
+        await self.receive_buckets(push_id, [bucket])
+
+    async def receive_buckets(self, push_id: str, buckets: list[BucketInfo]) -> None:
+        """Receive an update's buckets of ``push_id`` in every worker, in order (the
+        trainer broadcasts them as this runs: one, or the frameworks' several); returns
+        once every worker has them checked.
 
         Raises:
-            PushError: 400 when a worker refused it (not what the update announced), 408
+            PushError: 400 when a worker refused one (not what the update announced), 408
                 when the broadcast broke or stalled past the group's timeout; the group
                 is closed when a worker had to leave it.
         """
         group, counters = self.current, self._counters
         assert group is not None and counters is not None  # begin checked the group
-        if bucket.nbytes > group.bucket_bytes:
-            if bucket.checksum is None:  # no header: the trainer broadcasts it regardless
-                await self.close()
-            raise PushError(400, f"bucket: {bucket.nbytes} bytes is more than the group's "
-                                 f"bucket_bytes {group.bucket_bytes}")
+        for bucket in buckets:
+            if bucket.nbytes > group.bucket_bytes:
+                if bucket.checksum is None:  # no header: the trainer broadcasts it regardless
+                    await self.close()
+                raise PushError(400, f"bucket: {bucket.nbytes} bytes is more than the "
+                                     f"group's bucket_bytes {group.bucket_bytes}")
         self._touch()
         start = time.perf_counter()
         receive = BucketReceive(push_id=push_id, store_path=self.copies.path(push_id),
                                 slot_bytes=group.bucket_bytes, num_slots=group.num_buckets)
-        key = f"{push_id}/{bucket.index}"
-        deadline = time.monotonic() + group.timeout_s + WAIT_MARGIN_S
+        last = buckets[-1]
+        key = f"{push_id}/{last.index}"
+        deadline = time.monotonic() + group.timeout_s * len(buckets) + WAIT_MARGIN_S
         try:
-            await self._engine.start_bucket(receive, bucket)
+            for bucket in buckets:  # each worker receives them in this order, one thread
+                await self._engine.start_bucket(receive, bucket)
             num_workers = self._engine.num_workers
             await _poll(lambda: _at_least(counters, key, num_workers), deadline)
             states: list[str] = []
 
             async def settled() -> bool:  # a worker counts itself just before its state
                 nonlocal states
-                states = await self._engine.bucket_states(push_id, bucket.index)
+                # A failed bucket fails every later one of the push on that worker, so
+                # the last bucket's state tells how all of them went.
+                states = await self._engine.bucket_states(push_id, last.index)
                 return "running" not in states
 
             await _poll(settled, deadline)
         except RuntimeError as exc:
             await self.close()
-            raise PushError(408, f"broadcast: bucket {bucket.index}: {exc}; nothing was "
+            raise PushError(408, f"broadcast: bucket {last.index}: {exc}; nothing was "
                                  "loaded, the group is closed") from exc
         self._receive_s[push_id] = self._receive_s.get(push_id, 0.0) + (
             time.perf_counter() - start)
         self._touch()
         if all(s == "done" for s in states):
             return
-        await self._refuse(states, f"bucket {bucket.index}")
+        what = f"bucket {last.index}" if len(buckets) == 1 else (
+            f"buckets {buckets[0].index}-{last.index}")
+        await self._refuse(states, what)
 
     async def _refuse(self, states: list[str], what: str) -> None:
         """Raise for the workers that did not take ``what``. A bucket refused and dropped

@@ -52,7 +52,7 @@ def build_update(push: ActivePush, store: StoreRef | None = None) -> WeightUpdat
     announcement order (``nccl``: from ``store``, the server's received copy)."""
     req = push.request
     return WeightUpdate(push_id=push.push_id, target=req.target, transport=req.transport,
-                        tensors=tuple(push.placements[name] for name in push.expected),
+                        tensors=tuple(push.ordered_placements()),
                         cuda_ipc_buffer=req.cuda_ipc_buffer, store=store)
 
 
@@ -78,6 +78,8 @@ class PushIntake:
                  has_draft: bool, transport: Transport = "shm",
                  metrics: WeightMetrics | None = None) -> None:
         self._checkpoint = checkpoint
+        self.max_tensor_bytes = max((m.nbytes for m in checkpoint.values()), default=0)
+        """The largest tensor: the smallest slot a per-tensor broadcast fits in."""
         self._timeout_s = timeout_s
         self._has_draft = has_draft
         self._transport = transport
@@ -108,11 +110,7 @@ class PushIntake:
         except PushError as exc:
             self.record(req, "rejected", str(exc))
             raise
-        for role in roles(req.target):
-            current = versions[role]
-            if current is not None and req.version <= current:
-                raise PushError(409, f"version: {req.version} is not newer than the {role} "
-                                     f"model's version {current}")
+        check_newer(req.version, req.target, versions)
         stats = req.training_stats
         if stats is not None and stats.version > req.version:
             raise PushError(409, f"training_stats.version: {stats.version} is newer than the "
@@ -148,12 +146,11 @@ class PushIntake:
         """Record one bucket; a bad entry rejects the whole push."""
         push = self.get(req.push_id)
         try:
-            bucket = check_bucket(push, req)
+            buckets = check_bucket(push, req)
             for placement in req.tensors:
-                validate_placement(push, placement, bucket)
+                validate_placement(push, placement, buckets)
                 push.placements[placement.name] = placement
-            if bucket is not None:
-                push.buckets.append(bucket)
+            push.buckets.extend(buckets)
         except PushError as exc:
             self.end(push, "rejected", str(exc))
             raise
@@ -163,19 +160,32 @@ class PushIntake:
     def abort(self, req: messages.PushAbortRequest) -> None:
         self.end(self.get(req.push_id), "aborted", req.reason)
 
-    def start_loading(self, push_id: str) -> ActivePush:
+    def start_loading(self, push_id: str, *, version: int | None = None,
+                      versions: dict[str, int | None] | None = None) -> ActivePush:
         """The complete, validated push, now loading (no timeout, no further calls).
 
+        Args:
+            version: the version to serve instead of begin's (checked against
+                ``versions``, the served version per role).
+
         Raises:
-            PushError(400): a tensor never sent, or overlapping tensors (rejected).
+            PushError: 400 for a tensor never sent, or overlapping tensors; 409 for a
+                version not newer than the served one (rejected, nothing loads).
         """
         push = self.get(push_id)
         try:
             missing = sorted(set(push.expected) - set(push.placements))
-            if missing:
+            is_partial_ok = push.is_announced_per_update and push.request.target == "draft"
+            if missing and not (is_partial_ok and push.placements):
                 raise PushError(400, f"finish: tensor {missing[0]!r} was never sent "
                                      f"({len(missing)} missing in all)")
             check_no_overlap(push.placements.values(), push.request.cuda_ipc_buffer)
+            if version is not None:
+                check_newer(version, push.request.target, versions or {})
+            if version is not None or push.request.total_bytes is None:
+                push.request = push.request.model_copy(update={
+                    "version": push.request.version if version is None else version,
+                    "total_bytes": sum(p.nbytes for p in push.placements.values())})
         except PushError as exc:
             self.end(push, "rejected", str(exc))
             raise
@@ -214,6 +224,17 @@ class PushIntake:
         if self.active is push and not push.is_loading and not push.is_receiving:
             self.end(push, "aborted", f"no call from the trainer for {push.timeout_s:g} s; "
                                       "nothing was loaded, the old weights are still served")
+
+
+def check_newer(version: int, target: messages.PushTarget,
+                versions: dict[str, int | None]) -> None:
+    """Raises PushError(409) unless ``version`` is newer than the served version of every
+    model ``target`` names."""
+    for role in roles(target):
+        current = versions.get(role)
+        if current is not None and version <= current:
+            raise PushError(409, f"version: {version} is not newer than the {role} "
+                                 f"model's version {current}")
 
 
 def roles(target: messages.PushTarget) -> list[str]:

@@ -79,6 +79,7 @@ class WeightPushManager:
         return messages.WeightStatus(
             main_version=self.main_version, draft_version=self.draft_version,
             active_push_id=active.push_id if active else None,
+            active_push=active.state() if active else None,
             consistent=self.is_consistent, last_push=self._intake.last_push)
 
     async def get_status(self) -> messages.WeightStatus:
@@ -100,7 +101,8 @@ class WeightPushManager:
         return self._groups
 
     async def group_state(self) -> messages.WeightGroupState:
-        return self._need_groups().state()
+        return self._need_groups().state().model_copy(update={
+            "max_tensor_bytes": self._intake.max_tensor_bytes})
 
     async def create_group(self, req: messages.WeightGroupRequest
                            ) -> messages.WeightGroupResponse:
@@ -131,8 +133,10 @@ class WeightPushManager:
             if req.transport == "nccl" and self._groups is not None:
                 assert req.group_id is not None  # nccl: required by message validation
                 await self._groups.check_joined(req.group_id)
-            return self._intake.begin(req, {"main": self.main_version,
-                                            "draft": self.draft_version})
+            return self._intake.begin(req, self._versions())
+
+    def _versions(self) -> dict[str, int | None]:
+        return {"main": self.main_version, "draft": self.draft_version}
 
     async def update(self, req: messages.PushUpdateRequest) -> messages.PushUpdateResponse:
         async with self._lock:
@@ -148,22 +152,21 @@ class WeightPushManager:
         refused before any worker receives."""
         push = self._intake.get(req.push_id)
         try:
-            bucket = check_bucket(push, req)
+            buckets = check_bucket(push, req)
         except PushError as exc:
             self._intake.end(push, "rejected", str(exc))
             groups.discard(push.push_id)
             raise
-        assert bucket is not None  # nccl: check_bucket requires it
         try:
             response = self._intake.update(req)
         except PushError as refusal:
             with contextlib.suppress(PushError):
-                await groups.receive_bucket(push.push_id, bucket)
+                await groups.receive_buckets(push.push_id, buckets)
             groups.discard(push.push_id)
             raise refusal
         push.is_receiving = True
         try:
-            await groups.receive_bucket(push.push_id, bucket)
+            await groups.receive_buckets(push.push_id, buckets)
         except PushError as exc:
             self._intake.end(push, "rejected" if exc.status < 500 and exc.status != 408
                              else "failed", str(exc))
@@ -191,7 +194,8 @@ class WeightPushManager:
         async with self._lock:
             if self._groups is not None:
                 return await self._finish_broadcast(self._groups, req)
-            push = self._intake.start_loading(req.push_id)
+            push = self._intake.start_loading(req.push_id, version=req.version,
+                                              versions=self._versions())
             try:
                 finished = await self._apply(push.request, build_update(push))
             except PushError as exc:
@@ -206,9 +210,10 @@ class WeightPushManager:
         """``finish`` for ``nccl``: every bucket arrived during the updates; once the
         stored copy is written, the push loads from it as any other."""
         try:
-            push = self._intake.start_loading(req.push_id)
+            push = self._intake.start_loading(req.push_id, version=req.version,
+                                              versions=self._versions())
         except PushError as exc:
-            if exc.status == 400:  # incomplete or overlapping: rejected, nothing loads
+            if exc.status in (400, 409):  # incomplete, overlapping, old: nothing loads
                 groups.discard(req.push_id)
             raise
         try:

@@ -26,8 +26,12 @@ from rollout_service.api.openai import event_stream
 from rollout_service.api.ports import AppState, GenerationControl, WeightPushes
 from rollout_service.choices import Sequences, weight_version_label
 
+from rollout_service.weights.checks import PushError
+
 from . import protocol as sgl
 from .serving import SGLangServing
+from .weights_router import answer
+from .weights_serving import SGLangWeights
 
 SGLANG_PROMPT_KEYS = frozenset({"text", "input_ids", "input_embeds", "sampling_params"})
 """Keys only SGLang's ``/generate`` bodies have: the native API's prompt is ``prompt`` or
@@ -77,10 +81,20 @@ def sglang_router(guard: Callable[..., Awaitable[None]] | None) -> APIRouter:
         await svc.pause(_PAUSE_MODES[(req or sgl.PauseGenerationReqInput()).mode])
         return sgl.StatusAnswer(message="Generation paused successfully.")
 
-    @router.post("/continue_generation", responses=documented(503))
+    @router.post("/continue_generation", responses=documented(400, 408, 409, 500, 503))
     async def continue_generation(
+            request: Request,
             req: Annotated[sgl.ContinueGenerationReqInput | None, Body()] = None,
-            svc: GenerationControl = Depends(control)) -> sgl.StatusAnswer:
+            svc: GenerationControl = Depends(control)) -> Any:
+        """End the pause; a weight sync of /update_weights_from_distributed calls since
+        the pause loads first, whole (its failure is answered, generation resumes on the
+        old weights)."""
+        serving = request.app.state.serving
+        try:
+            await SGLangWeights(serving.weights, svc, serving.sequences).commit()
+        except PushError as exc:
+            await svc.resume()
+            return answer(False, f"the weight sync did not load: {exc}", exc.status)
         await svc.resume()
         return sgl.StatusAnswer(message="Generation continued successfully.")
 

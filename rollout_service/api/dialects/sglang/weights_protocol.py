@@ -1,0 +1,94 @@
+"""SGLang's weight-sync messages on the wire; this module holds only messages.
+
+Mirrors sgl-project/sglang 0.5.23 ``python/sglang/srt/managers/io_struct.py``
+(``InitWeightsUpdateGroupReqInput``, ``UpdateWeightsFromDistributedReqInput``,
+``DestroyWeightsUpdateGroupReqInput`` and their ``{success, message}`` outputs), as
+slime (THUDM/slime ``slime/backends/sglang_utils/sglang_engine.py``) and AReaL 1.0.4
+(``areal/engine/sglang_remote.py``) send them. SGLang parses these bodies with pydantic's
+lax mode, and AReaL sends ``master_port`` as a string: ports and ranks take a decimal
+string as SGLang does. Fields outside these are ignored with a warning (AReaL's
+``pp_rank``), as for the dialect's other messages.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
+
+from rollout_service.protocol.messages import integral
+from rollout_service.protocol.vllm_sampling import ignore_extra_fields
+
+_LENIENT = ConfigDict(extra="allow", strict=True)
+
+
+def _decimal(value: Any) -> Any:
+    """``"29500"`` as 29500, as SGLang's lax parsing reads it; anything else as it is."""
+    if isinstance(value, str) and value.isdigit():
+        return int(value)
+    return integral(value)
+
+
+LaxInt = Annotated[int, BeforeValidator(_decimal)]
+GroupName = Annotated[str, Field(min_length=1, max_length=256)]
+
+
+class _Ignoring(BaseModel):
+    model_config = _LENIENT
+
+    @model_validator(mode="after")
+    def _extra(self) -> _Ignoring:
+        ignore_extra_fields(self.model_extra, type(self).__name__)
+        return self
+
+
+class InitWeightsUpdateGroupReqInput(_Ignoring):
+    """``POST /init_weights_update_group``: join the trainer's group."""
+
+    master_address: str = Field(min_length=1, max_length=253)
+    master_port: LaxInt = Field(ge=1, le=65535)
+    rank_offset: LaxInt = Field(ge=1, le=1 << 20)
+    world_size: LaxInt = Field(ge=2, le=1 << 20)
+    group_name: GroupName = "weight_update_group"
+    backend: Literal["nccl", "gloo"] = Field("nccl", description=(
+        "nccl on GPUs; gloo where the engine runs on the CPU (how CI runs it)."))
+
+
+class UpdateWeightsFromDistributedReqInput(_Ignoring):
+    """``POST /update_weights_from_distributed``: these tensors, by the served
+    checkpoint's names, are broadcast by the trainer while this call runs."""
+
+    names: list[Annotated[str, Field(min_length=1, max_length=512)]] = Field(
+        min_length=1, max_length=1 << 16)
+    dtypes: list[Annotated[str, Field(min_length=1, max_length=32)]] = Field(
+        max_length=1 << 16)
+    shapes: list[list[Annotated[int, Field(ge=0), BeforeValidator(integral)]]] = Field(
+        max_length=1 << 16)
+    group_name: GroupName = "weight_update_group"
+    flush_cache: bool = Field(True, description=(
+        "Honoured at the commit: every load resets the prefix cache."))
+    abort_all_requests: bool = Field(False, description=(
+        "Abort every running request first (their tokens so far, finish reason abort)."))
+    weight_version: str | None = Field(None, max_length=64, description=(
+        "The version this update makes: a decimal integer, newer than the served one "
+        "(None: the next one)."))
+    load_format: Literal["flattened_bucket"] | None = Field(None, description=(
+        "None: one broadcast per tensor; 'flattened_bucket': one broadcast of the tensors "
+        "back to back (SGLang's FlattenedTensorBucket)."))
+    selector: Literal["all"] = Field("all", description=(
+        "Which runners load it: 'all' (main model and drafter from the one stream)."))
+    torch_empty_cache: bool = False
+
+
+class DestroyWeightsUpdateGroupReqInput(_Ignoring):
+    """``POST /destroy_weights_update_group``."""
+
+    group_name: GroupName = "weight_update_group"
+
+
+class WeightsAnswer(BaseModel):
+    """SGLang's answer to its weight routes: 200 with success true, else the error's
+    status with success false and the reason."""
+
+    success: bool
+    message: str

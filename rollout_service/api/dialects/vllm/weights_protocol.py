@@ -1,0 +1,120 @@
+"""vLLM's weight-sync messages on the wire; this module holds only messages.
+
+Mirrors vllm-project/vllm 0.32 ``vllm/entrypoints/rl/online/api_router.py``
+(``/init_weight_transfer_engine {init_info}``, ``/update_weights {update_info}``,
+``/finish_weight_update {weight_version}``) and the NCCL backend's infos
+(``vllm/distributed/weight_transfer/nccl_common.py``, ``NCCLWeightTransferInitInfo``:
+the rendezvous and, since 0.31, the packed framing; ``nccl_engine.py``,
+``NCCLWeightTransferUpdateInfo``: names, dtype names, shapes, and in vLLM 0.30, which
+SkyRL 0.4.0 pins, the packed framing too), as vLLM's ``NCCLTrainerWeightTransferEngine``
+sends them through SkyRL 0.4.0's ``SkyrlWeightSyncClient`` or vLLM's own
+``HTTPVLLMWeightSyncClient``. Fields outside these are ignored with a warning; pickled
+IPC handles are refused, naming the field (nothing from the network is unpickled).
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
+
+from rollout_service.protocol.messages import integral
+from rollout_service.protocol.vllm_sampling import ignore_extra_fields
+
+DEFAULT_PACKED_BUFFER_SIZE_BYTES = 1 << 30
+"""vLLM's ``packed_tensor.DEFAULT_PACKED_BUFFER_SIZE_BYTES``."""
+DEFAULT_PACKED_NUM_BUFFERS = 2
+_LENIENT = ConfigDict(extra="allow", strict=True)
+Int = Annotated[int, BeforeValidator(integral)]
+PICKLED = ("ipc_handles_pickled", "ipc_handles")
+"""update_info fields of vLLM's CUDA IPC backend: pickles (``ipc_handles_pickled``, which
+vLLM unpickles with ``VLLM_ALLOW_INSECURE_SERIALIZATION``) or tuples of them."""
+
+
+class _Ignoring(BaseModel):
+    model_config = _LENIENT
+
+    @model_validator(mode="after")
+    def _extra(self) -> _Ignoring:
+        extra = dict(self.model_extra or {})
+        for name in PICKLED:
+            if extra.pop(name, None) is not None:
+                raise ValueError(
+                    f"{name}: pickled CUDA IPC handles are refused (this service unpickles "
+                    "nothing from the network); sync over the nccl group "
+                    "(init_weight_transfer_engine with master_address and master_port), or "
+                    "push through this service's cuda_ipc transport (POST /weights/*, "
+                    "trainer_client.push.WeightPusher(transport='cuda_ipc'))")
+        ignore_extra_fields(extra, type(self).__name__)
+        return self
+
+
+class NCCLInitInfo(_Ignoring):
+    """``init_info`` of the NCCL backend: where the trainer's ``StatelessProcessGroup``
+    is, this server's first rank, and the framing of its broadcasts."""
+
+    master_address: str | None = Field(None, min_length=1, max_length=253)
+    master_port: Int | None = Field(None, ge=1, le=65535)
+    rank_offset: Int = Field(ge=1, le=1 << 20)
+    world_size: Int = Field(ge=2, le=1 << 20)
+    nccl_unique_id_b64: str | None = Field(None, description=(
+        "vLLM's rendezvous for torch-free trainers; not taken here (null)."))
+    packed: bool = Field(False, description=(
+        "Tensors back to back in chunks of more than packed_buffer_size_bytes, one "
+        "broadcast each; false: one broadcast per tensor."))
+    packed_buffer_size_bytes: Int = Field(DEFAULT_PACKED_BUFFER_SIZE_BYTES, ge=1,
+                                          le=1 << 40)
+    packed_num_buffers: Int = Field(DEFAULT_PACKED_NUM_BUFFERS, ge=1, le=8, description=(
+        "Chunks in flight: the ring slots each worker receives into."))
+
+    @model_validator(mode="after")
+    def _rendezvous(self) -> NCCLInitInfo:
+        if self.nccl_unique_id_b64 is not None:
+            raise ValueError("nccl_unique_id_b64: not supported; give master_address and "
+                             "master_port (vLLM's StatelessProcessGroup rendezvous)")
+        if self.master_address is None or self.master_port is None:
+            raise ValueError("master_address, master_port: both required")
+        return self
+
+
+class InitWeightTransferEngineRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    init_info: NCCLInitInfo
+
+
+class NCCLUpdateInfo(_Ignoring):
+    """``update_info`` of the NCCL backend: the tensors broadcast during this call."""
+
+    names: list[Annotated[str, Field(min_length=1, max_length=512)]] = Field(
+        min_length=1, max_length=1 << 16)
+    dtype_names: list[Annotated[str, Field(min_length=1, max_length=32)]] = Field(
+        max_length=1 << 16)
+    shapes: list[list[Annotated[int, Field(ge=0), BeforeValidator(integral)]]] = Field(
+        max_length=1 << 16)
+    packed: bool | None = Field(None, description=(
+        "vLLM 0.30's place for the framing; null: the init_info's."))
+    packed_buffer_size_bytes: Int | None = Field(None, ge=1, le=1 << 40)
+    packed_num_buffers: Int | None = Field(None, ge=1, le=8)
+
+
+class UpdateWeightsRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    update_info: NCCLUpdateInfo | list[NCCLUpdateInfo]
+
+
+class FinishWeightUpdateRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    weight_version: str | None = Field(None, max_length=64, description=(
+        "The version the session makes: a decimal integer newer than the served one; "
+        "null: the next one (a drafter session: the main model's)."))
+
+
+class WeightsMessage(BaseModel):
+    """vLLM's answer to its weight routes."""
+
+    message: str
+
+
