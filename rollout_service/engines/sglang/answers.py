@@ -43,9 +43,11 @@ from rollout_service.protocol.messages import WeightVersionSpan
 from rollout_service.protocol.sse import read_events
 
 
-def to_result(prompt_ids: Sequence[int], out: Mapping[str, Any],
-              num_draft_tokens: int) -> GenerationResult:
-    """One finished sequence: a non-streamed answer, or a merged stream (``StreamedOutput``)."""
+def to_result(prompt_ids: Sequence[int], out: Mapping[str, Any], num_draft_tokens: int,
+              num_positions: int | None = None) -> GenerationResult:
+    """One finished sequence: a non-streamed answer, or a merged stream (``StreamedOutput``);
+    ``num_draft_tokens`` and ``num_positions`` as :func:`stats.spec_stats_from_meta_info`
+    takes them."""
     meta = out["meta_info"]
     token_ids = tuple(out["output_ids"])
     if meta.get("weight_versions"):
@@ -62,7 +64,8 @@ def to_result(prompt_ids: Sequence[int], out: Mapping[str, Any],
         prompt_token_ids=tuple(prompt_ids), token_ids=token_ids, text=out.get("text", ""),
         finish_reason=finish["type"] if finish["type"] in ("stop", "length") else "abort",
         logprobs=logprobs_of(meta.get("output_token_logprobs"), meta.get("output_top_logprobs")),
-        weight_versions=spans, spec_decode=spec_stats_from_meta_info(meta, num_draft_tokens),
+        weight_versions=spans,
+        spec_decode=spec_stats_from_meta_info(meta, num_draft_tokens, num_positions),
         # SGLang's "matched" is the stop string or token; an EOS token is matched too.
         stop_reason=finish.get("matched") if is_stop else None,
         prompt_logprobs=prompt_logprobs_of(meta.get("input_token_logprobs"),

@@ -49,7 +49,12 @@ from rollout_service.engines.sglang.features import (
     ServerFeatures,
     detect_features,
 )
-from rollout_service.engines.sglang.launch import build_launch_command, start_server, stop_process
+from rollout_service.engines.sglang.launch import (
+    build_launch_command,
+    free_port_below_ephemeral,
+    start_server,
+    stop_process,
+)
 from rollout_service.engines.sglang.payload import PayloadBuilder, build_flattened_bucket_payloads
 from rollout_service.engines.sglang.request import generate_body
 from rollout_service.engines.sglang.weight_methods import SGLangWeights
@@ -166,14 +171,18 @@ class SGLangEngine(SGLangWeights):
 
     @classmethod
     async def launch(cls, model_path: str, engine_kwargs: Mapping[str, Any], mtp: MTPSettings, *,
-                     served_model_name: str, host: str = "127.0.0.1", port: int = 30000,
+                     served_model_name: str, host: str = "127.0.0.1", port: int | None = None,
                      startup_timeout_s: float = 900.0) -> SGLangEngine:
         """Start ``sglang.launch_server`` in its own session and connect once healthy.
+
+        ``port`` None picks a free one (two services, or a service and a test's own server,
+        share a machine).
 
         Raises:
             ValueError: bad engine kwargs (see :func:`build_launch_command`).
             EngineUnavailableError: the server exited or was not healthy in time.
         """
+        port = port or free_port_below_ephemeral(host)
         command = build_launch_command(model_path, engine_kwargs, mtp, host=host, port=port)
         base_url = f"http://{host}:{port}"
         process = await start_server(command, base_url, startup_timeout_s=startup_timeout_s)
@@ -227,7 +236,8 @@ class SGLangEngine(SGLangWeights):
             raise InvalidRequestError(error_message(response))
         out = response.json()
         prompt_ids = out["prompt_token_ids"] if is_text else body["input_ids"]
-        return to_result(prompt_ids, out, self._num_draft_tokens)
+        return to_result(prompt_ids, out, self._num_draft_tokens,
+                         self.info.num_speculative_tokens)
 
     async def stream(self, prompt: str | list[int], sampling: SamplingOptions,
                      request_id: str) -> AsyncIterator[GenerationDelta]:
@@ -244,7 +254,8 @@ class SGLangEngine(SGLangWeights):
                     async for out in streamed_answers(response):
                         text, token_ids, logprobs = merged.add(out)
                         is_finished = out["meta_info"].get("finish_reason") is not None
-                        result = (to_result(prompt_ids, merged.final(), self._num_draft_tokens)
+                        result = (to_result(prompt_ids, merged.final(), self._num_draft_tokens,
+                                            self.info.num_speculative_tokens)
                                   if is_finished else None)
                         yield GenerationDelta(text=text, token_ids=token_ids,
                                               logprobs=logprobs, result=result,

@@ -2,8 +2,10 @@
 
 Runs in the rollout service process when no ``engine_url`` is given: it starts
 ``python -m sglang.launch_server`` in its own session (the server spawns its scheduler
-and TP worker processes), polls its ``/health`` over HTTP until it serves, and stops it
-on shutdown. The speculative arguments come from
+and TP worker processes) on a free port below the kernel's ephemeral range (a port
+handed out by ``bind(0)`` can be taken by an outgoing connection in the half minute
+before the server binds it; SGLang picks its own NCCL port the same way), polls its
+``/health`` over HTTP until it serves, and stops it on shutdown. The speculative arguments come from
 :func:`rollout_service.engines.speculative.build_sglang_server_args`; every other
 argument is the user's ``engine_kwargs``, passed through.
 """
@@ -14,7 +16,9 @@ import asyncio
 import json
 import logging
 import os
+import random
 import signal
+import socket
 import sys
 import time
 from collections.abc import Mapping
@@ -29,6 +33,25 @@ logger = logging.getLogger(__name__)
 
 _RESERVED = ("model_path", "host", "port")
 _STOP_TIMEOUT_S = 60.0
+_PORT_RANGE = (20000, 29999)
+"""Where :func:`free_port_below_ephemeral` looks (Linux's ephemeral range starts at 32768)."""
+
+
+def free_port_below_ephemeral(host: str = "127.0.0.1", attempts: int = 64) -> int:
+    """A port free on ``host`` now and outside the ephemeral range, where no outgoing
+    connection takes it before the server binds it.
+
+    Raises:
+        OSError: no free port among ``attempts`` random ones of the range.
+    """
+    for port in random.sample(range(_PORT_RANGE[0], _PORT_RANGE[1] + 1), attempts):
+        with socket.socket() as sock:
+            try:
+                sock.bind((host, port))
+            except OSError:
+                continue
+            return port
+    raise OSError(f"no free port in {_PORT_RANGE} after {attempts} attempts")
 
 
 def build_launch_command(model_path: str, engine_kwargs: Mapping[str, Any], mtp: MTPSettings, *,

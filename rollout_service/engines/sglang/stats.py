@@ -18,6 +18,10 @@ sets these keys only for a request with at least one verify step. They map onto
 ``num_draft_tokens`` = SGLang's proposed count (``verify_ct * (speculative_num_draft_tokens
 - 1)``, derived that way when the key is absent), ``num_accepted_tokens`` = SGLang's
 accepted drafts, ``accepted_per_position`` from the histogram (``h[j]``: steps accepting j).
+SGLang grows a request's histogram only up to the most drafts one of its steps accepted
+(``Req.update_spec_correct_drafts_histogram``), so a request that never had all k
+accepted has a shorter one; its missing positions are zeros, filled in up to the
+server's ``speculative_num_steps`` (the positions a step can accept).
 
 SGLang's "proposed" equals vLLM's "draft tokens" only for a chain (``speculative_eagle_topk``
 1: k tokens per step). With topk > 1 SGLang verifies a tree and counts every non-root node
@@ -47,7 +51,8 @@ SPEC_KEY_GENERATIONS = (
 """``(accepted, proposed, histogram)`` meta_info keys of each generation, newest first."""
 
 
-def spec_stats_from_meta_info(meta_info: Mapping[str, Any], num_draft_tokens: int
+def spec_stats_from_meta_info(meta_info: Mapping[str, Any], num_draft_tokens: int,
+                              num_positions: int | None = None
                               ) -> SpecDecodeStats | InvalidSpecDecodeStats | None:
     """SGLang's per-request counts as :class:`SpecDecodeStats` (see the module docstring).
 
@@ -55,6 +60,9 @@ def spec_stats_from_meta_info(meta_info: Mapping[str, Any], num_draft_tokens: in
         meta_info: a ``/generate`` response's ``meta_info``.
         num_draft_tokens: the server's ``speculative_num_draft_tokens``; 0 when
             speculative decoding is off.
+        num_positions: the server's ``speculative_num_steps``: the per-position counts are
+            padded with zeros to this length (a histogram longer than it is inconsistent);
+            None: as long as the histogram says.
 
     Returns:
         The counts; None when the response carries none; invalid when they contradict
@@ -75,8 +83,12 @@ def spec_stats_from_meta_info(meta_info: Mapping[str, Any], num_draft_tokens: in
         proposed = verify_ct * (num_draft_tokens - 1)
     histogram = meta_info.get(histogram_key) or []
     per_position: tuple[int, ...] = ()
-    if sum(histogram) == verify_ct and sum(j * n for j, n in enumerate(histogram)) == accepted:
-        per_position = tuple(sum(histogram[i + 1:]) for i in range(len(histogram) - 1))
+    is_consistent = (sum(histogram) == verify_ct
+                     and sum(j * n for j, n in enumerate(histogram)) == accepted
+                     and (num_positions is None or len(histogram) <= num_positions + 1))
+    if is_consistent:
+        num = len(histogram) - 1 if num_positions is None else num_positions
+        per_position = tuple(sum(histogram[i + 1:]) for i in range(num))
     try:
         return SpecDecodeStats(num_drafts=verify_ct, num_draft_tokens=proposed,
                                num_accepted_tokens=accepted, num_verify_steps=verify_ct,

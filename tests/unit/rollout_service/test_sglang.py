@@ -292,8 +292,20 @@ async def test_stats_end_to_end(version: str, checkpoint: str) -> None:
     engine = await connect(fake)
     result = await engine.generate([1], greedy(12), "spec")
     assert len(result.token_ids) == 12
-    assert result.spec_decode == EXPECTED_STATS
+    # No step accepted all 3 drafts, so SGLang's histogram stops at 2: position 3 is 0.
+    assert result.spec_decode == replace(EXPECTED_STATS, accepted_per_position=(4, 3, 0))
     assert result.spec_decode.accept_length == 1 + 7 / 4
+
+
+def test_a_short_histogram_is_padded_to_the_servers_steps() -> None:
+    """SGLang grows a request's histogram only as far as its steps accepted."""
+    meta = {"spec_verify_ct": 4, "spec_num_correct_drafts": 2, "spec_num_proposed_drafts": 12,
+            "spec_correct_drafts_histogram": [2, 2], "completion_tokens": 7}
+    assert spec_stats_from_meta_info(meta, 4, num_positions=3).accepted_per_position == \
+        (2, 0, 0)
+    assert spec_stats_from_meta_info(meta, 4).accepted_per_position == (2,)
+    longer = {**meta, "spec_num_correct_drafts": 6, "spec_correct_drafts_histogram": [0, 2, 2]}
+    assert spec_stats_from_meta_info(longer, 4, num_positions=1).accepted_per_position == ()
 
 
 def test_proposed_derived_when_absent() -> None:
