@@ -11,7 +11,9 @@ CPU build, shm pushes), ``cuda-shm`` or ``cuda-ipc`` (vLLM's CUDA build on GPU 0
 pushes through shared memory or CUDA IPC handles from this process's GPU tensors,
 copied into the served parameters in place), ``cuda-ipc-reload`` (the same with
 vLLM's layerwise reload), ``cuda-ipc-k1`` (``cuda-ipc`` with one draft token, not two),
-``cuda-graphs`` (``cuda-ipc`` with vLLM's compile and CUDA graphs).
+``cuda-graphs`` (``cuda-ipc`` with vLLM's compile and CUDA graphs), ``sglang`` (an SGLang
+server the service launches on GPU 0, shm pushes; ``sglang_target.py`` says which tests
+apply there and why the others do not).
 """
 
 from __future__ import annotations
@@ -30,7 +32,9 @@ from typing import Any
 import httpx
 import pytest
 
+from bench.sglang_server import EAGER_SERVER_ARGS
 from rollout_service.tools.launch import ServiceProcess, free_port
+from tests.integration.sglang_target import sglang_skip_reason
 from tests.support.waiting import until, wait_for
 
 __all__ = ["until", "wait_for"]  # re-exported: the integration tests import them from here
@@ -63,6 +67,9 @@ class Target:
     engine_start_timeout_s: float = 600.0
     """The service's: a start that blocks ends the run with the reason, not a silent
     wait (the 2-core CPU machine needs tens of seconds; an eager H200 engine, seconds)."""
+    engine: str = "vllm"
+    """The service's ``engine``; ``sglang`` launches ``sglang.launch_server`` with
+    ``engine_kwargs`` as its server arguments."""
 
 
 TARGETS = {
@@ -88,6 +95,9 @@ TARGETS = {
     "cuda-graphs": Target(engine_kwargs={"gpu_memory_utilization": 0.2},
                           transport="cuda_ipc", tensor_device="cuda",
                           engine_start_timeout_s=400),
+    # SGLang 0.5.23 on the GPU (the sglang bundle): the checkpoint's bf16, eager, FA3.
+    "sglang": Target(engine="sglang", engine_kwargs=EAGER_SERVER_ARGS, transport="shm",
+                     tensor_device="cpu", engine_start_timeout_s=300),
 }
 TARGET = TARGETS[os.environ.get("ROLLOUT_TEST_TARGET", "cpu")]
 NUM_SPECULATIVE_TOKENS = TARGET.num_speculative_tokens
@@ -105,6 +115,7 @@ def service_config(workdir: Path, **changes: Any) -> Path:
     config = workdir / "service.json"
     config.write_text(json.dumps({
         "model": "embedded:tiny",
+        "engine": TARGET.engine,
         "engine_kwargs": TARGET.engine_kwargs,
         "mtp": {"num_speculative_tokens": NUM_SPECULATIVE_TOKENS},
         "api_key": API_KEY,
@@ -142,6 +153,16 @@ def run_ray_service(workdir: Path, config: dict[str, Any]) -> Iterator[ServicePr
                         extra_args=("--num-cpus", "2")) as proc:
         proc.wait_healthy(timeout_s=600)
         yield proc
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """On the ``sglang`` target, skip what does not apply there, with the reason."""
+    if TARGET.engine != "sglang":
+        return
+    for item in items:
+        reason = sglang_skip_reason(item.nodeid)
+        if reason is not None:
+            item.add_marker(pytest.mark.skip(reason=f"sglang target: {reason}"))
 
 
 @pytest.fixture(scope="session")
