@@ -1,4 +1,5 @@
-"""Serving throughput: this service vs vLLM's ``AsyncLLM`` and vLLM's own OpenAI server.
+"""Serving throughput: this service vs vLLM's ``AsyncLLM`` and vLLM's own OpenAI server, or
+(``--engine sglang``) vs SGLang's own server.
 
 Runs in the caller's terminal process. One engine config (the service's own
 ``build_engine_args``) and one workload go through up to three modes, all
@@ -14,6 +15,9 @@ machine (clocks, other load) hits every mode alike:
 - ``service-no-preload`` (CPU, on request): the service without the tcmalloc and
   Intel OpenMP preload it gives vLLM's CPU engine (``engines/vllm/cpu_preload.py``;
   the other modes get the same preload), against ``service``.
+- ``--engine sglang`` (GPU): ``service`` and ``service-sglang`` on a service that launches
+  SGLang, against ``sglang-server``, SGLang's own server on the same arguments
+  (``bench/serving_sglang.py``).
 
 Workload: ``--concurrency`` requests in flight at once (each level measured on
 its own), prompts from the embedded corpus, n=1, ``ignore_eos`` so every request
@@ -36,6 +40,8 @@ timed rounds (collapsed stacks, read with ``bench/profile_summary.py``).
 
     python -m bench.serving --model embedded:tiny --concurrency 16 --max-tokens 32 --rounds 2
     python -m bench.serving --model embedded:small --concurrency 128,512 --max-tokens 256
+    python -m bench.serving --engine sglang --model embedded:small --concurrency 128,512 \
+        --max-tokens 256
 """
 
 from __future__ import annotations
@@ -68,15 +74,17 @@ from bench.serving_http import (  # noqa: F401 - re-exported for bench.speculati
     on_same_server,
     start_http,
 )
+from bench.serving_sglang import SGLANG_MODES, sglang_config, start_sglang_server
 from rollout_service.config import ServiceConfig, load_config
 from rollout_service.embedded.corpus import arithmetic_prompts
 from rollout_service.engines.vllm.cpu_preload import preload_for_cpu_engine
 from rollout_service.engines.vllm.start_method import spawn_engine_core_on_cuda
 
 MODES = ("asyncllm", "service", "service-openai", "service-sglang", "service-no-preload",
-         "vllm-server")
+         "vllm-server", "sglang-server")
 DEFAULT_MODES = ("asyncllm", "service", "vllm-server")
 RATIOS = (("service", "asyncllm", 0.90), ("service", "vllm-server", 1.0),
+          ("service", "sglang-server", 1.0), ("service-sglang", "sglang-server", 1.0),
           ("service-openai", "vllm-server", 1.0), ("service-sglang", "vllm-server", 1.0),
           ("service-openai", "service", 0.97), ("service-sglang", "service", 0.97),
           ("service", "service-no-preload", None))
@@ -201,7 +209,9 @@ def print_report(console: Console, results: dict[int, Rates], workload: Workload
     console.print(ratios)
 
 
-def build_config(opts: argparse.Namespace) -> ServiceConfig:
+def build_config(opts: argparse.Namespace, max_concurrency: int) -> ServiceConfig:
+    if opts.engine == "sglang":
+        return sglang_config(opts, max_concurrency)
     overrides: dict[str, Any] = {"mtp": {"num_speculative_tokens": opts.num_speculative_tokens}}
     if opts.device == "cuda":
         # vLLM's own GPU defaults (torch.compile, CUDA graphs, KV cache from the memory
@@ -213,17 +223,21 @@ def build_config(opts: argparse.Namespace) -> ServiceConfig:
 
 
 async def run(opts: argparse.Namespace, console: Console) -> dict[int, Rates]:
-    cfg = build_config(opts)
     modes = opts.modes.split(",")
     levels = [int(c) for c in opts.concurrency.split(",")]
+    cfg = build_config(opts, max(levels))
     prompts = tuple(p for p, _ in arithmetic_prompts(max(levels) * opts.waves))
     workload = Workload(prompts=prompts, max_tokens=opts.max_tokens,
                         temperature=opts.temperature)
     scratch = Path(opts.logs or tempfile.mkdtemp(prefix="bench-serving-"))
     scratch.mkdir(parents=True, exist_ok=True)
-    preload_for_cpu_engine()  # the vllm-server child inherits it, like the service's engine
-    console.print(f"logs: {scratch}\nengine args (non-default): "
-                  f"{non_default_engine_args(engine_args(cfg))}")
+    if opts.engine == "sglang":
+        console.print(f"logs: {scratch}\nSGLang server arguments: {cfg.engine_kwargs}, "
+                      f"mtp {cfg.mtp}")
+    else:
+        preload_for_cpu_engine()  # the vllm-server child inherits it, like the service's
+        console.print(f"logs: {scratch}\nengine args (non-default): "
+                      f"{non_default_engine_args(engine_args(cfg))}")
     rounds: dict[str, RoundFn] = {}
     servers: dict[str, HttpMode] = {}
     front_ends: dict[str, int] = {}
@@ -242,6 +256,8 @@ async def run(opts: argparse.Namespace, console: Console) -> dict[int, Rates]:
                 shared = next((h for m, h in servers.items() if m in DIALECT_MODES), None)
                 if mode in DIALECT_MODES and shared is not None:
                     http = on_same_server(shared, mode, cfg, workload, max(levels))
+                elif mode == "sglang-server":
+                    http = await start_sglang_server(cfg, workload, scratch, max(levels))
                 else:
                     http = await start_http(mode, cfg, workload, scratch, max(levels))
                 servers[mode] = http
@@ -315,16 +331,26 @@ def main() -> None:
                         help="requests per round, in multiples of the concurrency (closed loop)")
     parser.add_argument("--num-speculative-tokens", type=int, default=1)
     parser.add_argument("--temperature", type=float, default=1.0, help="0 decodes greedily")
-    parser.add_argument("--modes", default=",".join(DEFAULT_MODES),
-                        help=f"comma-separated subset of {','.join(MODES)}")
+    parser.add_argument("--engine", choices=("vllm", "sglang"), default="vllm",
+                        help="sglang: GPU only, the sglang bundle on the path")
+    parser.add_argument("--modes", default=None, help=(
+        f"comma-separated subset of {','.join(MODES)}; default {','.join(DEFAULT_MODES)} "
+        f"(vllm), {','.join(SGLANG_MODES)} (sglang)"))
     add_device_arguments(parser, gpu_memory_utilization=0.25, engines="all modes run at once")
     parser.add_argument("--profile-service", default=None,
                         help="directory for a py-spy profile of the service process")
     opts = parser.parse_args()
-    unknown = sorted(set(opts.modes.split(",")) - set(MODES))
+    is_sglang = opts.engine == "sglang"
+    opts.modes = opts.modes or ",".join(SGLANG_MODES if is_sglang else DEFAULT_MODES)
+    accepted = set(SGLANG_MODES) if is_sglang else set(MODES) - {"sglang-server"}
+    unknown = sorted(set(opts.modes.split(",")) - accepted)
     if unknown or opts.rounds < 1 or opts.waves < 1:
-        parser.error(f"bad --modes {unknown}" if unknown else "--rounds and --waves must be >= 1")
-    resolve_device(opts)
+        parser.error(f"bad --modes {unknown} for --engine {opts.engine}" if unknown
+                     else "--rounds and --waves must be >= 1")
+    if is_sglang:
+        opts.device = "cuda"  # SGLang serves on GPUs only; nothing here imports vLLM
+    else:
+        resolve_device(opts)
     console = Console()
     results = asyncio.run(run(opts, console))
     print_report(console, results, Workload(prompts=(), max_tokens=opts.max_tokens,

@@ -1,0 +1,75 @@
+"""The SGLang side of the serving benchmark (``python -m bench.serving --engine sglang``):
+the service on an SGLang server it launches, against SGLang's own server started with the
+same arguments.
+
+Runs in the benchmark's process on the GPU machine (the sglang bundle on the path). The
+modes: ``service`` (the native ``/generate``) and ``service-sglang`` (SGLang's ``/generate``
+dialect) reach one service, whose SGLang server is its child; ``sglang-server`` is
+``sglang.launch_server`` started here with the command the service builds for the same
+config (``engines/sglang/launch.py``), sent the very body ``service-sglang`` sends. Both
+SGLang servers run at once, each on a share of the GPU memory that is free when it starts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+from pathlib import Path
+from typing import Any
+
+from bench.serving_http import HttpMode, Workload
+from rollout_service.config import ServiceConfig, load_config
+from rollout_service.engines.sglang.launch import build_launch_command, free_port_below_ephemeral
+from rollout_service.local import engine_spec
+from rollout_service.tools.launch import ChildProcess, wait_http_ok
+
+SGLANG_MODES = ("service", "service-sglang", "sglang-server")
+STARTUP_TIMEOUT_S = 900.0
+
+
+def server_args(opts: argparse.Namespace, max_concurrency: int) -> dict[str, Any]:
+    """The SGLang server arguments of both servers.
+
+    SGLang's own defaults, except: the memory share (two servers on one GPU), room for the
+    largest concurrency (SGLang caps running requests at 48 under speculative decoding
+    unless told otherwise), sampling in PyTorch (FlashInfer's sampling kernels would
+    JIT-compile with the image's nvcc on the first request), FA3 attention, and CUDA graphs
+    unless ``--eager``.
+    """
+    return {"mem_fraction_static": opts.gpu_memory_utilization,
+            "max_running_requests": max_concurrency, "sampling_backend": "pytorch",
+            "attention_backend": "fa3", "disable_cuda_graph": opts.eager}
+
+
+def sglang_config(opts: argparse.Namespace, max_concurrency: int) -> ServiceConfig:
+    return load_config(model=opts.model, engine="sglang",
+                       mtp={"num_speculative_tokens": opts.num_speculative_tokens},
+                       engine_kwargs=server_args(opts, max_concurrency))
+
+
+def launch_command(cfg: ServiceConfig, port: int) -> list[str]:
+    """``sglang.launch_server`` as the service launches it for ``cfg``."""
+    spec = engine_spec(cfg)
+    return build_launch_command(spec.model_path, spec.engine_kwargs, spec.mtp,
+                                host="127.0.0.1", port=port)
+
+
+async def start_sglang_server(cfg: ServiceConfig, workload: Workload, scratch: Path,
+                              max_concurrency: int) -> HttpMode:
+    """SGLang's own server on a free port, healthy; its requests are ``service-sglang``'s."""
+    port = free_port_below_ephemeral()
+    url = f"http://127.0.0.1:{port}"
+    server = ChildProcess(launch_command(cfg, port), scratch / "sglang-server.log")
+    try:
+        await asyncio.to_thread(wait_http_ok, f"{url}/health", server, STARTUP_TIMEOUT_S)
+    except BaseException:
+        server.stop()
+        raise
+
+    def body(i: int) -> dict[str, Any]:
+        return {"text": workload.prompts[i], "sampling_params": {
+            "max_new_tokens": workload.max_tokens, "temperature": workload.temperature,
+            "sampling_seed": i, "ignore_eos": True}}
+
+    return HttpMode(server, url, "/generate", body, lambda answer: len(answer["output_ids"]),
+                    max_concurrency)
