@@ -20,12 +20,22 @@
 #   bash tools/gpu/batch.sh spec-ab             # ~9 min: drafter_at_k0 run vs skip at K = 0
 #   bash tools/gpu/batch.sh load starts trainer # ~4 + 5 + 5 min
 #   bash tools/gpu/batch.sh sync7b              # ~6-9 min: the 7B shape (15 GB per push)
+#
+# SGLang (issue 28), after `source tools/gpu/project_env_sglang.sh` instead (the sglang
+# bundle in /tmp/site-sglang; carry .gpuextra), one call each:
+#   bash tools/gpu/batch.sh sglang-smoke        # ~4-7 min: checkpoints, SGLang alone, the
+#                                               #   service launching it (tiny, 1b)
+#   bash tools/gpu/batch.sh sglang-tests        # ~5-9 min: ROLLOUT_TEST_TARGET=sglang
+#   bash tools/gpu/batch.sh sglang-serving      # ~6-9 min: service vs SGLang's own server
+#   bash tools/gpu/batch.sh sglang-sync         # ~3-5 min: 1b push vs SGLang's disk reload
 set -uo pipefail
 out="${OUT:-/tmp/gpu-batch}"; mkdir -p "$out"; export OUT="$out"
 export COLUMNS="${COLUMNS:-200}"  # rich tables in full in the logs, not cut at 80
 
-clean() {  # what an earlier step or call left running (not this script's shells)
-  pkill -9 -f "^(/[^ ]*/)?python3? -m (rollout_service|bench|pytest|vllm)|^VLLM::" 2>/dev/null
+clean() {  # what an earlier step or call left running (not this script's shells); a
+  # launched SGLang server runs in its own session, so a killed service can leave it
+  pkill -9 -f "^(/[^ ]*/)?python3? -m (rollout_service|bench|pytest|vllm|sglang)|^VLLM::|^sglang::" \
+    2>/dev/null
   sleep 2
 }
 
@@ -106,10 +116,27 @@ for s in "$@"; do
             --draft-noise 0.1 --k-max 3 --static-k 0,1 --concurrency 16 --max-tokens 256 \
             --rounds 2 --rollout-prompts 0 --profile-modes spec-off,k=0 \
             --profile-dir "$out/spec-profiles" --logs "$out/spec-logs" ;;
+    sglang-smoke) step sglang-smoke 540 python3 -m bench.sglang_smoke \
+        --logs "$out/sglang-smoke-logs" ;;
+    sglang-tests)  # the service tests on a live SGLang; every log under $out (--basetemp)
+      STALL_S=100000 step sglang-tests 540 env ROLLOUT_TEST_TARGET=sglang python3 -m pytest -q \
+        -p no:cacheprovider -rfEs --basetemp "$out/sglang-tests-tmp" \
+        --junitxml "$out/sglang-tests.xml" \
+        tests/integration/rollout_service/test_sglang_live.py \
+        tests/integration/rollout_service/test_api.py \
+        tests/integration/rollout_service/test_weights.py \
+        tests/integration/rollout_service/test_openai.py \
+        tests/integration/rollout_service/test_engine_start.py \
+        tests/integration/rollout_service/test_no_speculation.py ;;
+    sglang-serving) step sglang-serving 540 python3 -m bench.serving --engine sglang \
+        --model embedded:small --concurrency 128,512 --max-tokens 256 --rounds 3 --waves 2 \
+        --logs "$out/sglang-serving-logs" ;;
+    sglang-sync) step sglang-sync 420 python3 -m bench.weight_sync_sglang --size 1b \
+        --rounds 5 ;;
     spec-full) step spec-full 540 python3 -m bench.speculation --model embedded:1b \
             --draft-noise 0.1,0.6 --k-max 3 --concurrency 1,16,256 --max-tokens 256 \
             --rounds 2 --rollout-prompts 512 --stale-drafter --logs "$out/spec-logs" ;;
-    *) echo "unknown step: $s (tests spec-tests trainer starts serving sync sync7b load spec spec-skip spec-profile spec-full spec-repro spec-repro-eager churn churn-modes churn-tests spec-ab)" >&2; exit 2 ;;
+    *) echo "unknown step: $s (tests spec-tests trainer starts serving sync sync7b load spec spec-skip spec-profile spec-full spec-repro spec-repro-eager churn churn-modes churn-tests spec-ab sglang-smoke sglang-tests sglang-serving sglang-sync)" >&2; exit 2 ;;
   esac
 done
 clean

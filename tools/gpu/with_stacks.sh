@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Run a command on the GPU machine; whenever its log has not grown for STALL_S seconds,
-# write every Python stack of the machine (py-spy; vLLM engine cores too) next to the
-# log, once per stall.
+# write every Python stack of the machine (py-spy; vLLM engine cores and SGLang's
+# schedulers too) next to the log, once per stall.
 # For engine starts that hang silently (docs/what-ran-where.md): the stacks show where.
 #
 #   STALL_S=120 bash tools/gpu/with_stacks.sh $OUT/serving.log python3 -m bench.serving ...
@@ -19,7 +19,7 @@ while kill -0 "$child" 2>/dev/null; do
   still=$((still + 5))
   if [ "$still" -ge "$stall_s" ]; then
     dumps=$((dumps + 1)); out="${log%.*}.stacks-$dumps.txt"
-    for p in $(pgrep -f "python|VLLM"); do
+    for p in $(pgrep -f "python|VLLM|sglang::"); do
       echo "=== pid $p: $(tr '\0' ' ' < /proc/$p/cmdline | cut -c1-160)"
       timeout 20 py-spy dump --pid "$p" 2>&1 | head -80
     done > "$out"
