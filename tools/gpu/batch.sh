@@ -23,8 +23,8 @@
 #
 # SGLang (issue 28), after `source tools/gpu/project_env_sglang.sh` instead (the sglang
 # bundle in /tmp/site-sglang; carry .gpuextra), one call each:
-#   bash tools/gpu/batch.sh sglang-smoke        # ~4-7 min: checkpoints, SGLang alone, the
-#                                               #   service launching it (tiny, 1b)
+#   bash tools/gpu/batch.sh sglang-smoke        # ~4-6 min: checkpoints, the JIT kernels,
+#                                               #   SGLang alone, the service launching it
 #   bash tools/gpu/batch.sh sglang-tests        # ~5-9 min: ROLLOUT_TEST_TARGET=sglang
 #   bash tools/gpu/batch.sh sglang-serving      # ~6-9 min: service vs SGLang's own server
 #   bash tools/gpu/batch.sh sglang-sync         # ~3-5 min: 1b push vs SGLang's disk reload
@@ -116,8 +116,9 @@ for s in "$@"; do
             --draft-noise 0.1 --k-max 3 --static-k 0,1 --concurrency 16 --max-tokens 256 \
             --rounds 2 --rollout-prompts 0 --profile-modes spec-off,k=0 \
             --profile-dir "$out/spec-profiles" --logs "$out/spec-logs" ;;
-    sglang-smoke) step sglang-smoke 540 python3 -m bench.sglang_smoke \
-        --logs "$out/sglang-smoke-logs" ;;
+    sglang-smoke)  # service-1b too: SMOKE_SKIP= (about 1.5 min more)
+      step sglang-smoke 540 python3 -m bench.sglang_smoke --logs "$out/sglang-smoke-logs" \
+        --skip "${SMOKE_SKIP-service-1b}" ;;
     sglang-tests)  # the service tests on a live SGLang; every log under $out (--basetemp)
       STALL_S=100000 step sglang-tests 540 env ROLLOUT_TEST_TARGET=sglang python3 -m pytest -q \
         -p no:cacheprovider -rfEs --basetemp "$out/sglang-tests-tmp" \
