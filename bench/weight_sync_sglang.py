@@ -87,7 +87,8 @@ class DiskReload:
 
     async def run(self, version: int) -> Run:
         t0 = time.perf_counter()
-        save_file(self._tensors, str(self._checkpoint / "model.safetensors"))
+        host = {name: t.to("cpu") for name, t in self._tensors.items()}  # as a trainer saves
+        save_file(host, str(self._checkpoint / "model.safetensors"))
         t1 = time.perf_counter()
         async with httpx.AsyncClient(timeout=600) as client:
             response = await client.post(f"{self.url}/update_weights_from_disk", json={
@@ -96,7 +97,7 @@ class DiskReload:
         if response.status_code != 200 or not response.json().get("success"):
             raise RuntimeError(f"/update_weights_from_disk: {response.status_code} "
                                f"{response.text}")
-        return Run(total_s=t2 - t0, parts={"save (trainer -> file)": t1 - t0,
+        return Run(total_s=t2 - t0, parts={"save (GPU -> host -> file)": t1 - t0,
                                            "reload main + draft, flush": t2 - t1})
 
     def checksums(self) -> dict[str, str]:
