@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 import httpx
 import torch
+from pydantic import BaseModel
 
 from rollout_service.client import ServiceError, bearer, raise_for_error
 from rollout_service.protocol import messages
@@ -225,7 +226,7 @@ class WeightPusher:
             return messages.PushBeginResponse.model_validate(
                 self._call("/weights/begin", request))
 
-    def _call(self, path: str, body: messages.BaseModel) -> dict:
+    def _call(self, path: str, body: BaseModel) -> dict:
         response = self._http.post(path, content=body.model_dump_json(),
                                    headers={"content-type": "application/json"})
         raise_for_error(response)
