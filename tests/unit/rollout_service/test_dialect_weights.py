@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import base64
 import pickle
+from pathlib import Path
 
 import pytest
 from starlette.requests import Request
@@ -129,6 +130,45 @@ def test_the_nccl_unique_id_is_read_from_the_pickle_without_unpickling() -> None
     assert unique_id_bytes(pickle.dumps(uid)) == bytes(bytearray(uid.internal))
     with pytest.raises(ValueError, match="not vLLM's pickled ncclUniqueId"):
         unique_id_bytes(pickle.dumps(("os", "system", b"x" * 128)))
+
+
+def _marker_pickles(marker: Path) -> list[bytes]:
+    """Pickles whose loading runs ``os.system("touch <marker>")``: GLOBAL and REDUCE
+    (protocol 0); the same in binary framing beside the 128 bytes an id has; and vLLM's
+    own pickle of an ``ncclUniqueId`` (its globals, its 128 bytes) with the call slipped
+    in before it."""
+    from vllm.distributed.device_communicators.pynccl_wrapper import ncclUniqueId
+
+    command = f"touch {marker}".encode()
+    call = (b"cposix\nsystem\nX" + len(command).to_bytes(4, "little") + command
+            + b"\x85R0")
+    genuine = pickle.dumps(ncclUniqueId(), protocol=2)
+    assert genuine.startswith(b"\x80\x02")
+    return [b"cos\nsystem\n(S'" + command + b"'\ntR.",
+            b"\x80\x02C\x80" + b"\x00" * 128 + b"0" + call + b"N.",
+            b"\x80\x02" + call + genuine[2:]]
+
+
+@pytest.mark.parametrize("which", range(3))
+def test_a_malicious_pickle_in_the_store_is_refused_and_never_runs(
+        which: int, tmp_path: Path) -> None:
+    """What the trainer's store holds under vLLM's unique-id key is read by walking the
+    pickle's opcodes: a pickle that would run os.system when loaded is refused, and the
+    command never runs (nothing is unpickled)."""
+    marker = tmp_path / "ran"
+    payload = _marker_pickles(marker)[which]
+    with pytest.raises(ValueError, match="not vLLM's pickled ncclUniqueId"):
+        unique_id_bytes(payload)
+    assert not marker.exists()
+    pickle.loads(payload)  # the same bytes, unpickled: they do run it
+    assert marker.exists()
+
+
+@pytest.mark.parametrize("payload", [b"", b"\xff\xff", b"\x80\x04\x95",
+                                     b"\x80\x04\x8e" + b"\xff" * 7 + b"\x7f"])
+def test_a_payload_that_is_no_pickle_is_refused_as_such(payload: bytes) -> None:
+    with pytest.raises(ValueError):
+        unique_id_bytes(payload)
 
 
 def test_pickled_handles_are_refused_and_the_framing_rides_in_the_group_id() -> None:
