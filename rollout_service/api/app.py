@@ -27,8 +27,8 @@ from rollout_service.api.dialects.sglang.router import (
     sglang_generate,
     sglang_router,
 )
-from rollout_service.api.dialects.vllm import protocol as vllm
 from rollout_service.api.dialects.sglang.weights_router import sglang_weights_router
+from rollout_service.api.dialects.vllm import protocol as vllm
 from rollout_service.api.dialects.vllm.router import vllm_router
 from rollout_service.api.dialects.vllm.weights_router import vllm_weights_router
 from rollout_service.api.dialects.weights_auth import dialect_weights_guard

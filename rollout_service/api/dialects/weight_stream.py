@@ -30,7 +30,12 @@ from rollout_service.weights.checks import PushError
 ALIGN = 64
 """Where each bucket starts in the push's stream (the stored copy): a multiple of 64, as
 the service's own trainer lays out its stream."""
-_VERSION = re.compile(r"^[0-9]{1,15}$")
+WEIGHT_VERSION_PATTERN = r"^[0-9]{1,15}$"
+"""A framework's weight version as this service orders versions: a decimal integer."""
+DTYPE_PATTERN = "^(torch\\.)?(" + "|".join(sorted(DTYPE_BYTES)) + ")$"
+"""A dtype a framework names (``bfloat16``, or torch's ``torch.bfloat16``) that the service
+loads."""
+_VERSION = re.compile(WEIGHT_VERSION_PATTERN)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

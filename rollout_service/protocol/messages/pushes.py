@@ -9,7 +9,7 @@ collective group, ``groups.py``). Nothing here is ever unpickled.
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
 
@@ -56,6 +56,15 @@ _TRANSPORT_FIELDS = {"oneOf": [
 """Which fields each transport needs and leaves out, in JSON Schema: 'shm' (the
 default) the segment, 'nccl' the group, 'cuda_ipc' none (its staging buffer is
 optional)."""
+_PARAMS_FIELDS = {"anyOf": [
+    {"properties": {"params": {"type": "array"}, "total_bytes": {"type": "integer"}},
+     "required": ["params", "total_bytes"]},
+    {"properties": {"transport": {"const": "nccl"}, "params": {"type": "null"},
+                    "total_bytes": {"type": "null"}},
+     "required": ["transport"]},
+]}
+"""The announcement, in JSON Schema: params with their total_bytes, or (nccl only)
+neither, the tensors then named by the updates."""
 _FIELDS_BY_TRANSPORT = {"shm": ("segment", "segment_bytes"), "cuda_ipc": (),
                         "nccl": ("group_id",)}
 _OPTIONAL_FIELDS_BY_TRANSPORT = {"cuda_ipc": ("cuda_ipc_buffer",)}
@@ -92,7 +101,8 @@ block every other trainer (an operator can still abort it: ``/weights/abort``)."
 class PushBeginRequest(BaseModel):
     """Announce a push: everything is validated before any byte is loaded."""
 
-    model_config = ConfigDict(**STRICT, json_schema_extra=_TRANSPORT_FIELDS)
+    model_config = ConfigDict(**STRICT, json_schema_extra={**_TRANSPORT_FIELDS,
+                                                               **_PARAMS_FIELDS})
 
     version: Int = Field(ge=0, description=(
         "New weight version; must be greater than the current version of every target."))
@@ -115,7 +125,8 @@ class PushBeginRequest(BaseModel):
         "cuda_ipc only (optional there): the trainer's staging buffer, a byte buffer (1-D "
         "uint8) exported once; a placement without a handle lies in it at its offset. "
         "The trainer writes it before the first update that names a tensor in it."))
-    total_bytes: Int | None = Field(None, gt=0, description=(
+    total_bytes: Annotated[int, Field(gt=0), BeforeValidator(integral)] | None = Field(
+        None, description=(
         "Sum of the announced tensors' sizes (required with params)."))
     params: list[ParamSpec] | None = Field(None, min_length=1, description=(
         "Every tensor of the push, checked against the served checkpoint before anything "
@@ -170,6 +181,15 @@ class PushBeginResponse(BaseModel):
         "service's push_timeout_s)."))
 
 
+def _raw_buckets(schema: dict[str, Any]) -> None:
+    """``buckets``' items in JSON Schema: buckets of the frameworks' framing (checksum
+    null)."""
+    for branch in schema.get("anyOf", [schema]):
+        if branch.get("type") == "array":
+            branch["items"] = {"allOf": [branch["items"], {
+                "properties": {"checksum": {"type": "null"}}}]}
+
+
 class PushUpdateRequest(BaseModel):
     """One bucket: these tensors are now in place (written in the segment, or exported
     as CUDA IPC handles), or, for ``nccl``, broadcast by the trainer while this call runs
@@ -187,7 +207,7 @@ class PushUpdateRequest(BaseModel):
         "nccl only (required there, or buckets): the bucket the trainer broadcasts during "
         "this call; every placement lies in it."))
     buckets: list[BucketInfo] | None = Field(None, min_length=1, max_length=1 << 16,
-                                             description=(
+                                             json_schema_extra=_raw_buckets, description=(
         "nccl, the frameworks' framing only (each checksum null): the collectives the "
         "trainer broadcasts during this call, in order (one per tensor, or vLLM's packed "
         "chunks); every placement lies in them. Give bucket or buckets, not both."))
@@ -219,7 +239,8 @@ class PushFinishRequest(BaseModel):
     model_config = STRICT
 
     push_id: str
-    version: Int | None = Field(None, ge=0, description=(
+    version: Annotated[int, Field(ge=0), BeforeValidator(integral)] | None = Field(
+        None, description=(
         "The version to serve instead of begin's (the frameworks name it at the end: "
         "vLLM's finish_weight_update); newer than the served one of every target."))
 

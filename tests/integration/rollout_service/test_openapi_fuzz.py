@@ -2,9 +2,13 @@
 
 Runs against the session's service (real vLLM CPU engine, MTP on, API key and weights
 token). Schemathesis reads the service's OpenAPI document and sends what it derives from
-it, valid and invalid, to the generation endpoints and the weight endpoints (with their
-tokens), and runs every check it has on each answer: no 5xx, statuses, content types
-and bodies as documented, invalid requests refused, valid ones accepted, auth enforced.
+it, valid and invalid, to the generation endpoints and the weight endpoints (the native
+``/weights/*`` and both dialects' weight-sync routes, with the weights token), and runs
+every check it has on each answer: no 5xx, statuses, content types and bodies as
+documented, invalid requests refused, valid ones accepted, auth enforced. The session's
+service takes ``shm`` pushes, so the dialects' syncs (``nccl`` only) are refused at
+their first call: what is fuzzed there is every body's validation and every refusal's
+shape, never a rendezvous with a trainer the fuzzer made up.
 The document is built at collection time by the same ``create_app`` with the session's
 tokens (schemathesis's fixture-loaded schemas do not run under pytest 9), and a test
 checks that it is the one the live service serves.
@@ -42,12 +46,23 @@ from tests.integration.conftest import API_KEY, WEIGHTS_TOKEN, weights_checksums
 SEED = 20260512
 MAX_EXAMPLES = 12
 """Fuzzed examples per operation (the coverage phase adds its own, deterministic ones)."""
-FUZZED_PATHS = r"^/(generate|generate_batch|inference/v1/generate|v1/.*|weights/.*)$"
-"""Generation in every dialect, and the weights; not the pause and abort routes (a fuzzed
-pause would hold the session's service paused)."""
+DIALECT_WEIGHT_PATHS = ("/init_weights_update_group", "/update_weights_from_distributed",
+                        "/destroy_weights_update_group", "/init_weight_transfer_engine",
+                        "/shutdown_weight_transfer_engine", "/start_weight_update",
+                        "/start_draft_weight_update", "/update_weights",
+                        "/finish_weight_update")
+"""SGLang's and vLLM's weight-sync routes (docs/dialects.md): the weights token's."""
+FUZZED_PATHS = (r"^(/(generate|generate_batch|inference/v1/generate|v1/.*|weights/.*)|"
+                + "|".join(DIALECT_WEIGHT_PATHS) + ")$")
+"""Generation in every dialect, and the weights in every dialect; not the pause and abort
+routes (a fuzzed pause would hold the session's service paused)."""
 MAX_TOKENS = 4
 MAX_CHOICES = 2
 MAX_PROMPTS = 2
+
+
+SGLANG_ANSWER = "sglang_answer"
+"""The ``error_type`` of SGLang's weight routes' refusals, ``{success: false, message}``."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -59,7 +74,8 @@ class Intentional:
     """A regex over the operation's path."""
     status: int
     error_type: str
-    """The answer's ``error.type``."""
+    """A regex over the answer's ``error.type`` (:data:`SGLANG_ANSWER` for SGLang's
+    ``{success: false, message}``)."""
     message: str
     """A regex the answer's ``error.message`` must match."""
     reason: str
@@ -105,6 +121,20 @@ INTENTIONAL = (
                "contiguous for its shape, storage large enough, the placement's shape and "
                "dtype, or for a byte buffer the offset's alignment and bounds): relations "
                "between fields, which JSON Schema cannot state."),
+    Intentional(
+        check="positive_data_acceptance", path=r"^/update_weights(_from_distributed)?$",
+        status=400, error_type=SGLANG_ANSWER + "|weight_push_error",
+        message=r"dtype(_name)?s, shapes: \d+ dtypes and \d+ shapes for \d+ names",
+        reason="A framework's update names its tensors in three lists, one dtype and one "
+               "shape per name (SGLang's and vLLM's own messages): a relation between the "
+               "lists' lengths, which JSON Schema cannot state (400 naming both fields)."),
+    Intentional(
+        check="positive_data_acceptance", path=r"^/update_weights_from_distributed$",
+        status=400, error_type=SGLANG_ANSWER,
+        message=r"transport: 'nccl' is not this service's weights transport 'shm'",
+        reason="The session's service takes shm pushes (weights_transport, its "
+               "configuration): the frameworks' syncs, which need the trainer's group "
+               "(nccl), are refused at their first call, in SGLang's answer."),
 )
 
 
@@ -178,13 +208,17 @@ def _shrink_dialects(body: dict[str, Any]) -> None:
 
 
 def _headers(path: str) -> dict[str, str]:
-    token = WEIGHTS_TOKEN if path.startswith("/weights") else API_KEY
+    is_weights = path.startswith("/weights") or path in DIALECT_WEIGHT_PATHS
+    token = WEIGHTS_TOKEN if is_weights else API_KEY
     return {"authorization": f"Bearer {token}"}
 
 
 def _error(response: Any) -> dict[str, Any]:
     try:
-        return response.json()["error"]
+        body = response.json()
+        if isinstance(body, dict) and body.get("success") is False:
+            return {"type": SGLANG_ANSWER, "message": body.get("message", "")}
+        return body["error"]
     except (ValueError, KeyError, TypeError):
         return {}
 
@@ -193,7 +227,7 @@ def is_intentional(failure: Failure, path: str, response: Any) -> bool:
     error = _error(response)
     return any(entry.check in failure.checks and re.search(entry.path, path)
                and response.status_code == entry.status
-               and error.get("type") == entry.error_type
+               and re.fullmatch(entry.error_type, error.get("type") or "")
                and re.search(entry.message, error.get("message", ""))
                for entry in INTENTIONAL)
 

@@ -183,7 +183,8 @@ async def test_bad_requests_are_4xx_with_a_message(ray_service: ServiceProcess) 
         push = http.post("/weights/begin", json={"version": 1},
                          headers={"authorization": f"Bearer {WEIGHTS_TOKEN}"})
         message = push.json()["error"]["message"]
-        assert push.status_code == 400 and "params: Field required" in message, message
+        assert push.status_code == 400 and "params: required by transport 'shm'" in message, \
+            message
 
 
 async def test_every_dialect_reaches_the_replicas_and_control_reaches_all(

@@ -25,7 +25,6 @@ from rollout_service.api.errors import documented
 from rollout_service.api.openai import event_stream
 from rollout_service.api.ports import AppState, GenerationControl, WeightPushes
 from rollout_service.choices import Sequences, weight_version_label
-
 from rollout_service.weights.checks import PushError
 
 from . import protocol as sgl

@@ -5,18 +5,26 @@ Mirrors sgl-project/sglang 0.5.23 ``python/sglang/srt/managers/io_struct.py``
 ``DestroyWeightsUpdateGroupReqInput`` and their ``{success, message}`` outputs), as
 slime (THUDM/slime ``slime/backends/sglang_utils/sglang_engine.py``) and AReaL 1.0.4
 (``areal/engine/sglang_remote.py``) send them. SGLang parses these bodies with pydantic's
-lax mode, and AReaL sends ``master_port`` as a string: ports and ranks take a decimal
-string as SGLang does. Fields outside these are ignored with a warning (AReaL's
-``pp_rank``), as for the dialect's other messages.
+lax mode, and AReaL sends ``master_port`` as a string: the port takes a decimal string
+as SGLang does (the schema says so). Fields outside these are ignored with a warning
+(AReaL's ``pp_rank``), as for the dialect's other messages.
 """
 
 from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    WithJsonSchema,
+    model_validator,
+)
 
-from rollout_service.protocol.messages import integral
+from rollout_service.api.dialects.weight_stream import DTYPE_PATTERN, WEIGHT_VERSION_PATTERN
+from rollout_service.protocol.messages import GROUP_ID_PATTERN, Int, integral
 from rollout_service.protocol.vllm_sampling import ignore_extra_fields
 
 _LENIENT = ConfigDict(extra="allow", strict=True)
@@ -24,13 +32,19 @@ _LENIENT = ConfigDict(extra="allow", strict=True)
 
 def _decimal(value: Any) -> Any:
     """``"29500"`` as 29500, as SGLang's lax parsing reads it; anything else as it is."""
-    if isinstance(value, str) and value.isdigit():
+    if isinstance(value, str) and value.isascii() and value.isdigit():
         return int(value)
     return integral(value)
 
 
-LaxInt = Annotated[int, BeforeValidator(_decimal)]
-GroupName = Annotated[str, Field(min_length=1, max_length=256)]
+_PORT_TEXT = (r"^([1-9][0-9]{0,3}|[1-5][0-9]{4}|6[0-4][0-9]{3}|65[0-4][0-9]{2}|655[0-2][0-9]"
+              r"|6553[0-5])$")
+Port = Annotated[int, Field(ge=1, le=65535), BeforeValidator(_decimal), WithJsonSchema({
+    "anyOf": [{"type": "integer", "minimum": 1, "maximum": 65535},
+              {"type": "string", "pattern": _PORT_TEXT}]})]
+"""A port, or its decimal string (AReaL's ``str(master_port)``)."""
+GroupName = Annotated[str, Field(pattern=GROUP_ID_PATTERN, description=(
+    "The group's name, the prefix of its keys in the trainer's store."))]
 
 
 class _Ignoring(BaseModel):
@@ -46,9 +60,9 @@ class InitWeightsUpdateGroupReqInput(_Ignoring):
     """``POST /init_weights_update_group``: join the trainer's group."""
 
     master_address: str = Field(min_length=1, max_length=253)
-    master_port: LaxInt = Field(ge=1, le=65535)
-    rank_offset: LaxInt = Field(ge=1, le=1 << 20)
-    world_size: LaxInt = Field(ge=2, le=1 << 20)
+    master_port: Port
+    rank_offset: Int = Field(ge=1, le=1 << 20)
+    world_size: Int = Field(ge=2, le=1 << 20)
     group_name: GroupName = "weight_update_group"
     backend: Literal["nccl", "gloo"] = Field("nccl", description=(
         "nccl on GPUs; gloo where the engine runs on the CPU (how CI runs it)."))
@@ -60,16 +74,17 @@ class UpdateWeightsFromDistributedReqInput(_Ignoring):
 
     names: list[Annotated[str, Field(min_length=1, max_length=512)]] = Field(
         min_length=1, max_length=1 << 16)
-    dtypes: list[Annotated[str, Field(min_length=1, max_length=32)]] = Field(
-        max_length=1 << 16)
-    shapes: list[list[Annotated[int, Field(ge=0), BeforeValidator(integral)]]] = Field(
-        max_length=1 << 16)
+    dtypes: list[Annotated[str, Field(pattern=DTYPE_PATTERN)]] = Field(max_length=1 << 16)
+    shapes: list[list[Annotated[int, Field(ge=1), BeforeValidator(integral)]]] = Field(
+        max_length=1 << 16, description=(
+            "One per name; no dimension of 0 (the frameworks' framing cannot carry an "
+            "empty collective)."))
     group_name: GroupName = "weight_update_group"
     flush_cache: bool = Field(True, description=(
         "Honoured at the commit: every load resets the prefix cache."))
     abort_all_requests: bool = Field(False, description=(
         "Abort every running request first (their tokens so far, finish reason abort)."))
-    weight_version: str | None = Field(None, max_length=64, description=(
+    weight_version: str | None = Field(None, pattern=WEIGHT_VERSION_PATTERN, description=(
         "The version this update makes: a decimal integer, newer than the served one "
         "(None: the next one)."))
     load_format: Literal["flattened_bucket"] | None = Field(None, description=(

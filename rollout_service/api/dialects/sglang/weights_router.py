@@ -12,22 +12,28 @@ at ``/continue_generation``, is in ``router.py``. Auth: ``weights_auth.py``.
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import Any, Union
 
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse
 
 from rollout_service.api.errors import ERROR_DESCRIPTIONS, documented
+from rollout_service.protocol.messages import ErrorResponse
 from rollout_service.weights.checks import PushError
 
 from . import weights_protocol as sgl
 from .weights_serving import SGLangWeights
 
-_ERRORS = {status: {"model": sgl.WeightsAnswer, "description": ERROR_DESCRIPTIONS[status]}
-           for status in (400, 404, 408, 409, 500, 503)}
+_ERRORS = {status: {
+    "model": Union[sgl.WeightsAnswer, ErrorResponse],  # documented as anyOf of the two
+    "description": ERROR_DESCRIPTIONS[status] + (
+        " A refusal of the sync answers SGLang's {success: false, message} (slime and AReaL "
+        "read it); a malformed body or a token refused, the service's error body.")}
+    for status in (400, 403, 404, 408, 409, 500, 503)}
 
 
 def answer(success: bool, message: str, status: int = 200) -> JSONResponse:
+    """SGLang's ``{success, message}`` with ``status``."""
     return JSONResponse(sgl.WeightsAnswer(success=success, message=message).model_dump(),
                         status_code=status)
 

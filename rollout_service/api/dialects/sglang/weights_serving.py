@@ -33,6 +33,7 @@ from rollout_service.weights.checks import PushError
 
 from . import weights_protocol as sgl
 
+
 def group_id(group_name: str) -> str:
     """The group's id: its name itself, the prefix of the torch group's keys in the
     trainer's store (``protocol/group_store.py``).
@@ -82,20 +83,19 @@ class SGLangWeights:
         """
         tensors = weight_stream.specs(req.names, req.dtypes, req.shapes, dtype_field="dtypes")
         gid = group_id(req.group_name)
-        if req.abort_all_requests:
-            await self._control.abort(None)
         status = await self._pushes.get_status()
         active = status.active_push
         if active is None:
             version = weight_stream.parse_version(req.weight_version, status,
                                                   field="weight_version")
             info = await self._sequences.engine_info()
+            target: messages.PushTarget = "both" if info.has_pushable_drafter else "main"
             begun = await self._pushes.begin(messages.PushBeginRequest(
-                version=version, target="both" if info.has_pushable_drafter else "main",
+                version=version, target=target,
                 transport="nccl", group_id=gid, params=None, client="sglang",
                 pause_mode="keep"))
             active = messages.ActivePushState(
-                push_id=begun.push_id, client="sglang", target="main", version=version,
+                push_id=begun.push_id, client="sglang", target=target, version=version,
                 group_id=gid, num_buckets=0, stream_bytes=0, num_tensors=0)
         elif active.client != "sglang" or active.group_id != gid:
             raise PushError(409, f"group_name: push {active.push_id} of {active.client!r} "
@@ -103,6 +103,8 @@ class SGLangWeights:
         elif req.weight_version is not None and req.weight_version != str(active.version):
             raise PushError(400, f"weight_version: {req.weight_version!r}, and this sync's "
                                  f"earlier calls named {str(active.version)!r}")
+        if req.abort_all_requests:  # once the sync is begun: one refused at begin aborts nothing
+            await self._control.abort(None)
         packed = None
         if req.load_format == "flattened_bucket":
             packed = sum(t.nbytes for t in tensors)  # one collective of them all

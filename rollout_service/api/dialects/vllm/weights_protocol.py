@@ -18,6 +18,7 @@ from typing import Annotated, Any
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
 
+from rollout_service.api.dialects.weight_stream import DTYPE_PATTERN, WEIGHT_VERSION_PATTERN
 from rollout_service.protocol.messages import integral
 from rollout_service.protocol.vllm_sampling import ignore_extra_fields
 
@@ -29,6 +30,13 @@ Int = Annotated[int, BeforeValidator(integral)]
 PICKLED = ("ipc_handles_pickled", "ipc_handles")
 """update_info fields of vLLM's CUDA IPC backend: pickles (``ipc_handles_pickled``, which
 vLLM unpickles with ``VLLM_ALLOW_INSECURE_SERIALIZATION``) or tuples of them."""
+PositiveInt = Annotated[int, Field(ge=1), BeforeValidator(integral)]
+
+
+def _null_only(description: str) -> Any:
+    """A field the service refuses unless null: documented as null only, refused with a
+    message that says what to use instead (its model's validator)."""
+    return Field(None, json_schema_extra={"type": "null"}, description=description)
 
 
 class _Ignoring(BaseModel):
@@ -36,29 +44,22 @@ class _Ignoring(BaseModel):
 
     @model_validator(mode="after")
     def _extra(self) -> _Ignoring:
-        extra = dict(self.model_extra or {})
-        for name in PICKLED:
-            if extra.pop(name, None) is not None:
-                raise ValueError(
-                    f"{name}: pickled CUDA IPC handles are refused (this service unpickles "
-                    "nothing from the network); sync over the nccl group "
-                    "(init_weight_transfer_engine with master_address and master_port), or "
-                    "push through this service's cuda_ipc transport (POST /weights/*, "
-                    "trainer_client.push.WeightPusher(transport='cuda_ipc'))")
-        ignore_extra_fields(extra, type(self).__name__)
+        ignore_extra_fields(self.model_extra, type(self).__name__)
         return self
 
 
 class NCCLInitInfo(_Ignoring):
     """``init_info`` of the NCCL backend: where the trainer's ``StatelessProcessGroup``
-    is, this server's first rank, and the framing of its broadcasts."""
+    is, this server's first rank, and the framing of its broadcasts. vLLM's
+    ``master_address`` and ``master_port`` may be null beside a ``nccl_unique_id_b64``;
+    that rendezvous is not taken here, so both are required."""
 
-    master_address: str | None = Field(None, min_length=1, max_length=253)
-    master_port: Int | None = Field(None, ge=1, le=65535)
+    master_address: str = Field(min_length=1, max_length=253)
+    master_port: Int = Field(ge=1, le=65535)
     rank_offset: Int = Field(ge=1, le=1 << 20)
     world_size: Int = Field(ge=2, le=1 << 20)
-    nccl_unique_id_b64: str | None = Field(None, description=(
-        "vLLM's rendezvous for torch-free trainers; not taken here (null)."))
+    nccl_unique_id_b64: Any = _null_only(
+        "vLLM's rendezvous for torch-free trainers; not taken here (null).")
     packed: bool = Field(False, description=(
         "Tensors back to back in chunks of more than packed_buffer_size_bytes, one "
         "broadcast each; false: one broadcast per tensor."))
@@ -72,8 +73,6 @@ class NCCLInitInfo(_Ignoring):
         if self.nccl_unique_id_b64 is not None:
             raise ValueError("nccl_unique_id_b64: not supported; give master_address and "
                              "master_port (vLLM's StatelessProcessGroup rendezvous)")
-        if self.master_address is None or self.master_port is None:
-            raise ValueError("master_address, master_port: both required")
         return self
 
 
@@ -88,14 +87,34 @@ class NCCLUpdateInfo(_Ignoring):
 
     names: list[Annotated[str, Field(min_length=1, max_length=512)]] = Field(
         min_length=1, max_length=1 << 16)
-    dtype_names: list[Annotated[str, Field(min_length=1, max_length=32)]] = Field(
+    dtype_names: list[Annotated[str, Field(pattern=DTYPE_PATTERN)]] = Field(
         max_length=1 << 16)
-    shapes: list[list[Annotated[int, Field(ge=0), BeforeValidator(integral)]]] = Field(
-        max_length=1 << 16)
+    shapes: list[list[PositiveInt]] = Field(max_length=1 << 16, description=(
+        "One per name; no dimension of 0 (the frameworks' framing cannot carry an empty "
+        "collective)."))
     packed: bool | None = Field(None, description=(
         "vLLM 0.30's place for the framing; null: the init_info's."))
-    packed_buffer_size_bytes: Int | None = Field(None, ge=1, le=1 << 40)
-    packed_num_buffers: Int | None = Field(None, ge=1, le=8)
+    packed_buffer_size_bytes: Annotated[int, Field(ge=1, le=1 << 40),
+                                        BeforeValidator(integral)] | None = None
+    packed_num_buffers: Annotated[int, Field(ge=1, le=8), BeforeValidator(integral)] | None \
+        = None
+    ipc_handles_pickled: Any = _null_only(
+        "vLLM's CUDA IPC backend's pickled handles: refused (nothing from the network is "
+        "unpickled); sync over the nccl group, or push through this service's cuda_ipc "
+        "transport.")
+    ipc_handles: Any = _null_only("As ipc_handles_pickled.")
+
+    @model_validator(mode="after")
+    def _no_pickles(self) -> NCCLUpdateInfo:
+        for name in PICKLED:
+            if getattr(self, name) is not None:
+                raise ValueError(
+                    f"{name}: pickled CUDA IPC handles are refused (this service unpickles "
+                    "nothing from the network); sync over the nccl group "
+                    "(init_weight_transfer_engine with master_address and master_port), or "
+                    "push through this service's cuda_ipc transport (POST /weights/*, "
+                    "trainer_client.push.WeightPusher(transport='cuda_ipc'))")
+        return self
 
 
 class UpdateWeightsRequest(BaseModel):
@@ -107,7 +126,7 @@ class UpdateWeightsRequest(BaseModel):
 class FinishWeightUpdateRequest(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
-    weight_version: str | None = Field(None, max_length=64, description=(
+    weight_version: str | None = Field(None, pattern=WEIGHT_VERSION_PATTERN, description=(
         "The version the session makes: a decimal integer newer than the served one; "
         "null: the next one (a drafter session: the main model's)."))
 

@@ -17,6 +17,7 @@ from typing import Annotated
 
 from fastapi import APIRouter, Body, Depends, Request
 
+from rollout_service.api.dialects.weight_stream import WEIGHT_VERSION_PATTERN
 from rollout_service.api.errors import documented
 
 from . import weights_protocol as wire
@@ -74,7 +75,11 @@ def vllm_weights_router(guard: Callable[..., Awaitable[None]] | None) -> APIRout
 
     @router.post("/finish_weight_update", responses=documented(408, 500, 503))
     async def finish_weight_update(
-            weight_version: Annotated[str | None, Body(embed=True, max_length=64)] = None,
+            weight_version: Annotated[str | None, Body(
+                embed=True, pattern=WEIGHT_VERSION_PATTERN, description=(
+                    "The version the session makes: a decimal integer newer than the "
+                    "served one; null: the next one (a drafter session: the main "
+                    "model's)."))] = None,
             svc: VLLMWeights = Depends(weights)) -> wire.WeightsMessage:
         """Load the session whole (or nothing), and serve its version."""
         await svc.finish(weight_version)
