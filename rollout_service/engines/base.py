@@ -298,6 +298,9 @@ class WorkerReceive:
     (the broadcast broke: the worker left the group) or ``unknown``."""
     peak_bytes: int
     """The most bytes the worker held in receive buffers at once during the push."""
+    copy_checksums: dict[int, str] = field(default_factory=dict)
+    """The server's writer: the checksum of each bucket that came without one, by index,
+    as it arrived (``protocol.store.copy_checksum``); empty on the other workers."""
 
 
 @runtime_checkable

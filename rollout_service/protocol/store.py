@@ -33,7 +33,7 @@ if TYPE_CHECKING:
     import torch
 
 __all__ = ["BucketInfo", "StoreRef", "StoreWriter", "bucket_checksum", "check_store_dir",
-           "checksum_hex", "map_store"]
+           "checksum_hex", "copy_checksum", "map_store"]
 
 CHECKSUM_CHUNK_WORDS = 1 << 20
 """Words per step of :func:`bucket_checksum`: its temporaries stay at 16 MiB."""
@@ -51,10 +51,31 @@ def bucket_checksum(data: torch.Tensor) -> int:
     Raises:
         ValueError: the length is not a multiple of 8.
     """
-    import torch
-
     if data.numel() % 8:
         raise ValueError(f"nbytes: {data.numel()} is not a multiple of 8")
+    s1, s2 = _word_sums(data)
+    return ((s1 & _MASK64) * _GOLDEN + s2) & _MASK64
+
+
+def copy_checksum(data: torch.Tensor) -> int:
+    """The checksum of a bucket that came without one (the frameworks' framing, whose
+    length need not be a multiple of 8): :func:`bucket_checksum` of its bytes padded with
+    zeros to a whole word, which is ``bucket_checksum`` itself for a whole-word bucket.
+    A server's writer computes it as the bucket arrives, so that a peer's stored copy of
+    the bucket can be checked as a trainer's checksummed bucket is
+    (``serve/peer_store.py``)."""
+    whole = data.numel() - data.numel() % 8
+    s1, s2 = _word_sums(data[:whole])
+    if whole < data.numel():
+        tail = int.from_bytes(bytes(data[whole:].cpu().tolist()), "little")
+        s1, s2 = s1 + tail, s2 + (whole // 8 + 1) * tail
+    return ((s1 & _MASK64) * _GOLDEN + s2) & _MASK64
+
+
+def _word_sums(data: torch.Tensor) -> tuple[int, int]:
+    """``(sum w_i, sum (i + 1) w_i)`` over the 64-bit words of ``data`` (whole words)."""
+    import torch
+
     words = data.view(torch.int64)
     positions = torch.arange(1, min(CHECKSUM_CHUNK_WORDS, max(words.numel(), 1)) + 1,
                              dtype=torch.int64, device=data.device)
@@ -64,7 +85,7 @@ def bucket_checksum(data: torch.Tensor) -> int:
         total = int(chunk.sum().item())
         s1 += total
         s2 += start * total + int((chunk * positions[:chunk.numel()]).sum().item())
-    return ((s1 & _MASK64) * _GOLDEN + s2) & _MASK64
+    return s1, s2
 
 
 def checksum_hex(value: int) -> str:

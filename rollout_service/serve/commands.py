@@ -24,6 +24,10 @@ class StoredPush(BaseModel):
     begin: messages.PushBeginRequest
     placements: list[TensorPlacement]
     buckets: list[BucketInfo] = Field(default_factory=list)
+    copy_checksums: dict[int, str] = Field(default_factory=dict)
+    """``nccl``, the buckets that came without a checksum (the frameworks' framing): each
+    one's checksum as the holders' writers computed it on arrival, by index: what a
+    replica fetching a holder's copy checks those buckets by."""
 
 
 class Command(BaseModel):
@@ -53,6 +57,8 @@ class CommandResult(BaseModel):
     message: str = ""
     finish: messages.PushFinishResponse | None = None
     checksums: dict[str, str] | None = None
+    copy_checksums: dict[int, str] | None = None
+    """``load``, ``nccl``: the replica's stored copy's ``StoredPush.copy_checksums``."""
 
 
 class Snapshot(BaseModel):

@@ -271,7 +271,9 @@ class WeightsCoordinator(GroupRoutes):
         if loaded:
             for role in roles(req.target):
                 setattr(self, f"{role}_version", req.version)
-            self._last_stored, self._holders = stored, loaded
+            self._last_stored, self._holders = (stored, loaded) if self.groups is None else \
+                self.groups.sources(stored, {r: results[r] for r in loaded})
+            stored = self._last_stored
         commit = Command(id=uuid.uuid4().hex, kind="commit", main_version=self.main_version,
                          draft_version=self.draft_version)
         for replica_id, state in self._live():

@@ -263,6 +263,30 @@ class GroupFanOut:
             await self.close()
         return failed
 
+    def sources(self, push: StoredPush, holders: dict[str, CommandResult]
+                ) -> tuple[StoredPush, list[str]]:
+        """``push`` as a later replica fetches it, and the holders whose copy it may fetch.
+        A bucket that came without a checksum (the frameworks' framing) is checked by the
+        one the first holder's writer computed as it arrived; a holder whose writer saw
+        other bytes (one broadcast reached the replicas differently, which nothing else
+        would show) is no source, nor is any when a bucket has no checksum at all."""
+        raw = [b.index for b in push.buckets if b.checksum is None]
+        if not raw:
+            return push, list(holders)
+        sums = {r: result.copy_checksums or {} for r, result in holders.items()}
+        first = next(iter(sums.values()))
+        if any(i not in first for i in raw):
+            logger.error("push %s: no stored checksum of buckets %s; replicas that "
+                         "(re)start cannot fetch it from a peer", push.push_id,
+                         [i for i in raw if i not in first])
+            return push, []
+        agreeing = [r for r, s in sums.items() if all(s.get(i) == first[i] for i in raw)]
+        if len(agreeing) < len(holders):
+            logger.error("push %s: replicas %s stored other bytes than %s; they serve no "
+                         "peer", push.push_id, sorted(set(holders) - set(agreeing)),
+                         agreeing[0])
+        return push.model_copy(update={"copy_checksums": {i: first[i] for i in raw}}), agreeing
+
     def catch_up(self, push: StoredPush, holders: list[str]) -> None:
         """After ``push`` committed on ``holders``: every other serving replica fetches a
         holder's stored copy and loads it (in the background; each reports on its own)."""

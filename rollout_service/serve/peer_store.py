@@ -10,8 +10,10 @@ byte stream. The server is a small threaded HTTP server on a free port of the re
 metrics host (the address is in the replica's ``/health`` report, ``store_address``),
 behind the weights token, answering byte ranges of the committed copy only. The fetch
 takes the push bucket by bucket, checks each against the checksum the trainer sent with
-it (the coordinator's ``StoredPush`` keeps them), and writes it at its offset: a peer's
-copy that is short or corrupt is refused, and the fetch holds one bucket in memory.
+it or, for a bucket of the frameworks' framing (which carries none), the one the holders'
+writers computed as it arrived (the coordinator's ``StoredPush`` keeps both), and writes
+it at its offset: a peer's copy that is short or corrupt is refused, and the fetch holds
+one bucket in memory.
 Plain TCP: nothing goes through Ray's object store (shared memory) or ``/dev/shm``.
 """
 
@@ -26,8 +28,7 @@ from urllib.parse import parse_qs, urlsplit
 import httpx
 import torch
 
-from rollout_service.protocol.broadcast import bucket_checksum
-from rollout_service.protocol.store import BucketInfo, StoreWriter
+from rollout_service.protocol.store import BucketInfo, StoreWriter, checksum_hex, copy_checksum
 from rollout_service.weights.stored_copies import StoredCopies
 
 CHUNK_BYTES = 1 << 20
@@ -94,9 +95,11 @@ def _handler(copies: StoredCopies, token: str | None) -> type[BaseHTTPRequestHan
 
 
 def fetch_store(peers: list[str], token: str | None, push_id: str,
-                buckets: list[BucketInfo], path: str, *, timeout_s: float = 600.0) -> str:
+                buckets: list[BucketInfo], path: str, *,
+                copy_checksums: dict[int, str] | None = None, timeout_s: float = 600.0) -> str:
     """Copy push ``push_id``'s stored copy from the first peer that has it whole into
-    ``path``; returns that peer's address.
+    ``path``; returns that peer's address. ``copy_checksums``: the checksums of the
+    buckets that came without one, by index (``StoredPush.copy_checksums``).
 
     Raises:
         RuntimeError: no peer served every bucket with its checksum (each peer's failure
@@ -110,7 +113,8 @@ def fetch_store(peers: list[str], token: str | None, push_id: str,
             with httpx.Client(base_url=f"http://{peer}", headers=headers,
                               timeout=timeout_s) as client:
                 for bucket in buckets:
-                    _fetch_bucket(client, push_id, bucket, writer)
+                    _fetch_bucket(client, push_id, bucket, writer,
+                                  (copy_checksums or {}).get(bucket.index))
             return peer
         except (httpx.HTTPError, ValueError) as exc:
             failures.append(f"{peer}: {exc}")
@@ -121,7 +125,12 @@ def fetch_store(peers: list[str], token: str | None, push_id: str,
 
 
 def _fetch_bucket(client: httpx.Client, push_id: str, bucket: BucketInfo,
-                  writer: StoreWriter) -> None:
+                  writer: StoreWriter, copy_checksum_hex: str | None) -> None:
+    """One bucket of a peer's copy, checked (``copy_checksum_hex``: the holders' checksum
+    of a bucket that came without one), written at its offset."""
+    expected = bucket.checksum or copy_checksum_hex
+    if expected is None:  # nothing to check it by: a copy that might be anything
+        raise ValueError(f"bucket {bucket.index}: no checksum to check a peer's copy by")
     response = client.get(f"/store/{push_id}",
                           params={"offset": bucket.offset, "length": bucket.nbytes})
     response.raise_for_status()
@@ -129,8 +138,8 @@ def _fetch_bucket(client: httpx.Client, push_id: str, bucket: BucketInfo,
     if len(data) != bucket.nbytes:
         raise ValueError(f"bucket {bucket.index}: {len(data)} bytes, the push had "
                          f"{bucket.nbytes}")
-    checksum = bucket_checksum(torch.frombuffer(data, dtype=torch.uint8))
-    if checksum != bucket.checksum_value:
-        raise ValueError(f"bucket {bucket.index}: checksum {checksum:016x}, the trainer sent "
-                         f"{bucket.checksum}")
+    checksum = checksum_hex(copy_checksum(torch.frombuffer(data, dtype=torch.uint8)))
+    if checksum != expected:
+        whose = "the trainer's" if bucket.checksum else "its holders' on arrival"
+        raise ValueError(f"bucket {bucket.index}: checksum {checksum}, {whose} {expected}")
     writer.write(bucket.offset, memoryview(data))

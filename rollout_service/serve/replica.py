@@ -274,7 +274,8 @@ class EngineReplica:
             logger.exception("replica %s: load failed", self._id)
             return CommandResult(ok=False, status=500, message=repr(exc))
         self._stale = None
-        return CommandResult(ok=True, finish=finish)
+        return CommandResult(ok=True, finish=finish, copy_checksums=None if self._group is None
+                             else self._group.copy_checksums)
 
     async def _apply(self, push: StoredPush, peers: list[str] | None = None
                      ) -> messages.PushFinishResponse:

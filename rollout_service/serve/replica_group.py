@@ -80,20 +80,26 @@ class ReplicaGroup:
             PushError: the receive did not end well (nothing loaded), or the load failed.
         """
         try:
-            store, peaks, receive_s = await self._groups.finish_receive(push.push_id,
-                                                                         push.buckets)
+            received = await self._groups.finish_receive(push.push_id, push.buckets)
             finished = await self._weights.load(push.begin, push.placements,
-                                                push_id=push.push_id, store=store)
+                                                push_id=push.push_id, store=received.store)
         except PushError:
             self._groups.discard(push.push_id)
             raise
-        self._groups.copies.commit(store)
-        timings = finished.timings.model_copy(update={"receive_s": receive_s})
-        return finished.model_copy(update={"timings": timings, "receive_peak_bytes": peaks})
+        self._groups.copies.commit(received.store, received.copy_checksums)
+        timings = finished.timings.model_copy(update={"receive_s": received.receive_s})
+        return finished.model_copy(update={"timings": timings,
+                                           "receive_peak_bytes": received.peak_bytes})
+
+    @property
+    def copy_checksums(self) -> dict[int, str]:
+        """The served copy's checksums of its unchecksummed buckets (what this replica's
+        writer computed as they arrived, or what its fetch checked them by)."""
+        return self._groups.copies.committed_checksums
 
     async def fetch(self, push: StoredPush, peers: list[str]) -> messages.PushFinishResponse:
         """Copy ``push``'s stored copy from a peer (every bucket checked against the
-        trainer's checksum) and load it.
+        trainer's checksum, or the one its holders' writers computed) and load it.
 
         Raises:
             PushError(503): no peer had it whole; 500: the load failed.
@@ -101,7 +107,7 @@ class ReplicaGroup:
         path = self._groups.copies.path(push.push_id)
         try:
             await asyncio.to_thread(fetch_store, peers, self._token, push.push_id,
-                                    push.buckets, path)
+                                    push.buckets, path, copy_checksums=push.copy_checksums)
         except RuntimeError as exc:
             self._groups.discard(push.push_id)
             raise PushError(503, str(exc)) from exc
@@ -112,7 +118,7 @@ class ReplicaGroup:
         except PushError:
             self._groups.discard(push.push_id)
             raise
-        self._groups.copies.commit(store)
+        self._groups.copies.commit(store, push.copy_checksums)
         return finished
 
     def close(self) -> None:

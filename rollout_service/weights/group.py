@@ -20,6 +20,7 @@ import asyncio
 import contextlib
 import time
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 
 from rollout_service.engines.base import BroadcastEngine, BucketReceive, WorkerReceive
 from rollout_service.protocol import messages
@@ -39,6 +40,20 @@ a second, not 500."""
 WAIT_MARGIN_S = 30.0
 """Past the group's own timeout (which ends a worker's wait for a silent trainer), how
 long the service waits for a worker that never reports."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ReceivedPush:
+    """A push whose every bucket arrived, was checked and stored: what its load needs."""
+
+    store: StoreRef
+    peak_bytes: list[int]
+    """Per worker, the most bytes it held in receive buffers at once."""
+    receive_s: float
+    """Seconds spent in the updates' receives."""
+    copy_checksums: dict[int, str]
+    """The buckets that came without a checksum: each one's as the writer computed it on
+    arrival (``StoredCopies.committed_checksums`` once the push loads)."""
 
 
 class WeightGroups:
@@ -65,6 +80,8 @@ class WeightGroups:
         self._last_used_s = 0.0
         self._lease: asyncio.Task[None] | None = None
         self._receive_s: dict[str, float] = {}
+        self._receiving: str | None = None
+        """The push whose buckets came last."""
 
     def state(self) -> messages.WeightGroupState:
         return messages.WeightGroupState(num_ranks=self._engine.num_workers,
@@ -175,6 +192,12 @@ class WeightGroups:
                     await self.close()
                 raise PushError(400, f"bucket: {bucket.nbytes} bytes is more than the "
                                      f"group's bucket_bytes {group.bucket_bytes}")
+        if push_id != self._receiving:
+            # Under Ray Serve the coordinator ends a push it refused, aborted or timed out
+            # without telling the replicas: what arrived of it goes when the next begins.
+            if self._receiving is not None:
+                self.discard(self._receiving)
+            self._receiving = push_id
         self._touch()
         start = time.perf_counter()
         receive = BucketReceive(push_id=push_id, store_path=self.copies.path(push_id),
@@ -225,10 +248,9 @@ class WeightGroups:
             f"broadcast: {what} failed ({named}); nothing was loaded, the old weights are "
             "still served; the group is closed (the next push needs a new one)"))
 
-    async def finish_receive(self, push_id: str, buckets: list[BucketInfo]
-                             ) -> tuple[StoreRef, list[int], float]:
+    async def finish_receive(self, push_id: str, buckets: list[BucketInfo]) -> ReceivedPush:
         """Once every worker has stored (the writer) or checked every bucket: the push's
-        stored copy, each worker's peak receive bytes, and the seconds spent receiving.
+        stored copy and how its receive went.
 
         Raises:
             PushError: as :meth:`receive_bucket`.
@@ -248,8 +270,11 @@ class WeightGroups:
                                  "written in time; nothing was loaded")
         if any(r.state != "done" for r in reports):
             await self._refuse([r.state for r in reports], f"push {push_id}")
-        store = StoreRef(path=self.copies.path(push_id), buckets=tuple(buckets))
-        return store, [r.peak_bytes for r in reports], self._receive_s.pop(push_id, 0.0)
+        return ReceivedPush(
+            store=StoreRef(path=self.copies.path(push_id), buckets=tuple(buckets)),
+            peak_bytes=[r.peak_bytes for r in reports],
+            receive_s=self._receive_s.pop(push_id, 0.0),
+            copy_checksums={i: c for r in reports for i, c in r.copy_checksums.items()})
 
     def discard(self, push_id: str) -> None:
         """A push that did not load: what arrived of it goes."""

@@ -182,10 +182,8 @@ class PushIntake:
             check_no_overlap(push.placements.values(), push.request.cuda_ipc_buffer)
             if version is not None:
                 check_newer(version, push.request.target, versions or {})
-            if version is not None or push.request.total_bytes is None:
-                push.request = push.request.model_copy(update={
-                    "version": push.request.version if version is None else version,
-                    "total_bytes": sum(p.nbytes for p in push.placements.values())})
+            if version is not None or push.is_announced_per_update:
+                push.request = as_announced(push, version)
         except PushError as exc:
             self.end(push, "rejected", str(exc))
             raise
@@ -224,6 +222,22 @@ class PushIntake:
         if self.active is push and not push.is_loading and not push.is_receiving:
             self.end(push, "aborted", f"no call from the trainer for {push.timeout_s:g} s; "
                                       "nothing was loaded, the old weights are still served")
+
+
+def as_announced(push: ActivePush, version: int | None) -> messages.PushBeginRequest:
+    """``push``'s begin as if it had announced what arrived (its params and total bytes,
+    when its updates named the tensors) and the version it serves: a valid announcement,
+    which every later step takes as any push's (under Ray Serve the replicas' load and a
+    restarting replica's replay get it in a ``StoredPush``, whose validation runs its
+    checks again)."""
+    req = push.request
+    update: dict[str, object] = {"version": req.version if version is None else version}
+    if req.params is None:
+        placed = push.ordered_placements()
+        update["params"] = [messages.ParamSpec(name=p.name, shape=list(p.shape), dtype=p.dtype)
+                            for p in placed]
+        update["total_bytes"] = sum(p.nbytes for p in placed)
+    return req.model_copy(update=update)
 
 
 def check_newer(version: int, target: messages.PushTarget,

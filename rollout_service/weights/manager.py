@@ -217,18 +217,19 @@ class WeightPushManager:
                 groups.discard(req.push_id)
             raise
         try:
-            store, peaks, receive_s = await groups.finish_receive(push.push_id, push.buckets)
-            finished = await self._apply(push.request, build_update(push, store))
+            received = await groups.finish_receive(push.push_id, push.buckets)
+            finished = await self._apply(push.request, build_update(push, received.store))
         except PushError as exc:
             self._intake.end(push, "failed", str(exc))
             groups.discard(push.push_id)
             raise
-        groups.copies.commit(store)
+        groups.copies.commit(received.store, received.copy_checksums)
         self._intake.end(push, "loaded", f"{finished.num_bytes} bytes received in "
-                                         f"{receive_s:.3f} s, loaded in "
+                                         f"{received.receive_s:.3f} s, loaded in "
                                          f"{finished.timings.total_s:.3f} s")
-        timings = finished.timings.model_copy(update={"receive_s": receive_s})
-        return finished.model_copy(update={"timings": timings, "receive_peak_bytes": peaks})
+        timings = finished.timings.model_copy(update={"receive_s": received.receive_s})
+        return finished.model_copy(update={"timings": timings,
+                                           "receive_peak_bytes": received.peak_bytes})
 
     # ---- already validated pushes (Ray Serve replicas) -----------------------------
 

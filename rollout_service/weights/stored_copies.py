@@ -33,13 +33,19 @@ class StoredCopies:
             atexit.register(shutil.rmtree, self.folder, ignore_errors=True)
         self.committed: StoreRef | None = None
         """The served version's copy (None before the first ``nccl`` push)."""
+        self.committed_checksums: dict[int, str] = {}
+        """Its buckets that came without a checksum (the frameworks' framing): each one's
+        checksum as this server's writer computed it on arrival (``store.copy_checksum``),
+        by index; what a peer fetching the copy checks those buckets by."""
 
     def path(self, push_id: str) -> str:
         return str(self.folder / f"push-{push_id}.bin")
 
-    def commit(self, store: StoreRef) -> None:
-        """``store`` is now the served version's copy; the previous one goes."""
+    def commit(self, store: StoreRef, copy_checksums: dict[int, str] | None = None) -> None:
+        """``store`` is now the served version's copy (``copy_checksums``: its unchecksummed
+        buckets' checksums); the previous one goes."""
         previous, self.committed = self.committed, store
+        self.committed_checksums = dict(copy_checksums or {})
         if previous is not None and previous.path != store.path:
             Path(previous.path).unlink(missing_ok=True)
 

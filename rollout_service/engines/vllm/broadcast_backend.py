@@ -144,13 +144,15 @@ class BroadcastWeightTransferEngine(SessionLoads,
 
     def receive_report(self, push_id: str, num_buckets: int) -> dict[str, Any]:
         """The push's receive on this worker; once it ended (every bucket stored, or a
-        failure), the receiver and its ring are let go."""
+        failure), the receiver and its ring are let go. ``copy_checksums`` by the
+        bucket's index as a string (the RPC's encoding keeps string keys only)."""
         if self._receiver is None or self._receiver.push_id != push_id:
-            return {"state": "unknown", "peak_bytes": 0}
+            return {"state": "unknown", "peak_bytes": 0, "copy_checksums": {}}
         state, peak = self._receiver.report(num_buckets)
+        checksums = {str(i): c for i, c in self._receiver.copy_checksums().items()}
         if state != "running":
             self._end_receive()
-        return {"state": state, "peak_bytes": peak}
+        return {"state": state, "peak_bytes": peak, "copy_checksums": checksums}
 
     def _end_receive(self) -> None:
         if self._receiver is not None:

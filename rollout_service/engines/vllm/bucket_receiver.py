@@ -33,7 +33,7 @@ import torch
 
 from rollout_service.engines.base import BucketReceive
 from rollout_service.protocol.broadcast import BucketRefused, FrameHeader, Group
-from rollout_service.protocol.store import BucketInfo, StoreWriter
+from rollout_service.protocol.store import BucketInfo, StoreWriter, checksum_hex, copy_checksum
 
 
 class Ring:
@@ -88,6 +88,8 @@ class _Spill:
     payload: torch.Tensor
     offset: int
     index: int
+    is_raw: bool
+    """A bucket of the frameworks' framing: no checksum came with it."""
 
 
 _STOP = object()
@@ -113,6 +115,7 @@ class PushReceiver:
         self._staging: torch.Tensor | None = None
         self._buckets: list[BucketInfo] = []
         self._states: dict[int, str] = {}
+        self._copy_checksums: dict[int, str] = {}
         self._failure: str | None = None
         self._lock = threading.Lock()
         self._orders: queue.Queue[object] = queue.Queue()
@@ -156,6 +159,14 @@ class PushReceiver:
         is_done = all(s == "stored" for s in states) if self._writer else all(
             s == "done" for s in states)
         return ("done" if is_done else "running"), self._ring.peak_bytes
+
+    def copy_checksums(self) -> dict[int, str]:
+        """The writer's checksums of the buckets that came without one (by index):
+        :func:`~rollout_service.protocol.store.copy_checksum` of the bytes as they
+        arrived, so that a peer's copy of them can be checked later; empty on the other
+        workers."""
+        with self._lock:
+            return dict(self._copy_checksums)
 
     def close(self) -> None:
         """Stop both threads (after what is queued) and let the ring and the file go."""
@@ -215,12 +226,16 @@ class PushReceiver:
             self._ring.release(slot)
         else:
             self._spills.put(_Spill(slot=slot, payload=payload, offset=bucket.offset,
-                                    index=bucket.index))
+                                    index=bucket.index, is_raw=announced is None))
 
     def _spill_loop(self) -> None:
         while (spill := self._spills.get()) is not _STOP:
             assert isinstance(spill, _Spill) and self._writer is not None
             try:
+                if spill.is_raw:  # on the slot's own device, before it is copied out
+                    checksum = checksum_hex(copy_checksum(spill.payload))
+                    with self._lock:
+                        self._copy_checksums[spill.index] = checksum
                 self._writer.write(spill.offset, memoryview(self._host(spill.payload)))
             except Exception as exc:  # a full disk fails the push, nothing is loaded
                 self._fail(spill.index, f"failed: writing the stored copy: {exc!r}")

@@ -345,7 +345,8 @@ class VLLMEngine(SpecScheduleMethods):
     async def receive_reports(self, push_id: str, num_buckets: int) -> list[WorkerReceive]:
         reports = await self._llm.collective_rpc("rollout_receive_report",
                                                  args=(push_id, num_buckets))
-        return [WorkerReceive(**r) for r in reports]
+        return [WorkerReceive(state=r["state"], peak_bytes=r["peak_bytes"], copy_checksums={
+            int(i): c for i, c in r["copy_checksums"].items()}) for r in reports]
 
     async def weight_checksums(self) -> dict[str, str]:
         """SHA-256 of the main model's and the drafter's parameters: ``main`` and

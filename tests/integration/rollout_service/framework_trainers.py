@@ -200,6 +200,13 @@ class VLLMTrainer:
             self.group.broadcast(chunk.packed_tensor, src=0)
 
 
+def drafter_tensors(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """SkyRL's drafter source: the MTP block and the embedding and head it shares
+    (``weight_sync/sources.py``, ``is_megatron_draft_param``), by the checkpoint's names."""
+    return {n: t for n, t in tensors.items() if "mtp_layers" in n
+            or n in ("model.embed_tokens.weight", "lm_head.weight")}
+
+
 def sglang_push_and_die(url: str, weights_token: str, api_key: str, checkpoint: str,
                         version: int) -> None:
     """A slime trainer that broadcasts its first tensor of a sync and dies (exit 3)."""

@@ -37,6 +37,7 @@ from tests.integration.conftest import weights_status as status
 from tests.integration.rollout_service.framework_trainers import (
     SGLangTrainer,
     VLLMTrainer,
+    drafter_tensors,
     sglang_push_and_die,
 )
 from tests.support.shm_usage import new_shm_files, process_tree
@@ -67,13 +68,6 @@ def slime(service: ServiceProcess) -> SGLangTrainer:
 
 def changed(original: dict[str, torch.Tensor], *names: str) -> dict[str, torch.Tensor]:
     return {n: (t + 0.5 if n in names else t) for n, t in original.items()}
-
-
-def drafter_tensors(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """SkyRL's drafter source: the MTP block and the embedding and head it shares
-    (``weight_sync/sources.py``, ``is_megatron_draft_param``), by the checkpoint's names."""
-    return {n: t for n, t in tensors.items() if "mtp_layers" in n
-            or n in ("model.embed_tokens.weight", "lm_head.weight")}
 
 
 def release(service: ServiceProcess) -> None:

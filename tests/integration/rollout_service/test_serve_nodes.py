@@ -21,23 +21,26 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-import httpx
 import pytest
 import torch
 from safetensors.torch import load_file
 
 from rollout_service.client import ServiceError
 from rollout_service.embedded import ensure_model
-from rollout_service.protocol import messages
-from rollout_service.serve.config import parse_serve_config
-from rollout_service.tools.ray_cluster import ServeOnNodes, replica_node_ids, serve_on_nodes
-from tests.integration.conftest import (
-    API_KEY,
-    NUM_SPECULATIVE_TOKENS,
-    RAY_REPLICA_OPTIONS,
-    TARGET,
-    WEIGHTS_TOKEN,
-    wait_for,
+from rollout_service.tools.ray_cluster import ServeOnNodes, replica_node_ids
+from tests.integration.conftest import TARGET, WEIGHTS_TOKEN, wait_for
+from tests.integration.rollout_service.nodes_app import (
+    BUCKET_BYTES,
+    DRAFT_PARAM,
+    GROUP_TIMEOUT_S,
+    MAIN_PARAM,
+    changed,
+    checksums,
+    group_state,
+    health,
+    one_copy,
+    running_app,
+    served,
 )
 from tests.support.faulty_trainer import break_bucket, push_and_die
 from tests.support.shm_usage import new_shm_files, process_tree
@@ -46,32 +49,10 @@ from trainer_client.push import WeightPusher
 pytestmark = pytest.mark.skipif(TARGET.transport != "shm" or TARGET.tensor_device != "cpu",
                                 reason="CPU replicas over gloo (the CPU target only)")
 
-BUCKET_BYTES = 1 << 20
-GROUP_TIMEOUT_S = 30.0
-MAIN_PARAM = "lm_head.weight"
-DRAFT_PARAM = "model.mtp_layers.0.input_proj.weight"
-HEADERS = {"authorization": f"Bearer {WEIGHTS_TOKEN}"}
-CONFIG = {
-    "model": "embedded:tiny",
-    "mtp": {"num_speculative_tokens": NUM_SPECULATIVE_TOKENS},
-    "api_key": API_KEY,
-    "weights_token": WEIGHTS_TOKEN,
-    "num_replicas": 2,
-    "weights_transport": "nccl",
-    "weights_bucket_bytes": BUCKET_BYTES,
-    "weights_group_timeout_s": GROUP_TIMEOUT_S,
-    "health_check_period_s": 1.0,
-    "health_check_timeout_s": 10.0,
-    "retry_timeout_s": 60.0,
-    "push_ack_timeout_s": 120.0,
-    "metrics_host": "127.0.0.1",
-    "ray_actor_options": RAY_REPLICA_OPTIONS,
-}
-
 
 @pytest.fixture(scope="module")
-def app() -> Iterator[ServeOnNodes]:
-    with serve_on_nodes(parse_serve_config(CONFIG), num_nodes=2) as running:
+def app(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServeOnNodes]:
+    with running_app(tmp_path_factory.mktemp("stores")) as running:
         yield running
 
 
@@ -85,32 +66,6 @@ def trainer(app: ServeOnNodes, **options: object) -> WeightPusher:
                         **options)  # type: ignore[arg-type]
 
 
-def changed(original: dict[str, torch.Tensor], *names: str) -> dict[str, torch.Tensor]:
-    return {**original, **{name: original[name] + 0.5 for name in names}}
-
-
-def health(app: ServeOnNodes) -> dict:
-    return httpx.get(f"{app.url}/health", timeout=60).json()
-
-
-def checksums(app: ServeOnNodes) -> dict[str, dict[str, str]]:
-    response = httpx.get(f"{app.url}/weights/checksums", headers=HEADERS, timeout=120)
-    assert response.status_code == 200, response.text
-    return response.json()
-
-
-def served(app: ServeOnNodes) -> messages.WeightStatus:
-    response = httpx.get(f"{app.url}/weights/status", headers=HEADERS, timeout=60)
-    return messages.WeightStatus.model_validate(response.json())
-
-
-def one_copy(app: ServeOnNodes) -> dict[str, str]:
-    """Every replica's digests, which must be one and the same."""
-    digests = checksums(app)
-    assert len(digests) == 2 and len({tuple(sorted(d.items())) for d in digests.values()}) == 1
-    return next(iter(digests.values()))
-
-
 def test_the_replicas_sit_on_nodes_of_their_own(app: ServeOnNodes) -> None:
     nodes = replica_node_ids("rollout")
     assert len(nodes) == 2 and len(set(nodes.values())) == 2
@@ -122,8 +77,8 @@ def test_a_push_reaches_both_replicas_in_one_broadcast_per_bucket(
     baseline = one_copy(app)
     in_push = [os.getpid(), *(pid for replica in health(app)["replicas"]
                               for pid in process_tree(replica["pid"]))]
-    group = httpx.get(f"{app.url}/weights/group/state", headers=HEADERS, timeout=60).json()
-    assert group["num_ranks"] == 2 and group["current"] is None
+    group = group_state(app)
+    assert group.num_ranks == 2 and group.current is None
     version = served(app).newest_version + 1
     with trainer(app) as pusher, new_shm_files(lambda: in_push) as shm_usage:
         report = pusher.push(changed(original, MAIN_PARAM, DRAFT_PARAM).items(),

@@ -19,6 +19,7 @@ from rollout_service.protocol import messages
 from rollout_service.protocol.placement import BroadcastLocation, TensorPlacement
 from rollout_service.protocol.tensors import TensorMeta
 from rollout_service.protocol.vllm_rendezvous import unique_id_bytes
+from rollout_service.serve.commands import StoredPush
 from rollout_service.weights.intake import PushError, PushIntake
 
 CHECKPOINT = {"a": TensorMeta(dtype="bfloat16", shape=(3,)),
@@ -110,6 +111,22 @@ async def test_a_drafter_push_may_carry_part_and_finish_names_the_version() -> N
     push = intake.start_loading(push_id, version=3, versions={"main": 3, "draft": 1})
     assert (push.request.version, push.request.total_bytes) == (3, 8)
     assert [p.name for p in push.ordered_placements()] == ["mtp.w"]
+
+
+async def test_a_complete_push_is_announced_as_what_arrived() -> None:
+    """Once a push whose updates named its tensors is complete, its begin names them:
+    an announcement the Ray Serve replicas' load takes as any push's (a StoredPush
+    validates it again; with total_bytes and no params it was refused, a 500 of every
+    framework's sync through the ingress)."""
+    intake = PushIntake(CHECKPOINT, timeout_s=60.0, has_draft=True, transport="nccl")
+    push_id = intake.begin(begin(), {"main": 1, "draft": 1}).push_id
+    intake.update(update(push_id, placed("a", 0), placed("b", 64), placed("mtp.w", 128),
+                         nbytes=136))
+    push = intake.start_loading(push_id)
+    stored = StoredPush(push_id=push_id, begin=push.request,
+                        placements=push.ordered_placements())
+    assert [p.name for p in stored.begin.params or ()] == ["a", "b", "mtp.w"]
+    assert (stored.begin.total_bytes, stored.begin.version) == (6 + 16 + 8, 2)
 
 
 def test_params_may_be_left_out_for_nccl_only() -> None:
