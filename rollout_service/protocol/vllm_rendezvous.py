@@ -85,6 +85,8 @@ def stateless_store(spec: GroupSpec, *, is_rank: bool) -> Any:
 
 
 def counters_store(base: Any) -> Any:
+    """Where this service counts its receives in the trainer's store: under a prefix of
+    its own, so its keys never meet vLLM's (``broadcast_from/...``, the gloo stand-in's)."""
     import torch.distributed as dist
 
     return dist.PrefixStore(COUNTERS_PREFIX, base)

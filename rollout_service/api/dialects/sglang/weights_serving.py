@@ -70,6 +70,8 @@ class SGLangWeights:
             if state.current is None else None))
 
     async def destroy_group(self, req: sgl.DestroyWeightsUpdateGroupReqInput) -> None:
+        """Leave the trainer's group: a sync in progress in it is aborted (nothing of it
+        loads), so a trainer that gives up mid-sync leaves the served weights whole."""
         await self._pushes.release_group(messages.WeightGroupRelease(
             group_id=group_id(req.group_name)))
 

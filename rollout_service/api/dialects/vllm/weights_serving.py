@@ -61,6 +61,9 @@ class VLLMWeights:
             num_buckets=info.packed_num_buffers if info.packed else None))
 
     async def shutdown(self) -> None:
+        """Let vLLM's trainer's group go; a group this dialect did not make (slime's, or
+        this service's own trainer's) is not its to end, and none is no error (vLLM's
+        own route answers the same)."""
         current = (await self._pushes.group_state()).current
         if current is not None and _GROUP_ID.match(current.group_id):
             await self._pushes.release_group(messages.WeightGroupRelease(
@@ -106,6 +109,13 @@ class VLLMWeights:
             active = await self._session()
 
     async def finish(self, weight_version: str | None) -> messages.PushFinishResponse:
+        """Load the session whole at the version it names (none: the one ``start`` took),
+        or nothing.
+
+        Raises:
+            PushError: 409 without a session of this dialect, or for a version not newer
+                than the served one; 400 for an incomplete session; the load's failure.
+        """
         active = await self._session()
         version = None
         if weight_version is not None:
@@ -116,6 +126,8 @@ class VLLMWeights:
             push_id=active.push_id, version=version))
 
     async def _group_id(self) -> str:
+        """The current group's id, which must be one this dialect made: its id carries the
+        framing the updates are laid out by (the dialect keeps no state of its own)."""
         current = (await self._pushes.group_state()).current
         if current is None or not _GROUP_ID.match(current.group_id):
             raise PushError(409, "init_weight_transfer_engine: no weight transfer engine is "
@@ -124,6 +136,8 @@ class VLLMWeights:
         return current.group_id
 
     async def _session(self) -> messages.ActivePushState:
+        """The service's push in progress, which must be this dialect's: an update or a
+        finish never goes on with another client's push."""
         active = (await self._pushes.get_status()).active_push
         if active is None or active.client != "vllm":
             detail = "none" if active is None else f"{active.client!r}'s {active.push_id}"
