@@ -39,14 +39,19 @@ clean() {  # what an earlier step or call left running (not this script's shells
   sleep 2
 }
 
-flatten() {  # the device tool returns no nested log folders: copy their logs to the top
-  find "$out" -mindepth 2 -type f \( -name '*.log' -o -name '*.json' -o -name '*.txt' \) \
-    | while read -r f; do cp "$f" "$out/$(realpath --relative-to="$out" "$f" | tr / _)"; done
+flatten() {  # flatten NAME: the device tool returns at most 8 files and no nested folders,
+  # so the logs a step wrote below $out (servers', engines', pytest's basetemp) go into one
+  # NAME-logs.tgz beside the step's own log (the H200's sglang-tests run wrote 13 files,
+  # and its own log was among those left out)
+  local name="$1" files
+  files=$(cd "$out" && find . -mindepth 2 -type f \( -name '*.log' -o -name '*.json' \
+    -o -name '*.txt' -o -name '*.xml' \) | sort)
+  [ -n "$files" ] && (cd "$out" && echo "$files" | tar -czf "$name-logs.tgz" -T -)
   find "$out" -mindepth 1 -type d -exec rm -rf {} + 2>/dev/null
 }
 
 errors() {  # the first error lines of the logs a failed step wrote (servers', engines')
-  find "$out" -maxdepth 1 -name '*.log' -newer "$out/.step-start" \
+  find "$out" -name '*.log' -newer "$out/.step-start" \
     | xargs -r grep -l -E "Traceback|ERROR|EngineDeadError" | while read -r f; do
     echo "-- $f"; grep -n -m 12 -E -A3 "Traceback|ERROR|Error:" "$f" | cut -c1-220
   done
@@ -59,9 +64,9 @@ step() {  # step NAME LIMIT_S COMMAND...
   echo "== $name (limit ${limit}s)"
   STALL_S="${STALL_S:-150}" bash tools/gpu/with_stacks.sh "$out/$name.log" timeout "$limit" "$@"
   rc=$?
-  flatten
   echo "== $name: rc $rc"; tail -40 "$out/$name.log" | cut -c1-220
   [ "$rc" -eq 0 ] || errors | head -120
+  flatten "$name"
 }
 
 for s in "$@"; do
