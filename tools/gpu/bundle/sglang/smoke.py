@@ -2,7 +2,9 @@
 
 device_step.sh runs it once the bundle is installed; later: source /tmp/site-sglang/env.sh &&
 python3 /tmp/site-sglang/_smoke.py. Every check runs and reports; the exit code is 1 if any failed.
-With SMOKE_CPU=1 (local_check.sh on the CPU machine) only the imports and `--help` run.
+With SMOKE_CPU=1 (local_check.sh on the CPU machine) only the imports, the CPU form of the model
+build and `--help` run. `python3 smoke.py --build` is the model build alone (a subprocess of the
+smoke test: it sets up torch.distributed and SGLang's parallel groups).
 """
 import importlib
 import importlib.metadata as md
@@ -21,6 +23,9 @@ SERVER_MODULES = [
     'sglang.srt.speculative.eagle_worker_v2', 'sglang.srt.layers.sampler',
     'sglang.srt.layers.attention.flashattention_backend', 'sglang.srt.layers.attention.triton_backend',
     'sglang.srt.layers.attention.flashinfer_backend', 'sglang.srt.constrained.xgrammar_backend',
+    # imported lazily, on CUDA only, by every Qwen2-family MLP's DualGemm (model construction);
+    # it imports the CuTe DSL (`cutlass`), which the bundle had pruned until the H200 found it
+    'sglang.srt.layers.dual_gemm', 'sglang.kernels.ops.gemm.cutedsl_dual_gemm',
 ]
 failures = []
 
@@ -116,6 +121,92 @@ def server_modules():
     return f'{len(SERVER_MODULES)} modules'
 
 
+def cute_dsl():
+    # nvidia-cutlass-dsl: `cutlass` lives in <site>/nvidia_cutlass_dsl/dsl_packages, which its .pth
+    # file would add to sys.path; .pth files are not read from PYTHONPATH, so env.sh names the folder
+    import cutlass
+    import cutlass.cute  # noqa: F401
+    ir = sys.modules['cutlass._mlir._mlir_libs._cutlass_ir']
+    return f'cutlass {cutlass.__version__} from {os.path.dirname(cutlass.__file__)}; IR library {os.path.basename(ir.__file__)}'
+
+
+def model_build():
+    r = subprocess.run([sys.executable, os.path.abspath(__file__), '--build'],
+                       capture_output=True, text=True, timeout=300)
+    lines = [l for l in r.stdout.splitlines() if l.startswith('BUILD ')]
+    for l in r.stdout.splitlines():   # the full list, for smoke.log (device_step.sh shows less)
+        if l.startswith('new modules: '):
+            print(l)
+    if r.returncode != 0 or not lines:   # the traceback into smoke.log, its last line below
+        tail = (r.stdout + r.stderr).strip().splitlines()[-30:]
+        print('\n'.join('build> ' + l for l in tail))
+        raise RuntimeError(f'exit {r.returncode}: {tail[-1] if tail else "no output"}')
+    return ' | '.join(l[6:] for l in lines)
+
+
+def build_main():
+    """Construct what SGLang constructs for a Qwen2/MiMo (+MTP) server, without a checkpoint.
+
+    GPU: tiny Qwen2ForCausalLM, MiMoForCausalLM and MiMoMTP on CUDA in bf16 (the constructors take
+    their CUDA branches, e.g. every MLP's DualGemm imports the CuTe DSL). CPU (SMOKE_CPU=1): the
+    constructors would take CPU branches that are not the GPU's (RoPE wants vllm's ops there), so
+    only a Qwen2MLP is built, with DualGemm's is_cuda() forced true: its CUDA-only import runs, its
+    sm_100 test then says no. Prints `BUILD ...` lines; exit 1 on any failure.
+    """
+    import socket
+    import torch
+    with socket.socket() as s:
+        s.bind(('127.0.0.1', 0))
+        port = s.getsockname()[1]
+    for k, v in dict(MASTER_ADDR='127.0.0.1', MASTER_PORT=str(port), RANK='0', WORLD_SIZE='1',
+                     LOCAL_RANK='0').items():
+        os.environ[k] = v
+    # what sglang.test.layer_ut_utils.init_single_process_dist does (its module imports the pruned
+    # `datasets`): a world of one, SGLang's runtime context published, the model-parallel groups
+    from sglang.srt.distributed import parallel_state as ps
+    from sglang.srt.runtime_context import SpawnRanks, get_parallel, publish, reset_context
+    from sglang.srt.server_args import ServerArgs
+    ps.init_distributed_environment(world_size=1, rank=0, local_rank=0, backend='gloo')
+    reset_context()
+    publish(ServerArgs(model_path='dummy', tp_size=1, ep_size=1, pp_size=1), role='test',
+            ranks=SpawnRanks(world_rank=0))
+    get_parallel().override_permanently(world_group=ps._WORLD)
+    ps.initialize_model_parallel(backend='gloo')
+    torch.set_default_dtype(torch.bfloat16)
+    before = set(sys.modules)
+    if IS_CPU:
+        import sglang.srt.layers.dual_gemm as dual_gemm
+        from sglang.srt.models.qwen2 import Qwen2MLP
+        dual_gemm.is_cuda = lambda: True
+        mlp = Qwen2MLP(512, 1024, 'silu', prefix='model.layers.0.mlp')
+        built = [f'Qwen2MLP (CPU, DualGemm CUDA branch forced: mode {mlp.dual_gemm.mode})']
+    else:
+        from transformers import Qwen2Config
+        from sglang.srt.models.mimo import MiMoForCausalLM
+        from sglang.srt.models.mimo_mtp import MiMoMTP
+        from sglang.srt.models.qwen2 import Qwen2ForCausalLM
+        cfg = Qwen2Config(vocab_size=1024, hidden_size=512, intermediate_size=1024, num_hidden_layers=2,
+                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+                          tie_word_embeddings=False)
+        cfg.num_nextn_predict_layers = 1
+        built = []
+        with torch.device('cuda'):
+            for cls in (Qwen2ForCausalLM, MiMoForCausalLM, MiMoMTP):
+                m = cls(cfg)
+                n = sum(p.numel() for p in m.parameters())
+                dev = next(m.parameters()).device
+                built.append(f'{cls.__name__} ({n / 1e6:.1f}M params on {dev})')
+                del m
+    new = sorted(set(sys.modules) - before)
+    tops = sorted({m.split('.')[0] for m in new} - {'sglang', 'transformers'})
+    print('BUILD ' + ', '.join(built))
+    print(f'BUILD imported {len(new)} more modules ({sum(m.startswith("sglang.") for m in new)} of sglang); '
+          f'other packages: {" ".join(tops) or "none"}')
+    print('new modules: ' + ' '.join(new))
+    torch.distributed.destroy_process_group()
+    sys.exit(0)
+
+
 def launch_help():
     r = subprocess.run([sys.executable, '-m', 'sglang.launch_server', '--help'],
                        capture_output=True, text=True, timeout=300)
@@ -123,6 +214,8 @@ def launch_help():
     return f'{len(r.stdout.splitlines())} lines of help'
 
 
+if sys.argv[1:] == ['--build']:
+    build_main()
 check('versions', versions)
 if not IS_CPU:
     check('torch + CUDA', gpu)
@@ -130,7 +223,11 @@ if not IS_CPU:
     check('sgl_kernel rmsnorm', sgl_kernel_ops)
     check('FA3 (sgl_kernel)', fa3)
 check('flashinfer import', flashinfer_import)
+check('CuTe DSL import', cute_dsl)
 check('server imports', server_modules)
+# GPU: tiny Qwen2/MiMo/MiMo-MTP models built on CUDA; CPU: a Qwen2 MLP only (see build_main)
+check('model build (GPU: Qwen2, MiMo, MiMo MTP on CUDA)' if not IS_CPU else
+      'model build (CPU: Qwen2 MLP, DualGemm CUDA branch forced)', model_build)
 check('launch_server --help', launch_help)
 print(f'SMOKE {"FAILED: " + ", ".join(failures) if failures else "passed"}')
 sys.exit(1 if failures else 0)
