@@ -6,7 +6,8 @@
 #
 # Installs the project into /tmp/projsite-sglang (--no-deps: its dependencies come from the
 # bundle and the image), the test and CLI extras into /tmp/extrasite-sglang (once per
-# machine), Prometheus into /tmp/bin, and sets PYTHONPATH so that SGLang's pinned packages
+# machine), Prometheus into /tmp/bin, and sets PYTHONPATH (project, then env.sh's PYTHONPATH,
+# then the extras) so that SGLang's pinned packages
 # (pydantic, fastapi, uvicorn, openai, transformers, torch) come before the extras' own
 # copies of them. No vLLM and no Ray: the service imports neither for engine "sglang".
 # Every root can be moved (SGLANG_SITE, PROJSITE, EXTRASITE, BIN_DIR, PYTHON) so that the
@@ -18,6 +19,9 @@ _bin=${BIN_DIR:-/tmp/bin}
 _py=${PYTHON:-python3}
 [ -f "$_site/env.sh" ] || { echo "project_env_sglang.sh: no $_site/env.sh (install the sglang bundle first)" >&2; return 1; }
 source "$_site/env.sh"
+# the bundle's own PYTHONPATH (env.sh): its site and the CuTe DSL's dsl_packages folder, which the
+# nvidia-cutlass-dsl .pth file would add in a site directory (SGLang's Qwen2 MLPs import `cutlass` on CUDA)
+_bundle_pp=$PYTHONPATH
 rm -rf "$_proj"
 # pip without the bundle on PYTHONPATH: it would read the bundle as installed and report its
 # pruned requirements as conflicts.
@@ -33,7 +37,7 @@ mkdir -p "$_bin"
 if [ ! -x "$_bin/prometheus" ] && [ -f .gpuextra/prometheus.xz ]; then
   xz -dc .gpuextra/prometheus.xz > "$_bin/prometheus" && chmod +x "$_bin/prometheus"
 fi
-export PYTHONPATH="$_proj:$_site:$_extra"
+export PYTHONPATH="$_proj:$_bundle_pp:$_extra"
 export PATH="$_bin:$_extra/bin:$PATH"
 # SGLang 0.5.23 compiles some kernels of every model at run time (RoPE, SiLU-and-mul:
 # sglang.kernels.jit, tvm-ffi + ninja + nvcc + c++; cached in ~/.cache/sglang/jit) and links
@@ -69,4 +73,4 @@ fi
 [ -n "${CUDA_HOME:-}" ] && export PATH="$CUDA_HOME/bin:$PATH"
 echo "project_env_sglang: CUDA_HOME ${CUDA_HOME:-MISSING}, nvcc $(command -v nvcc || echo MISSING), c++ $(command -v c++ || echo MISSING), ninja $(command -v ninja || echo MISSING)"
 unset -f _cuda_ok
-unset _site _proj _extra _bin _py
+unset _site _proj _extra _bin _py _bundle_pp

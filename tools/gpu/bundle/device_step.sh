@@ -70,6 +70,10 @@ install() {  # piece target: install it once all its parts are here
   fi
   bundle_sha "$b" > "$t/.bundle"
   echo "$b: $(ls "$d"/files/*.whl | wc -l) wheels verified and installed in $t in $(( $(date +%s) - t0 )) s"
+  # a wheel's .pth file (extra sys.path entries) is read only in site directories, never from a
+  # --target folder on PYTHONPATH: bundle.env's ENVV has to name what each one adds
+  ls "$t"/*.pth >/dev/null 2>&1 && echo "$b: .pth files, not read from PYTHONPATH (bundle.env's ENVV adds their paths by hand):" \
+    "$(cd "$t" && ls *.pth | tr '\n' ' ')"
   rm -rf "$d/files"
 }
 done_all=1
