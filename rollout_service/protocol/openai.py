@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, Field, model_validator
 
 from rollout_service.protocol.messages import (
     MAX_BATCH,
@@ -39,13 +39,11 @@ from rollout_service.protocol.messages import (
     TokenId,
 )
 from rollout_service.protocol.vllm_sampling import (
+    LENIENT,
     NumLogprobs,
     VLLMSamplingFields,
     ignore_extra_fields,
 )
-
-_LENIENT = ConfigDict(extra="allow", strict=True)
-"""vLLM's rule: a field outside the model is ignored (with a warning), not refused."""
 
 NonEmptyText = Annotated[str, Field(min_length=1)]
 TokenIds = Annotated[list[TokenId], Field(min_length=1)]
@@ -75,7 +73,7 @@ class ModelList(BaseModel):
 # --- requests ----------------------------------------------------------------------
 
 class StreamOptions(BaseModel):
-    model_config = _LENIENT
+    model_config = LENIENT
 
     include_usage: bool = Field(False, description=(
         "Send one more chunk before [DONE], with no choices, the call's usage and its "
@@ -125,7 +123,7 @@ ChatRole = Literal["system", "developer", "user", "assistant"]
 
 
 class ChatTextPart(BaseModel):
-    model_config = _LENIENT
+    model_config = LENIENT
 
     type: Literal["text"]
     text: str
@@ -134,7 +132,7 @@ class ChatTextPart(BaseModel):
 class ChatMessage(BaseModel):
     """One turn of a conversation."""
 
-    model_config = _LENIENT
+    model_config = LENIENT
 
     role: ChatRole
     content: str | Annotated[list[ChatTextPart], Field(min_length=1)] = Field(description=(

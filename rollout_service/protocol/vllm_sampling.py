@@ -20,7 +20,7 @@ import logging
 from collections.abc import Callable
 from typing import Annotated, Any
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
 
 from rollout_service.protocol.messages import MAX_TOP_K, Int, TokenId, integral
 
@@ -85,6 +85,24 @@ def neutral_values_schema(refused: dict[str, tuple[Any, ...]]
                 "Not supported (it would change sampling): only these values are accepted.")})
 
     return add
+
+
+LENIENT = ConfigDict(extra="allow", strict=True)
+"""The config of a model that follows vLLM's rule for fields outside it: kept aside
+(``model_extra``) for :func:`ignore_extra_fields` to refuse or warn about, never a 400 by
+themselves; strict types for the fields it has."""
+
+
+class IgnoringExtras(BaseModel):
+    """A request model whose fields outside it follow :func:`ignore_extra_fields` (the
+    dialects' weight routes: their frameworks send fields of later releases)."""
+
+    model_config = LENIENT
+
+    @model_validator(mode="after")
+    def _extra(self) -> IgnoringExtras:
+        ignore_extra_fields(self.model_extra, type(self).__name__)
+        return self
 
 
 def ignore_extra_fields(extra: dict[str, Any] | None, where: str) -> None:

@@ -50,6 +50,7 @@ from rollout_service.telemetry.queries import (
     weight_version,
 )
 
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Figure:
     """A named figure for the docs table and the tests; its meaning is the first line

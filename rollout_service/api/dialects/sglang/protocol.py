@@ -38,14 +38,13 @@ from rollout_service.protocol.messages import (
     integral,
 )
 from rollout_service.protocol.vllm_sampling import (
+    LENIENT,
     NumLogprobs,
     TopK,
     ignore_extra_fields,
     is_neutral,
     neutral_values_schema,
 )
-
-_LENIENT = ConfigDict(extra="allow", strict=True)
 
 _SAMPLING_REFUSED: dict[str, tuple[Any, ...]] = {
     "json_schema": (None,), "regex": (None,), "ebnf": (None,), "structural_tag": (None,),
@@ -86,7 +85,7 @@ def _refuse_or_ignore(extra: dict[str, Any] | None, refused: dict[str, tuple[Any
 class SGLangSamplingParams(BaseModel):
     """SGLang's ``sampling_params``, with its names and defaults."""
 
-    model_config = ConfigDict(**_LENIENT, json_schema_extra=neutral_values_schema(
+    model_config = ConfigDict(**LENIENT, json_schema_extra=neutral_values_schema(
         _SAMPLING_REFUSED))
 
     max_new_tokens: Count | None = Field(128, description="None: SGLang's 128.")
@@ -148,7 +147,7 @@ class GenerateReqInput(BaseModel):
     """``POST /generate`` in SGLang's shape: ``text`` or ``input_ids`` (one prompt or a
     batch), told apart from the native ``/generate`` by these keys (``api/dialects``)."""
 
-    model_config = ConfigDict(**_LENIENT, json_schema_extra=_request_schema)
+    model_config = ConfigDict(**LENIENT, json_schema_extra=_request_schema)
 
     text: (Annotated[str, Field(min_length=1)]
            | Annotated[list[Annotated[str, Field(min_length=1)]],
@@ -238,7 +237,7 @@ class GenerateOutput(BaseModel):
 class AbortReq(BaseModel):
     """``POST /abort_request``: one request by ``rid``, or every one (``abort_all``)."""
 
-    model_config = _LENIENT
+    model_config = LENIENT
 
     rid: str = ""
     abort_all: bool = False
@@ -248,13 +247,13 @@ class PauseGenerationReqInput(BaseModel):
     """``POST /pause_generation``: ``abort`` the running requests, or hold them (``retract``,
     ``in_place``: both resume on ``/continue_generation`` here)."""
 
-    model_config = _LENIENT
+    model_config = LENIENT
 
     mode: Literal["abort", "retract", "in_place"] = "abort"
 
 
 class ContinueGenerationReqInput(BaseModel):
-    model_config = _LENIENT
+    model_config = LENIENT
 
     torch_empty_cache: bool = True
 

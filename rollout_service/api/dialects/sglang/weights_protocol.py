@@ -17,17 +17,13 @@ from typing import Annotated, Any, Literal
 from pydantic import (
     BaseModel,
     BeforeValidator,
-    ConfigDict,
     Field,
     WithJsonSchema,
-    model_validator,
 )
 
 from rollout_service.api.dialects.weight_stream import DTYPE_PATTERN, WEIGHT_VERSION_PATTERN
 from rollout_service.protocol.messages import GROUP_ID_PATTERN, Int, integral
-from rollout_service.protocol.vllm_sampling import ignore_extra_fields
-
-_LENIENT = ConfigDict(extra="allow", strict=True)
+from rollout_service.protocol.vllm_sampling import IgnoringExtras
 
 
 def _decimal(value: Any) -> Any:
@@ -47,16 +43,7 @@ GroupName = Annotated[str, Field(pattern=GROUP_ID_PATTERN, description=(
     "The group's name, the prefix of its keys in the trainer's store."))]
 
 
-class _Ignoring(BaseModel):
-    model_config = _LENIENT
-
-    @model_validator(mode="after")
-    def _extra(self) -> _Ignoring:
-        ignore_extra_fields(self.model_extra, type(self).__name__)
-        return self
-
-
-class InitWeightsUpdateGroupReqInput(_Ignoring):
+class InitWeightsUpdateGroupReqInput(IgnoringExtras):
     """``POST /init_weights_update_group``: join the trainer's group."""
 
     master_address: str = Field(min_length=1, max_length=253)
@@ -68,7 +55,7 @@ class InitWeightsUpdateGroupReqInput(_Ignoring):
         "nccl on GPUs; gloo where the engine runs on the CPU (how CI runs it)."))
 
 
-class UpdateWeightsFromDistributedReqInput(_Ignoring):
+class UpdateWeightsFromDistributedReqInput(IgnoringExtras):
     """``POST /update_weights_from_distributed``: these tensors, by the served
     checkpoint's names, are broadcast by the trainer while this call runs."""
 
@@ -95,7 +82,7 @@ class UpdateWeightsFromDistributedReqInput(_Ignoring):
     torch_empty_cache: bool = False
 
 
-class DestroyWeightsUpdateGroupReqInput(_Ignoring):
+class DestroyWeightsUpdateGroupReqInput(IgnoringExtras):
     """``POST /destroy_weights_update_group``."""
 
     group_name: GroupName = "weight_update_group"

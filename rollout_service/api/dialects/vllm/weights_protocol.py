@@ -19,14 +19,12 @@ from typing import Annotated, Any
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
 
 from rollout_service.api.dialects.weight_stream import DTYPE_PATTERN, WEIGHT_VERSION_PATTERN
-from rollout_service.protocol.messages import integral
-from rollout_service.protocol.vllm_sampling import ignore_extra_fields
+from rollout_service.protocol.messages import Int, integral
+from rollout_service.protocol.vllm_sampling import IgnoringExtras
 
 DEFAULT_PACKED_BUFFER_SIZE_BYTES = 1 << 30
 """vLLM's ``packed_tensor.DEFAULT_PACKED_BUFFER_SIZE_BYTES``."""
 DEFAULT_PACKED_NUM_BUFFERS = 2
-_LENIENT = ConfigDict(extra="allow", strict=True)
-Int = Annotated[int, BeforeValidator(integral)]
 PICKLED = ("ipc_handles_pickled", "ipc_handles")
 """update_info fields of vLLM's CUDA IPC backend: pickles (``ipc_handles_pickled``, which
 vLLM unpickles with ``VLLM_ALLOW_INSECURE_SERIALIZATION``) or tuples of them."""
@@ -39,16 +37,7 @@ def _null_only(description: str) -> Any:
     return Field(None, json_schema_extra={"type": "null"}, description=description)
 
 
-class _Ignoring(BaseModel):
-    model_config = _LENIENT
-
-    @model_validator(mode="after")
-    def _extra(self) -> _Ignoring:
-        ignore_extra_fields(self.model_extra, type(self).__name__)
-        return self
-
-
-class NCCLInitInfo(_Ignoring):
+class NCCLInitInfo(IgnoringExtras):
     """``init_info`` of the NCCL backend: where the trainer's ``StatelessProcessGroup``
     is, this server's first rank, and the framing of its broadcasts. vLLM's
     ``master_address`` and ``master_port`` may be null beside a ``nccl_unique_id_b64``;
@@ -82,7 +71,7 @@ class InitWeightTransferEngineRequest(BaseModel):
     init_info: NCCLInitInfo
 
 
-class NCCLUpdateInfo(_Ignoring):
+class NCCLUpdateInfo(IgnoringExtras):
     """``update_info`` of the NCCL backend: the tensors broadcast during this call."""
 
     names: list[Annotated[str, Field(min_length=1, max_length=512)]] = Field(
