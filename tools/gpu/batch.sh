@@ -9,6 +9,7 @@
 #
 #   bash tools/gpu/batch.sh tests sync          # ~9 min (one call each if it stalls)
 #   bash tools/gpu/batch.sh serving             # ~6-8 min
+#   bash tools/gpu/batch.sh serving-dialects    # ~8-9 min: + the OpenAI and SGLang dialects
 #   bash tools/gpu/batch.sh spec-tests          # ~5-9 min (graphs captured per start)
 #   bash tools/gpu/batch.sh spec                # ~5 min (spec-full: ~9 min)
 #   bash tools/gpu/batch.sh spec-profile        # ~5 min: where K = 0 costs (py-spy)
@@ -79,6 +80,12 @@ for s in "$@"; do
     serving) step serving 480 python3 -m bench.serving --model embedded:small \
                --concurrency 128,512 --max-tokens 256 --rounds 3 --waves 2 \
                --logs "$out/serving-logs" ;;
+    serving-dialects)  # issue 25: the service's OpenAI and SGLang dialects beside its native
+      # API, the in-process engine and `vllm serve` (one service process for the three)
+      step serving-dialects 560 python3 -m bench.serving --model embedded:small \
+        --concurrency 128,512 --max-tokens 256 --rounds 3 --waves 2 \
+        --modes asyncllm,service,service-openai,service-sglang,vllm-server \
+        --logs "$out/serving-dialects-logs" ;;
     sync) step sync 240 python3 -m bench.weight_sync --size 1b --device cuda \
             --modes cuda_ipc,cuda_ipc-unstaged,cuda_ipc-reload,shm,floor --rounds 9 ;;
     sync7b) step sync7b 540 python3 -m bench.weight_sync --size 7b --device cuda \
@@ -142,7 +149,7 @@ for s in "$@"; do
     spec-full) step spec-full 540 python3 -m bench.speculation --model embedded:1b \
             --draft-noise 0.1,0.6 --k-max 3 --concurrency 1,16,256 --max-tokens 256 \
             --rounds 2 --rollout-prompts 512 --stale-drafter --logs "$out/spec-logs" ;;
-    *) echo "unknown step: $s (tests spec-tests trainer starts serving sync sync7b load spec spec-skip spec-profile spec-full spec-repro spec-repro-eager churn churn-modes churn-tests spec-ab sglang-smoke sglang-tests sglang-serving sglang-sync)" >&2; exit 2 ;;
+    *) echo "unknown step: $s (tests spec-tests trainer starts serving serving-dialects sync sync7b load spec spec-skip spec-profile spec-full spec-repro spec-repro-eager churn churn-modes churn-tests spec-ab sglang-smoke sglang-tests sglang-serving sglang-sync)" >&2; exit 2 ;;
   esac
 done
 clean
