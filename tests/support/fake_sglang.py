@@ -160,6 +160,12 @@ class FakeSGLang:
         self.generate_delay_s = 0.0
         self.stream_step_s = 0.0
         """Pause between the events of a stream."""
+        self.hold_until_running = 0
+        """Hold every /generate until this many run at once (0: never hold), which a client
+        that caps its connections below it never reaches."""
+        self.max_running = 0
+        """The most /generate requests that ran at once."""
+        self._enough_running = asyncio.Event()
         self.incremental_streaming_output = incremental_streaming_output
         self.num_streaming = 0
         """Streams still sending."""
@@ -282,7 +288,11 @@ class FakeSGLang:
             return JSONResponse(error, status_code=400)
         running = _Running()
         self._running.append(running)
+        self.max_running = max(self.max_running, len(self._running))
+        if len(self._running) >= self.hold_until_running:
+            self._enough_running.set()
         try:
+            await self._enough_running.wait()
             if self.generate_delay_s:
                 try:
                     await asyncio.wait_for(running.abort.wait(), self.generate_delay_s)

@@ -7,6 +7,7 @@ what has and has not run against a live SGLang.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import shutil
 import threading
@@ -110,6 +111,25 @@ def test_streams_and_chat_through_the_service_on_sglang(
             assert next(response.iter_lines()).startswith("data: {")
         wait_for(lambda: (fake.num_streaming, len(fake.aborted)), lambda s: s == (0, 1),
                  timeout_s=30)
+
+
+async def test_more_requests_run_at_once_than_an_http_pool_of_100_holds(
+        fake_server: tuple[FakeSGLang, str]) -> None:
+    """150 requests at once all reach SGLang together. httpx's default pool (100
+    connections) held the service at 100 running requests on a live SGLang (H200); here the
+    fake holds every request until 150 run at once, which a capped pool never reaches."""
+    fake, url = fake_server
+    fake.hold_until_running = 150
+    config = ServiceConfig(model=fake.model_path, engine="sglang", engine_url=url,
+                           served_model_name="tiny")
+    with serving(create_app(config)) as service_url:
+        async with httpx.AsyncClient(base_url=service_url, timeout=120,
+                                     limits=httpx.Limits(max_connections=None)) as http:
+            responses = await asyncio.gather(*(
+                http.post("/generate", json={"prompt_token_ids": [1, 2, 3], "max_tokens": 4})
+                for _ in range(fake.hold_until_running)))
+    assert [r.status_code for r in responses] == [200] * fake.hold_until_running
+    assert fake.max_running == fake.hold_until_running
 
 
 def test_chat_on_a_checkpoint_without_a_template_is_400(tmp_path: Path) -> None:
