@@ -26,6 +26,11 @@ SERVER_MODULES = [
     # imported lazily, on CUDA only, by every Qwen2-family MLP's DualGemm (model construction);
     # it imports the CuTe DSL (`cutlass`), which the bundle had pruned until the H200 found it
     'sglang.srt.layers.dual_gemm', 'sglang.kernels.ops.gemm.cutedsl_dual_gemm',
+    # imported on CUDA by the EAGLE/MTP draft worker's CUDA-graph capture whatever the backend
+    # (eagle_worker_v2._capture_cuda_graphs); the last imports `flash_mla` (sgl-flash-mla), which the
+    # bundle had pruned until the H200's first start with CUDA graphs found it
+    'sglang.srt.layers.attention.dsa_backend', 'sglang.srt.layers.attention.deepseek_v4_backend',
+    'sglang.srt.layers.attention.flashmla_backend',
 ]
 failures = []
 
@@ -130,6 +135,19 @@ def cute_dsl():
     return f'cutlass {cutlass.__version__} from {os.path.dirname(cutlass.__file__)}; IR library {os.path.basename(ir.__file__)}'
 
 
+def flash_mla_import():
+    # sgl-flash-mla: two torch extensions loaded with torch.ops.load_library (a dlopen needing
+    # libcudart.so.13, libcuda.so.1 and torch's CUDA libraries); the SM90 kernels are the legacy one's
+    import flash_mla
+    assert flash_mla.has_legacy(), 'no legacy (SM90) FlashMLA kernels'
+    import torch
+    names = torch._C._dispatch_get_all_op_names()
+    ops = {ns: sum(n.startswith(ns + '::') for n in names) for ns in ('flash_mla', 'flash_mla_legacy')}
+    assert all(ops.values()), f'ops registered: {ops}'
+    return (f'flash_mla {flash_mla.__version__} from {os.path.dirname(flash_mla.__file__)}; ops '
+            + ', '.join(f'{ns}: {n}' for ns, n in ops.items()))
+
+
 def model_build():
     r = subprocess.run([sys.executable, os.path.abspath(__file__), '--build'],
                        capture_output=True, text=True, timeout=300)
@@ -224,6 +242,7 @@ if not IS_CPU:
     check('FA3 (sgl_kernel)', fa3)
 check('flashinfer import', flashinfer_import)
 check('CuTe DSL import', cute_dsl)
+check('FlashMLA import', flash_mla_import)
 check('server imports', server_modules)
 # GPU: tiny Qwen2/MiMo/MiMo-MTP models built on CUDA; CPU: a Qwen2 MLP only (see build_main)
 check('model build (GPU: Qwen2, MiMo, MiMo MTP on CUDA)' if not IS_CPU else
