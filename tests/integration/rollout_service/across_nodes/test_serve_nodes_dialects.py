@@ -3,15 +3,15 @@ CPU replicas on two nodes of a Ray cluster started here (``nodes_app.py``), the 
 this test process calling the dialects' routes on the ingress as its framework does
 (``framework_trainers.py``), gloo standing in for NCCL.
 
-One app for the module; the tests run in order and each leaves both replicas serving the
-same weights. What each checks: slime's sync (SGLang's routes, its torch group) reaches
-both replicas and commits at ``/continue_generation``, the version in
-``/get_weight_version`` and ``/weights/status``, no process of the push touching
-/dev/shm; a refused update (a wrong shape) loads nothing on either replica, and what
-arrived of it leaves no file behind; vLLM's trainer engine with SkyRL's drafter session
-(vLLM's routes, the PyNccl stand-in) loads the main model, then the drafter, on both; a
-replica that restarts after a framework's sync takes it from its peer's stored copy,
-checked by the checksums its holders computed as the unchecksummed buckets arrived.
+One app for this folder (``conftest.py``); the tests run in order and each leaves both
+replicas serving the same weights. What each checks: slime's sync (SGLang's routes, its
+torch group) reaches both replicas and commits at ``/continue_generation``, the version in
+``/get_weight_version`` and ``/weights/status``, no process of the push touching /dev/shm;
+a refused update (a wrong shape) loads nothing on either replica, and what arrived of it
+leaves no file behind; vLLM's trainer engine with SkyRL's drafter session (vLLM's routes,
+the PyNccl stand-in) loads the main model, then the drafter, on both; a replica that
+restarts after a framework's sync takes it from its peer's stored copy, checked by the
+checksums its holders computed as the unchecksummed buckets arrived.
 """
 
 from __future__ import annotations
@@ -19,55 +19,36 @@ from __future__ import annotations
 import os
 import signal
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import pytest
 import torch
-from safetensors.torch import load_file
 
-from rollout_service.embedded import ensure_model
 from rollout_service.tools.ray_cluster import ServeOnNodes
 from tests.integration.conftest import API_KEY, TARGET, WEIGHTS_TOKEN, wait_for
-from tests.integration.rollout_service.framework_trainers import (
-    SGLangTrainer,
-    VLLMTrainer,
-    drafter_tensors,
-)
-from tests.integration.rollout_service.nodes_app import (
+from tests.integration.rollout_service.across_nodes.nodes_app import (
     API_HEADERS,
     DRAFT_PARAM,
     MAIN_PARAM,
     changed,
     checksums,
+    current_replicas,
     group_state,
     health,
     one_copy,
-    running_app,
     served,
     stored_copies,
+)
+from tests.integration.rollout_service.framework_trainers import (
+    SGLangTrainer,
+    VLLMTrainer,
+    drafter_tensors,
 )
 from tests.support.shm_usage import new_shm_files, process_tree
 
 pytestmark = pytest.mark.skipif(TARGET.transport != "shm" or TARGET.tensor_device != "cpu",
                                 reason="CPU replicas over gloo (the CPU target only)")
-
-
-@pytest.fixture(scope="module")
-def stores(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tmp_path_factory.mktemp("stores")
-
-
-@pytest.fixture(scope="module")
-def app(stores: Path) -> Iterator[ServeOnNodes]:
-    with running_app(stores) as running:
-        yield running
-
-
-@pytest.fixture(scope="module")
-def original() -> dict[str, torch.Tensor]:
-    return load_file(str(Path(ensure_model("tiny")) / "model.safetensors"))
 
 
 def slime(app: ServeOnNodes) -> SGLangTrainer:
@@ -82,15 +63,14 @@ def sglang_version(app: ServeOnNodes) -> str:
 
 
 def replica_versions(app: ServeOnNodes) -> set[tuple[int | None, int | None]]:
-    return {(r["main_version"], r["draft_version"]) for r in health(app)["replicas"]
-            if r["status"] != "gone"}
+    return {(r["main_version"], r["draft_version"]) for r in current_replicas(app)}
 
 
 def test_a_slime_sync_through_the_ingress_loads_on_both_replicas(
         app: ServeOnNodes, original: dict[str, torch.Tensor], stores: Path) -> None:
     baseline = one_copy(app)
     version = served(app).newest_version + 1
-    in_push = [os.getpid(), *(pid for replica in health(app)["replicas"]
+    in_push = [os.getpid(), *(pid for replica in current_replicas(app)
                               for pid in process_tree(replica["pid"]))]
     trainer = slime(app)
     assert trainer.init_answer.status_code == 200, trainer.init_answer.text
@@ -110,7 +90,7 @@ def test_a_slime_sync_through_the_ingress_loads_on_both_replicas(
     assert trainer.destroy().json()["success"] is True
     assert group_state(app).current is None
     assert not shm_usage.new, shm_usage.new  # neither the trainer nor a replica's processes
-    assert all(len(files) == 1 for files in stored_copies(stores).values())
+    assert all(len(files) == 1 for files in stored_copies(app, stores).values())
 
 
 def test_a_refused_update_loads_nothing_on_either_replica(
@@ -133,8 +113,8 @@ def test_a_refused_update_loads_nothing_on_either_replica(
     answer = trainer.sync(original, version=state.newest_version + 1)
     assert answer.status_code == 200, answer.text
     assert replica_versions(app) == {(state.newest_version + 1,) * 2}
-    assert all(len(files) == 1 for files in stored_copies(stores).values()), \
-        stored_copies(stores)
+    assert all(len(files) == 1 for files in stored_copies(app, stores).values()), \
+        stored_copies(app, stores)
     trainer.destroy()
 
 
@@ -172,7 +152,7 @@ def test_a_replica_restarted_after_a_sync_takes_it_from_its_peer(
     assert answer.status_code == 200, answer.text
     trainer.destroy()
     synced = one_copy(app)
-    victim = health(app)["replicas"][0]
+    victim = current_replicas(app)[0]
     os.kill(victim["pid"], signal.SIGKILL)
     killed = time.monotonic()
 

@@ -4,12 +4,12 @@ and object store), pushes over the ``nccl`` transport (gloo standing in for NCCL
 trainer this test process (a driver of the cluster that talks only HTTP to the app) or a
 spawned one where it must die.
 
-One app for the module; the tests run in order and each leaves both replicas serving the
-same weights. What each checks: a push reaches both replicas with one broadcast per
-bucket and touches no /dev/shm; a refused bucket or a trainer that dies mid-broadcast
-loads nothing anywhere; a second trainer waits; a replica killed mid-update leaves the
-other serving the old weights and its replacement takes the current version from its
-peer's stored copy, without the trainer, before it serves.
+One app for this folder (``conftest.py``); the tests run in order and each leaves both
+replicas serving the same weights. What each checks: a push reaches both replicas with one
+broadcast per bucket and touches no /dev/shm; a refused bucket or a trainer that dies mid-
+broadcast loads nothing anywhere; a second trainer waits; a replica killed mid-update
+leaves the other serving the old weights and its replacement takes the current version
+from its peer's stored copy, without the trainer, before it serves.
 """
 
 from __future__ import annotations
@@ -18,28 +18,26 @@ import multiprocessing
 import os
 import signal
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
 
 from rollout_service.client import ServiceError
 from rollout_service.embedded import ensure_model
 from rollout_service.tools.ray_cluster import ServeOnNodes, replica_node_ids
 from tests.integration.conftest import TARGET, WEIGHTS_TOKEN, wait_for
-from tests.integration.rollout_service.nodes_app import (
+from tests.integration.rollout_service.across_nodes.nodes_app import (
     BUCKET_BYTES,
     DRAFT_PARAM,
     GROUP_TIMEOUT_S,
     MAIN_PARAM,
     changed,
     checksums,
+    current_replicas,
     group_state,
     health,
     one_copy,
-    running_app,
     served,
 )
 from tests.support.faulty_trainer import break_bucket, push_and_die
@@ -48,17 +46,6 @@ from trainer_client.push import WeightPusher
 
 pytestmark = pytest.mark.skipif(TARGET.transport != "shm" or TARGET.tensor_device != "cpu",
                                 reason="CPU replicas over gloo (the CPU target only)")
-
-
-@pytest.fixture(scope="module")
-def app(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServeOnNodes]:
-    with running_app(tmp_path_factory.mktemp("stores")) as running:
-        yield running
-
-
-@pytest.fixture(scope="module")
-def original() -> dict[str, torch.Tensor]:
-    return load_file(str(Path(ensure_model("tiny")) / "model.safetensors"))
 
 
 def trainer(app: ServeOnNodes, **options: object) -> WeightPusher:
@@ -75,7 +62,7 @@ def test_the_replicas_sit_on_nodes_of_their_own(app: ServeOnNodes) -> None:
 def test_a_push_reaches_both_replicas_in_one_broadcast_per_bucket(
         app: ServeOnNodes, original: dict[str, torch.Tensor]) -> None:
     baseline = one_copy(app)
-    in_push = [os.getpid(), *(pid for replica in health(app)["replicas"]
+    in_push = [os.getpid(), *(pid for replica in current_replicas(app)
                               for pid in process_tree(replica["pid"]))]
     group = group_state(app)
     assert group.num_ranks == 2 and group.current is None
@@ -155,7 +142,7 @@ def test_a_replica_killed_mid_update_leaves_the_old_weights_and_catches_up_from_
         pusher.push(changed(original, DRAFT_PARAM).items(),
                     version=served(app).newest_version + 1)
     before, state = one_copy(app), served(app)
-    replicas = health(app)["replicas"]
+    replicas = current_replicas(app)
     victim, survivor = replicas[0], replicas[1]
     with trainer(app) as pusher:
         group = pusher._group

@@ -4,8 +4,8 @@ and what they read of it.
 Two real vLLM CPU replicas on two nodes of a Ray cluster started here
 (``rollout_service/tools/ray_cluster.py``: a head and two worker nodes, each its own
 raylet and object store), pushes over the ``nccl`` transport with gloo standing in for
-NCCL. Each test module starts its own cluster and app (:func:`running_app` in a
-module-scoped fixture): two of them on the 2-core machine at once would starve both.
+NCCL. One cluster and app for both modules (:func:`running_app` in ``conftest.py``'s
+package-scoped fixture): a cluster start costs about 1.5 minutes on the 2-core machine.
 """
 
 from __future__ import annotations
@@ -91,7 +91,13 @@ def one_copy(app: ServeOnNodes) -> dict[str, str]:
     return next(iter(digests.values()))
 
 
-def stored_copies(store_dir: Path) -> dict[str, list[str]]:
-    """Each replica's stored-copy files, by replica folder."""
-    return {folder.name: sorted(p.name for p in folder.glob("push-*.bin"))
-            for folder in store_dir.iterdir() if folder.is_dir()}
+def current_replicas(app: ServeOnNodes) -> list[dict]:
+    """``/health``'s replicas but those gone: a replica killed by an earlier test stays
+    listed as gone, and its folder of stored copies stays on disk."""
+    return [r for r in health(app)["replicas"] if r["status"] != "gone"]
+
+
+def stored_copies(app: ServeOnNodes, store_dir: Path) -> dict[str, list[str]]:
+    """Each current replica's stored-copy files, by replica (its folder's name)."""
+    return {r["replica"]: sorted(p.name for p in (store_dir / r["replica"]).glob("push-*.bin"))
+            for r in current_replicas(app)}
