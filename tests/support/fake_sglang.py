@@ -3,7 +3,7 @@
 SGLang cannot serve here (it needs CUDA kernels), so the SGLang engine's tests run
 against this FastAPI app inside the test process, through httpx's ASGI transport.
 Request bodies are parsed by pydantic models named like SGLang's request classes, with
-their field names per version (``PROFILES``); ``test_sglang``'s conformance tests
+their field names per version (``PROFILES``); ``test_sglang_conformance``'s tests
 compare them with SGLang's own ``io_struct`` sources, and check ``/generate`` traffic
 with 0.5.23's generated JSON contract (``sglang/api/v1/api_types.py``), when
 ``SGLANG_SOURCES`` names unpacked SGLang wheels. Responses mirror the dicts SGLang's
