@@ -26,7 +26,7 @@ import pytest
 
 from rollout_service.engines.sglang.launch import build_launch_command
 from rollout_service.engines.sglang.stats import SPEC_KEY_GENERATIONS
-from tests.support.fake_sglang import PROFILES
+from tests.support.fake_sglang_profiles import PROFILES
 from tests.support.sglang_on_fake import MTP, connect, greedy, make_fake, sent
 
 
