@@ -8,8 +8,8 @@ import torch
 import torch.distributed as dist
 from hypothesis import given, settings
 
+from tests.support.mtp_problems import problems
 from tests.support.spawned import rendezvous_address, run_ranks
-from tests.unit.trainer_client.test_mtp_loss import problems
 from trainer_client.mtp_loss import (
     MTPLossConfig,
     _top1_vocab_parallel,
