@@ -188,7 +188,7 @@ class ServiceConfig(BaseModel):
     weights_transport: Literal["shm", "cuda_ipc", "nccl"] = Field("shm", description=(
         "Data path of weight pushes, and the vLLM weight-transfer backend the engine starts "
         "with: 'shm' (a shared-memory segment on this host; CPU or GPU), 'cuda_ipc' (CUDA "
-        "IPC handles; trainer and engine on the same GPU, vLLM's CUDA build, engine 'vllm' "
+        "IPC handles; trainer and engine on the same GPU: vLLM's CUDA build or SGLang, "
         "standalone) or 'nccl' (the trainer broadcasts each bucket to every engine worker in "
         "a collective group it owns and this service joins through POST /weights/group: "
         "NCCL on CUDA, gloo on the CPU; a trainer on any host; engine 'vllm', standalone or "
@@ -229,9 +229,9 @@ class ServiceConfig(BaseModel):
 
     @model_validator(mode="after")
     def _transport_engine(self) -> ServiceConfig:
-        if self.weights_transport != "shm" and self.engine != "vllm":
-            raise ValueError(f"weights_transport: {self.weights_transport!r} is built for "
-                             f"engine 'vllm' only, not {self.engine!r}")
+        if self.weights_transport == "nccl" and self.engine != "vllm":
+            raise ValueError(f"weights_transport: 'nccl' is built for engine 'vllm' only, "
+                             f"not {self.engine!r}; use 'shm' or 'cuda_ipc' (same GPU)")
         return self
 
     @model_validator(mode="after")

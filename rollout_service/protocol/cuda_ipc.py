@@ -159,9 +159,11 @@ class CudaIpcHandle(BaseModel):
             raise ValueError(f"dtype: the handle describes {self.dtype}, the announcement "
                              f"{dtype}")
 
-    def to_rebuild_args(self, device_index: int) -> tuple[Any, ...]:
+    def to_rebuild_args(self, device_index: int | str) -> tuple[Any, ...]:
         """The argument tuple of ``torch.multiprocessing.reductions.rebuild_cuda_tensor``,
-        in its order, for a tensor on the receiver's ``device_index``."""
+        in its order, for a tensor on the receiver's ``device_index``: its own index, or
+        the GPU's UUID for a receiver that maps it to its index itself (SGLang's patched
+        ``rebuild_cuda_tensor``, ``engines/sglang/cuda_ipc_payload.py``)."""
         import torch
 
         return (

@@ -55,7 +55,7 @@ from rollout_service.engines.sglang.launch import (
     start_server,
     stop_process,
 )
-from rollout_service.engines.sglang.payload import PayloadBuilder, build_flattened_bucket_payloads
+from rollout_service.engines.sglang.payload import PayloadBuilder, build_payloads
 from rollout_service.engines.sglang.request import generate_body
 from rollout_service.engines.sglang.weight_methods import SGLangWeights
 from rollout_service.engines.speculative import MTPSettings, load_checkpoint_config
@@ -74,12 +74,13 @@ async def start(spec: EngineSpec) -> SGLangEngine:
     ``spec.engine_url``, or launch a server when it is None.
 
     Raises:
-        ValueError: a weights transport other than ``shm``, or bad engine kwargs.
+        ValueError: a weights transport other than ``shm`` or ``cuda_ipc``, or bad
+            engine kwargs.
         EngineUnavailableError: the server cannot be reached or did not start.
     """
-    if spec.weights_transport != "shm":
+    if spec.weights_transport not in ("shm", "cuda_ipc"):
         raise ValueError(f"weights_transport: {spec.weights_transport!r} is not supported by "
-                         "engine 'sglang' (accepted: 'shm')")
+                         "engine 'sglang'; use 'shm' or 'cuda_ipc' (same GPU)")
     if spec.engine_url is not None:
         return await SGLangEngine.connect(spec.engine_url, served_model_name=spec.served_model_name,
                                           model_path=spec.model_path)
@@ -117,7 +118,7 @@ class SGLangEngine(SGLangWeights):
         self._tokenizer_loaded = asyncio.Lock()
         self._num_draft_tokens = num_draft_tokens
         self._num_tp_ranks = num_tp_ranks
-        self._build_payloads = payload_builder or build_flattened_bucket_payloads
+        self._build_payloads = payload_builder or build_payloads
         self._process = process
         self._resumed = asyncio.Event()
         self._resumed.set()

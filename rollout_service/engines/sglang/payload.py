@@ -1,7 +1,9 @@
-"""A shared-memory weight push as SGLang ``/update_weights_from_tensor`` payloads.
+"""A weight push as SGLang ``/update_weights_from_tensor`` payloads: the requests of one
+model's load (:func:`load_buckets`) and each request's payloads (:func:`build_payloads`).
 
 Runs in the rollout service process (in a worker thread), once per load. Pushes are
-colocated and shm only: the trainer's segment becomes one ``flattened_bucket`` (a uint8
+colocated. ``cuda_ipc`` is ``cuda_ipc_payload.py``'s, one request per CUDA IPC export.
+``shm`` is this module's: the trainer's segment becomes one ``flattened_bucket`` (a uint8
 tensor over the whole segment and one ``FlattenedTensorMetadata`` per tensor at its byte
 offset), pickled by SGLang's ``MultiprocessingSerializer`` under torch's ``file_system``
 sharing strategy: torch copies the bytes once into a shared-memory file whose name
@@ -11,7 +13,8 @@ rejects a process outside this one's multiprocessing family.) Every TP rank gets
 same payload (SGLang indexes the list by rank) and its loader takes its own shard. This
 process pickles and never unpickles.
 
-SGLang itself is imported only here, and only when a push is loaded.
+SGLang itself is imported only here and in ``cuda_ipc_payload.py``, and only when a push
+is loaded.
 """
 
 from __future__ import annotations
@@ -20,25 +23,41 @@ from collections.abc import Callable
 from typing import Any
 
 from rollout_service.engines.base import WeightUpdate
+from rollout_service.engines.sglang.cuda_ipc_payload import build_cuda_ipc_payloads, export_buckets
 from rollout_service.protocol.placement import ShmLocation
 
 PayloadBuilder = Callable[[WeightUpdate, int], tuple[list[str], Any]]
-"""``(update, num_tp_ranks) -> (one serialized payload per rank, object to keep alive)``."""
+"""``(update, num_tp_ranks) -> (one serialized payload per rank, object to keep alive)``,
+for one request: ``update`` is one of :func:`load_buckets`."""
+
+
+def load_buckets(update: WeightUpdate) -> list[WeightUpdate]:
+    """The requests of one model's load: the whole push for ``shm`` (one segment), one per
+    export for ``cuda_ipc`` (see ``cuda_ipc_payload.export_buckets``)."""
+    return export_buckets(update) if update.transport == "cuda_ipc" else [update]
+
+
+def build_payloads(update: WeightUpdate, num_ranks: int) -> tuple[list[str], Any]:
+    """The :data:`PayloadBuilder` of both transports, by the push's transport."""
+    if update.transport == "cuda_ipc":
+        return build_cuda_ipc_payloads(update, num_ranks)
+    return build_flattened_bucket_payloads(update, num_ranks)
 
 
 def push_segment(update: WeightUpdate) -> str:
     """The one shared-memory segment every tensor of ``update`` lies in.
 
     Raises:
-        ValueError: the push has no tensors, a tensor outside shared memory (SGLang loads
-            shm pushes only), or tensors in more than one segment.
+        ValueError: the push has no tensors, a tensor outside shared memory, or tensors
+            in more than one segment.
     """
     if not update.tensors:
         raise ValueError(f"push {update.push_id}: no tensors to load")
     outside = next((p for p in update.tensors if not isinstance(p.location, ShmLocation)), None)
     if outside is not None:
         raise ValueError(f"push {update.push_id}: tensor {outside.name!r} travels by "
-                         f"{outside.transport!r}; SGLang loads 'shm' pushes only")
+                         f"{outside.transport!r}; a 'shm' push to SGLang lies in shared memory "
+                         "only")
     segments = sorted({p.location.segment for p in update.tensors})
     if len(segments) > 1:
         raise ValueError(f"push {update.push_id}: tensors lie in segments {segments}; a push "

@@ -17,7 +17,7 @@ from typing import Any
 
 from rollout_service.engines.base import LoadTimings, WeightUpdate
 from rollout_service.engines.sglang.features import ServerFeatures
-from rollout_service.engines.sglang.payload import PayloadBuilder
+from rollout_service.engines.sglang.payload import PayloadBuilder, load_buckets
 
 
 class SGLangWeights:
@@ -33,21 +33,30 @@ class SGLangWeights:
 
     async def load_weights(self, update: WeightUpdate, *, draft: bool,
                            version: str | None) -> LoadTimings:
+        """One request per bucket (``payload.load_buckets``: ``shm`` one, ``cuda_ipc`` one
+        per export) in one session; every payload is built before the first is sent, and
+        the version goes with the last."""
         start_s = time.perf_counter()
         route = "/update_weights_from_tensor"
-        payloads, keep_alive = await asyncio.to_thread(self._build_payloads, update,
-                                                       self._num_tp_ranks)
-        # flush_cache False: reset_prefix_cache flushes once, after both models load.
-        body = {"serialized_named_tensors": payloads, "load_format": "flattened_bucket",
-                "flush_cache": False, "weight_version": version, **self._target(route, draft)}
+        built = await asyncio.to_thread(self._payloads_per_bucket, update)
+        target = self._target(route, draft)
         await self._begin_session(draft)
         try:
-            await self._control(route, body)
+            for i, (payloads, _) in enumerate(built):
+                # flush_cache False: reset_prefix_cache flushes once, after both models load.
+                await self._control(route, {
+                    "serialized_named_tensors": payloads, "load_format": "flattened_bucket",
+                    "flush_cache": False,
+                    "weight_version": version if i == len(built) - 1 else None, **target})
             loaded_s = time.perf_counter()
         finally:
-            del keep_alive  # SGLang has copied the tensors into its parameters
+            del built  # what kept shm payloads alive: SGLang has copied the tensors
             await self._end_session()  # a failed load leaves no session open
         return LoadTimings(load_s=loaded_s - start_s, finalize_s=time.perf_counter() - loaded_s)
+
+    def _payloads_per_bucket(self, update: WeightUpdate) -> list[tuple[list[str], Any]]:
+        return [self._build_payloads(bucket, self._num_tp_ranks)
+                for bucket in load_buckets(update)]
 
     async def _begin_session(self, draft: bool) -> None:
         if self.features.has_weight_update_session:

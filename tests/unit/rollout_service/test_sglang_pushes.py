@@ -156,8 +156,8 @@ def test_a_push_to_sglang_lies_in_one_segment() -> None:
 
 async def test_start_refuses_a_transport_sglang_cannot_load(checkpoint: str) -> None:
     spec = EngineSpec(model_path=checkpoint, served_model_name="tiny",
-                      weights_transport="cuda_ipc", engine_url="http://unused")
-    with pytest.raises(ValueError, match="weights_transport: 'cuda_ipc'"):
+                      weights_transport="nccl", engine_url="http://unused")
+    with pytest.raises(ValueError, match="weights_transport: 'nccl'"):
         await sglang_engine.start(spec)
 
 
