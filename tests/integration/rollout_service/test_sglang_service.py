@@ -2,12 +2,15 @@
 
 SGLang cannot serve on these machines, so the engine drives the FAKE SGLang
 server of ``fake_sglang`` (a real HTTP server on loopback); see the README for
-what has and has not run against a live SGLang.
+what has and has not run against a live SGLang. A ``cuda_ipc`` push goes to a fake
+that reads each payload without CUDA (``sglang_cuda_ipc_payloads``); the handles are
+made-up bytes, no GPU memory is shared.
 """
 
 from __future__ import annotations
 
 import asyncio
+import base64
 import json
 import shutil
 import threading
@@ -27,12 +30,22 @@ from rollout_service.api.app import create_app
 from rollout_service.config import ServiceConfig
 from rollout_service.embedded import ensure_model
 from rollout_service.engines.speculative import MTPSettings, build_sglang_server_args
+from rollout_service.protocol import messages
+from rollout_service.protocol.cuda_ipc import ByteBufferHandle
+from rollout_service.protocol.placement import CudaIpcLocation, ShmLocation, TensorPlacement
+from rollout_service.protocol.tensors import checkpoint_tensors
 from rollout_service.tools.launch import free_port
 from rollout_service.tools.scrape import sample_sum
 from tests.integration.conftest import wait_for
 from tests.support.fake_sglang import FakeSGLang
+from tests.support.sglang_cuda_ipc_payloads import PayloadReadingFake, stand_in_for_sglang
+from trainer_client.push import layout
 
 SPEC_ARGS = build_sglang_server_args(MTPSettings(num_speculative_tokens=3), {})
+
+
+def b64(raw: bytes) -> str:
+    return base64.b64encode(raw).decode()
 
 
 @contextmanager
@@ -147,3 +160,68 @@ def test_chat_on_a_checkpoint_without_a_template_is_400(tmp_path: Path) -> None:
     assert response.status_code == 400
     assert response.json()["error"]["message"].startswith("messages: the served checkpoint "
                                                           "has no chat template")
+
+
+def test_a_cuda_ipc_push_loads_both_models_and_a_refused_one_nothing(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The trainer's HTTP calls of a staged ``cuda_ipc`` push (``WeightPusher`` needs CUDA);
+    the fake reads what SGLang's worker would rebuild and slice."""
+    stand_in_for_sglang(monkeypatch)
+    fake = PayloadReadingFake("0.5.23", model_path=str(ensure_model("tiny")),
+                              speculative=SPEC_ARGS)
+    tensors = checkpoint_tensors(fake.model_path)
+    offsets, num_bytes = layout([meta.nbytes for meta in tensors.values()])
+    staging = ByteBufferHandle(
+        gpu_uuid="GPU-00000000-1111-2222-3333-444444444444", shape=[num_bytes], stride=[1],
+        storage_offset=0, dtype="uint8", storage_handle=b64(bytes(range(64))),
+        storage_size_bytes=num_bytes, storage_offset_bytes=0,
+        ref_counter_handle=b64(b"/torch_12_34"), ref_counter_offset=5,
+        event_handle=b64(bytes(64)), event_sync_required=True)
+    placements = [TensorPlacement(name=name, dtype=meta.dtype, shape=meta.shape,
+                                  location=CudaIpcLocation(offset=offset))
+                  for (name, meta), offset in zip(tensors.items(), offsets)]
+    token = "weights-token"
+    with serving(fake.app) as url:
+        config = ServiceConfig(model=fake.model_path, engine="sglang", engine_url=url,
+                               served_model_name="tiny", weights_transport="cuda_ipc",
+                               weights_token=token)
+        with TestClient(create_app(config), headers={"authorization": f"Bearer {token}"}
+                        ) as client:
+            def push(version: int, sent: list[TensorPlacement]) -> httpx.Response:
+                begin = client.post("/weights/begin", json=messages.PushBeginRequest(
+                    version=version, target="both", transport="cuda_ipc",
+                    cuda_ipc_buffer=staging, total_bytes=sum(m.nbytes for m in tensors.values()),
+                    params=[messages.ParamSpec(name=n, shape=list(m.shape), dtype=m.dtype)
+                            for n, m in tensors.items()]).model_dump(mode="json"))
+                assert begin.status_code == 200, begin.text
+                push_id = begin.json()["push_id"]
+                update = client.post("/weights/update", json=messages.PushUpdateRequest(
+                    push_id=push_id, tensors=sent).model_dump(mode="json"))
+                if update.status_code != 200:
+                    return update
+                return client.post("/weights/finish", json={"push_id": push_id})
+
+            first, last = placements[0], placements[-1]
+            mixed = [first.model_copy(update={"location": ShmLocation(
+                segment="mtp-rollout-push-0123456789ab", offset=0)}), *placements[1:]]
+            refused = push(1, mixed)
+            assert refused.status_code == 400, refused.text
+            assert f"{first.name!r} lies in 'shm', and the push's transport is 'cuda_ipc'" \
+                in refused.text
+            wrong = [*placements[:-1], last.model_copy(update={"dtype": "float32"})]
+            assert push(1, wrong).status_code == 400
+            assert fake.loads == [] and "/update_weights_from_tensor" not in fake.routes_called()
+
+            finished = push(1, placements)
+            assert finished.status_code == 200, finished.text
+            status = client.get("/weights/status").json()
+            assert (status["main_version"], status["draft_version"]) == (1, 1)
+    assert [(load.selector, load.weight_version) for load in fake.loads] == [
+        ("target", "1"), ("draft", None)]
+    for load in fake.loads:
+        [payload] = load.payloads  # TP 1
+        assert payload["flattened_tensor"].args == staging.to_rebuild_args(staging.gpu_uuid)
+        assert [(m.name, tuple(m.shape), str(m.dtype), m.start_idx, m.end_idx) for m in
+                payload["metadata"]] == [
+            (p.name, p.shape, f"torch.{p.dtype}", p.location.offset,
+             p.location.offset + p.nbytes) for p in placements]
