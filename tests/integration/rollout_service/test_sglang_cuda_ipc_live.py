@@ -1,0 +1,173 @@
+"""``cuda_ipc`` pushes into a live SGLang 0.5.23 server (GPU only:
+``ROLLOUT_TEST_TARGET=sglang``, the sglang bundle), checked against SGLang's own weight
+checker.
+
+The module starts its own SGLang server (the embedded tiny MiMo checkpoint, its MTP layer
+as an EAGLE drafter, no radix cache) and a service with ``weights_transport: cuda_ipc``
+driving it through ``engine_url``. This test process plays the trainer on the same GPU:
+its tensors are on ``cuda:0`` and ``WeightPusher`` shares them as CUDA IPC handles,
+staged in one buffer or each exported in place; SGLang's worker opens them
+(``engines/sglang/cuda_ipc_payload.py``). Greedy answers are compared between requests
+SGLang computes alike (one at a time, prefilled in full), as in ``test_sglang_live.py``.
+"""
+
+from __future__ import annotations
+
+import gc
+import importlib.util
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from bench.sglang_server import own_checksums, sglang_server
+from rollout_service.client import RolloutClient, ServiceError
+from rollout_service.config import EMBEDDED_SGLANG_ENGINE_KWARGS
+from rollout_service.embedded import ensure_model
+from rollout_service.engines.speculative import MTPSettings
+from rollout_service.protocol import messages
+from rollout_service.tools.launch import ServiceProcess
+from tests.integration.conftest import (
+    API_KEY,
+    NUM_SPECULATIVE_TOKENS,
+    TARGET,
+    WEIGHTS_TOKEN,
+    served_version,
+    service_config,
+    weights_checksums,
+    weights_status,
+)
+from trainer_client.push import WeightPusher
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(TARGET.engine != "sglang", reason="ROLLOUT_TEST_TARGET=sglang only"),
+    pytest.mark.skipif(not torch.cuda.is_available()
+                       or importlib.util.find_spec("sglang") is None,
+                       reason="needs a CUDA GPU and the sglang package (the sglang bundle)"),
+]
+
+PROMPTS = [[5 + i, 17, 42, 9] for i in range(6)]
+DRAFT_PARAM = "model.mtp_layers.0.input_proj.weight"
+MAIN_ONLY_PARAM = "model.norm.weight"
+
+
+@pytest.fixture(scope="module")
+def sglang(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """The module's own SGLang server; yields its URL."""
+    args = {**EMBEDDED_SGLANG_ENGINE_KWARGS, **TARGET.engine_kwargs, "disable_radix_cache": True}
+    with sglang_server(str(ensure_model("tiny")), args,
+                       MTPSettings(num_speculative_tokens=NUM_SPECULATIVE_TOKENS),
+                       tmp_path_factory.mktemp("sglang-ipc") / "sglang.log") as url:
+        yield url
+
+
+@pytest.fixture(scope="module")
+def live(sglang: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServiceProcess]:
+    """A service taking ``cuda_ipc`` pushes into the module's server."""
+    workdir = tmp_path_factory.mktemp("ipc-service")
+    with ServiceProcess(workdir / "service.log", config=service_config(
+            workdir, engine_url=sglang, weights_transport="cuda_ipc")) as proc:
+        proc.wait_healthy(timeout_s=300)
+        yield proc
+
+
+@pytest.fixture
+async def client(live: ServiceProcess) -> AsyncIterator[RolloutClient]:
+    async with RolloutClient(live.url, api_key=API_KEY) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def original() -> dict[str, torch.Tensor]:
+    """The checkpoint on the trainer's GPU."""
+    return load_file(str(Path(ensure_model("tiny")) / "model.safetensors"), device="cuda:0")
+
+
+@dataclass(frozen=True)
+class Pushing:
+    pusher: WeightPusher
+    is_staged: bool
+    """Copied into one staging buffer the pusher keeps, or each tensor exported in place."""
+
+
+@pytest.fixture(params=[True, False], ids=["staged", "in-place"])
+def pushing(request: pytest.FixtureRequest, live: ServiceProcess,
+            original: dict[str, torch.Tensor]) -> Iterator[Pushing]:
+    """A ``cuda_ipc`` pusher; afterwards the checkpoint is served again, bit for bit."""
+    baseline = weights_checksums(live)
+    with WeightPusher(live.url, WEIGHTS_TOKEN, transport="cuda_ipc",
+                      cuda_ipc_staging=request.param) as p:
+        yield Pushing(pusher=p, is_staged=request.param)
+        p.push(original.items(), version=served_version(live) + 1, target="both")
+    assert weights_checksums(live) == baseline
+
+
+async def one_by_one(client: RolloutClient) -> list[messages.SequenceOutput]:
+    return [(await client.generate(messages.GenerateRequest(
+        prompt_token_ids=p, max_tokens=24, temperature=0.0, ignore_eos=True))).outputs[0]
+        for p in PROMPTS]
+
+
+def accept_rate(outs: list[messages.SequenceOutput]) -> float:
+    return (sum(o.spec_decode.num_accepted_tokens for o in outs)
+            / sum(o.spec_decode.num_draft_tokens for o in outs))
+
+
+def changed(original: dict[str, torch.Tensor], seed: int) -> dict[str, torch.Tensor]:
+    """Fresh copies on the GPU: the main model's final norm scaled, the drafter's input
+    projection replaced by noise three times its spread."""
+    g = torch.Generator(device="cuda:0").manual_seed(seed)
+    tensors = {name: t.clone() for name, t in original.items()}
+    norm = tensors[MAIN_ONLY_PARAM]
+    tensors[MAIN_ONLY_PARAM] = (norm.float() * (0.5 + torch.rand(
+        norm.shape, generator=g, device=norm.device))).to(norm.dtype)
+    draft = tensors[DRAFT_PARAM]
+    tensors[DRAFT_PARAM] = (torch.randn(draft.shape, generator=g, device=draft.device)
+                            * draft.float().std() * 3).to(draft.dtype)
+    return tensors
+
+
+async def test_a_push_of_main_and_drafter_moves_both(
+        sglang: str, live: ServiceProcess, client: RolloutClient, pushing: Pushing,
+        original: dict[str, torch.Tensor]) -> None:
+    """Both models load from the trainer's GPU memory: SGLang's own checksums move in
+    both, greedy outputs change, the noisy drafter is accepted less; the trainer's memory
+    is all freed once the push returns (nothing left in torch's IPC limbo)."""
+    before_outputs, before = await one_by_one(client), own_checksums(sglang)
+    version = served_version(live) + 1
+    torch.cuda.synchronize()
+    allocated = torch.cuda.memory_allocated()
+    tensors = changed(original, seed=version)
+    report = pushing.pusher.push(tensors.items(), version=version, target="both")
+    del tensors
+    gc.collect()
+    torch.cuda.ipc_collect()
+    # the staged pusher keeps its buffer (64-byte aligned tensors) for the next push
+    staging = report.num_bytes + 64 * report.num_tensors if pushing.is_staged else 0
+    assert torch.cuda.memory_allocated() <= allocated + staging + 1024**2
+    after = own_checksums(sglang)
+    assert after["target"][MAIN_ONLY_PARAM] != before["target"][MAIN_ONLY_PARAM]
+    assert after["draft"] != before["draft"]
+    outs = await one_by_one(client)
+    assert [o.token_ids for o in outs] != [o.token_ids for o in before_outputs]
+    assert accept_rate(outs) < accept_rate(before_outputs) - 0.2
+    state = weights_status(live)
+    assert (state.main_version, state.draft_version) == (version, version)
+    assert report.server.timings.load_main_s > 0 and report.server.timings.load_draft_s > 0
+
+
+def test_a_refused_push_changes_nothing(sglang: str, live: ServiceProcess,
+                                        original: dict[str, torch.Tensor]) -> None:
+    before, state = own_checksums(sglang), weights_status(live)
+    bad = {**original, MAIN_ONLY_PARAM: original[MAIN_ONLY_PARAM].float()}  # a dtype it refuses
+    with WeightPusher(live.url, WEIGHTS_TOKEN, transport="cuda_ipc") as p:
+        with pytest.raises(ServiceError, match="dtype") as refused:
+            p.push(bad.items(), version=served_version(live) + 1)
+    assert refused.value.status == 400
+    assert own_checksums(sglang) == before
+    after = weights_status(live)
+    assert (after.main_version, after.draft_version) == (state.main_version, state.draft_version)
