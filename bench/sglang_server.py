@@ -42,13 +42,14 @@ checkpoint's own bf16 (``dtype`` auto): FA3 takes no float32."""
 
 @contextmanager
 def sglang_server(model_path: str, server_args: Mapping[str, Any], mtp: MTPSettings,
-                  log_path: Path) -> Iterator[str]:
+                  log_path: Path, *, startup_timeout_s: float = STARTUP_TIMEOUT_S
+                  ) -> Iterator[str]:
     """SGLang serving ``model_path`` until the block ends; yields its URL once ``/health``
     answers 200.
 
     Raises:
         RuntimeError: it exited first (its log's tail in the message).
-        TimeoutError: not healthy within :data:`STARTUP_TIMEOUT_S`.
+        TimeoutError: not healthy within ``startup_timeout_s``.
     """
     port = free_port_below_ephemeral()
     command = build_launch_command(model_path, server_args, mtp, host="127.0.0.1", port=port,
@@ -56,7 +57,7 @@ def sglang_server(model_path: str, server_args: Mapping[str, Any], mtp: MTPSetti
     server = ChildProcess(command, log_path)
     try:
         url = f"http://127.0.0.1:{port}"
-        wait_http_ok(f"{url}/health", server, STARTUP_TIMEOUT_S)
+        wait_http_ok(f"{url}/health", server, startup_timeout_s)
         yield url
     finally:
         server.stop()

@@ -5,9 +5,14 @@ Runs in the caller's process, which plays the trainer (``bench/weight_sync.py`` 
 vLLM counterpart and lends its rounds, parts and report). The modes, each once per round
 after a warm-up round, the order rotated:
 
-- ``sglang-shm``: ``rollout-service serve`` with ``engine: sglang`` (it launches SGLang),
-  pushed to by ``WeightPusher`` over ``shm`` (``target="both"``) until it serves the new
-  version: the service's ``/update_weights_from_tensor`` into each model.
+- ``sglang-shm``: ``rollout-service serve`` with ``engine: sglang`` on SGLang's own
+  server (``engine_url``), pushed to by ``WeightPusher`` over ``shm`` (``target="both"``)
+  until it serves the new version: the service's ``/update_weights_from_tensor`` into
+  each model, from a copy of the trainer's segment in host memory.
+- ``sglang-cuda-ipc``: the same over ``cuda_ipc``: a second service with
+  ``weights_transport: cuda_ipc`` on the same server (the push modes take turns, so one
+  server start serves both); the trainer's staging buffer on the GPU, which SGLang's
+  worker maps and slices (``engines/sglang/cuda_ipc_payload.py``). Not run yet.
 - ``sglang-disk``: SGLang's own server on the same arguments. A round saves the trainer's
   tensors as the ``model.safetensors`` of a checkpoint directory (the embedded config and
   tokenizer beside it), then ``POST /update_weights_from_disk``: SGLang reloads the target
@@ -15,9 +20,10 @@ after a warm-up round, the order rotated:
   from the page cache: both favour ``disk``.
 - ``floor``: one device-to-device copy of every byte (the trainer's tensors are on the GPU).
 
-At the end both servers must hold the same parameters: the service's checksums (SGLang's
-per-engine checksum of each model, through the adapter) against the disk server's own
-weight checker.
+At the end each push mode pushes a fresh change of the tensors and the disk server reloads
+the same: both servers must then hold the same parameters, the service's checksums
+(SGLang's per-engine checksum of each model, through the adapter) against the disk
+server's own weight checker.
 
     python -m bench.weight_sync_sglang --size 1b --rounds 5
 """
@@ -48,6 +54,7 @@ from bench.weight_sync import (
     Run,
     StateDict,
     Timed,
+    perturb,
     print_report,
     run_rounds,
 )
@@ -61,7 +68,10 @@ from trainer_client.push import WeightPusher
 SERVER_ARGS = {"mem_fraction_static": 0.2, "disable_cuda_graph": True,
                "sampling_backend": "pytorch", "attention_backend": "fa3"}
 """Both servers': eager (no graph to recapture after a load), a fifth of the free memory."""
-MODES = ("sglang-shm", "sglang-disk", "floor")
+PUSH_TRANSPORTS = {"sglang-shm": "shm", "sglang-cuda-ipc": "cuda_ipc"}
+MODES = (*PUSH_TRANSPORTS, "sglang-disk", "floor")
+Checked = dict[str, tuple[dict[str, str], dict[str, str] | None]]
+"""Push mode -> (its service's checksums, the disk server's after reloading the same)."""
 
 
 class DiskReload:
@@ -108,66 +118,102 @@ class DiskReload:
 
 
 async def bench(opts: argparse.Namespace, console: Console
-                ) -> tuple[dict[str, Timed], int, dict[str, dict[str, str]]]:
+                ) -> tuple[dict[str, Timed], int, Checked]:
     model_path = ensure_model(opts.size)
     scratch = Path(tempfile.mkdtemp(prefix="bench-weight-sync-sglang-", dir="/tmp"))
     console.print(f"checkpoint: {model_path}; logs and files: {scratch}")
     token = secrets.token_hex(16)
     names = opts.modes.split(",")
-    mtp = {"num_speculative_tokens": opts.num_speculative_tokens}
+    mtp = MTPSettings(num_speculative_tokens=opts.num_speculative_tokens)
+    server_args = {**EMBEDDED_SGLANG_ENGINE_KWARGS, **SERVER_ARGS}
     with contextlib.ExitStack() as stack:
         tensors: StateDict = {}
         modes: dict[str, Mode] = {}
-        service = push = disk = None
-        if "sglang-shm" in names:
-            config = scratch / "service.json"
-            config.write_text(json.dumps({
-                "model": f"embedded:{opts.size}", "engine": "sglang", "weights_token": token,
-                "engine_kwargs": SERVER_ARGS, "mtp": mtp}))
-            service = stack.enter_context(ServiceProcess(scratch / "service.log",
-                                                         config=config))
-            console.print("waiting for the service ...")
-            service.wait_healthy(900)
+        services: dict[str, ServiceProcess] = {}
+        disk = None
+        push_names = [name for name in names if name in PUSH_TRANSPORTS]
+        if push_names:
+            console.print("starting SGLang's server for the pushes ...")
+            # the first start on a machine compiles SGLang's JIT kernels
+            url = stack.enter_context(sglang_server(str(model_path), server_args, mtp,
+                                                    scratch / "sglang-push.log",
+                                                    startup_timeout_s=900))
+            for name in push_names:  # they only connect: all start at once
+                services[name] = stack.enter_context(start_service(
+                    name, url, opts.size, token, mtp, scratch))
+            for service in services.values():
+                service.wait_healthy(300)
         if "sglang-disk" in names:
             console.print("starting SGLang's own server ...")
-            url = stack.enter_context(sglang_server(
-                str(model_path), {**EMBEDDED_SGLANG_ENGINE_KWARGS, **SERVER_ARGS},
-                MTPSettings(**mtp), scratch / "sglang-disk.log"))
+            url = stack.enter_context(sglang_server(str(model_path), server_args, mtp,
+                                                    scratch / "sglang-disk.log"))
             disk = modes["sglang-disk"] = DiskReload.prepare(url, tensors, model_path, scratch)
         # The trainer's tensors last: the servers sized their memory without them.
         tensors.update(load_file(str(model_path / "model.safetensors"), device="cuda:0"))
-        if service is not None:
-            pusher = stack.enter_context(WeightPusher(service.url, token, transport="shm"))
-            push = modes["sglang-shm"] = PushBench("sglang-shm", service, pusher, tensors)
+        pushes = []
+        for name, service in services.items():
+            pusher = stack.enter_context(WeightPusher(service.url, token,
+                                                      transport=PUSH_TRANSPORTS[name]))
+            pushes.append(PushBench(name, service, pusher, tensors))
+            modes[name] = pushes[-1]
         if "floor" in names:
             modes["floor"] = FloorBench(tensors, "cuda")
         results = await run_rounds([modes[n] for n in names], tensors, opts.rounds, "cuda",
                                    console)
-        checksums = {}
-        if push is not None:
-            checksums["sglang-shm"] = httpx.get(f"{push.service.url}/weights/checksums",
-                                                headers=bearer(token), timeout=300).json()
+        checked = await check_each_push(pushes, disk, tensors, token, opts.rounds + 2)
+    return results, sum(t.nbytes for t in tensors.values()), checked
+
+
+def start_service(name: str, url: str, size: str, token: str, mtp: MTPSettings,
+                  scratch: Path) -> ServiceProcess:
+    """The service of push mode ``name`` on the server at ``url``, not yet waited for."""
+    config = scratch / f"service-{name}.json"
+    config.write_text(json.dumps({
+        "model": f"embedded:{size}", "engine": "sglang", "engine_url": url,
+        "weights_token": token, "weights_transport": PUSH_TRANSPORTS[name],
+        "mtp": {"num_speculative_tokens": mtp.num_speculative_tokens}}))
+    return ServiceProcess(scratch / f"service-{name}.log", config=config)
+
+
+async def check_each_push(pushes: list[PushBench], disk: DiskReload | None,
+                          tensors: StateDict, token: str, version: int) -> Checked:
+    """Each push mode's own load against SGLang's reload: a fresh change of the tensors,
+    pushed by the mode (the push modes share one server) and reloaded from disk."""
+    checked: Checked = {}
+    for push in pushes:
+        perturb(tensors, version, "cuda")
+        await push.run(version)
+        own = httpx.get(f"{push.service.url}/weights/checksums", headers=bearer(token),
+                        timeout=300).json()
         if disk is not None:
-            checksums["sglang-disk"] = disk.checksums()
-    return results, sum(t.nbytes for t in tensors.values()), checksums
+            await disk.run(version)
+        checked[push.name] = (own, disk.checksums() if disk is not None else None)
+        version += 1
+    return checked
 
 
-def print_comparison(console: Console, results: dict[str, Timed],
-                     checksums: dict[str, dict[str, str]]) -> bool:
-    """The push against the reload and the floor; whether both servers hold the same."""
+def print_comparison(console: Console, results: dict[str, Timed], checked: Checked) -> bool:
+    """The pushes against the reload and the floor; whether each push loaded what the
+    reload of the same tensors did."""
     table = Table("figure", "value")
     medians = {name: statistics.median(t.total_s) for name, t in results.items()}
-    if {"sglang-shm", "sglang-disk"} <= set(medians):
-        table.add_row("sglang-shm: speed-up over sglang-disk",
-                      f"{medians['sglang-disk'] / medians['sglang-shm']:.2f}x")
-    if {"sglang-shm", "floor"} <= set(medians):
-        table.add_row("sglang-shm over the floor",
-                      f"{medians['sglang-shm'] / medians['floor']:.1f}x")
-    is_same = len({json.dumps(c, sort_keys=True) for c in checksums.values()}) <= 1
-    for name, c in checksums.items():
-        table.add_row(f"{name} checksums", f"main {c.get('main', '-')[:16]}, draft "
-                      f"{c.get('draft', '-')[:16]}")
-    table.add_row("same parameters in both servers", "yes" if is_same else "NO")
+    for name in PUSH_TRANSPORTS:
+        for base in ("sglang-disk", "sglang-shm"):
+            if name != base and {name, base} <= set(medians):
+                table.add_row(f"{name}: speed-up over {base}",
+                              f"{medians[base] / medians[name]:.2f}x")
+        if {name, "floor"} <= set(medians):
+            table.add_row(f"{name} over the floor", f"{medians[name] / medians['floor']:.1f}x")
+    is_same = True
+    for name, (own, reloaded) in checked.items():
+        table.add_row(f"{name} checksums", f"main {own.get('main', '-')[:16]}, draft "
+                      f"{own.get('draft', '-')[:16]}")
+        if reloaded is not None:
+            is_same &= own == reloaded
+            table.add_row(f"sglang-disk reloading what {name} pushed",
+                          "same parameters" if own == reloaded else
+                          f"DIFFERENT: main {reloaded.get('main', '-')[:16]}, draft "
+                          f"{reloaded.get('draft', '-')[:16]}")
     console.print(table)
     return is_same
 
@@ -184,12 +230,12 @@ def main() -> None:
     if unknown or opts.rounds < 1:
         parser.error(f"--modes: unknown {unknown}" if unknown else "--rounds: must be >= 1")
     console = Console()
-    results, num_bytes, checksums = asyncio.run(bench(opts, console))
+    results, num_bytes, checked = asyncio.run(bench(opts, console))
     # print_report's fields: the trainer's tensors and the engines are on the GPU.
     report_opts = argparse.Namespace(size=opts.size, device="cuda", engine_device="cuda",
                                      engine_kwargs=SERVER_ARGS, rounds=opts.rounds)
     print_report(console, report_opts, num_bytes, results)
-    sys.exit(0 if print_comparison(console, results, checksums) else 1)
+    sys.exit(0 if print_comparison(console, results, checked) else 1)
 
 
 if __name__ == "__main__":
