@@ -18,6 +18,10 @@ machine (clocks, other load) hits every mode alike:
 - ``--engine sglang`` (GPU): ``service`` and ``service-sglang`` on a service that launches
   SGLang, against ``sglang-server``, SGLang's own server on the same arguments
   (``bench/serving_sglang.py``).
+- ``ray-serve``: ``rollout-service serve-ray``, the Ray Serve app with ``--ray-replicas``
+  engine replicas (default 2) on the ``service`` mode's share: on a GPU each with
+  ``num_gpus`` 1/N and ``--gpu-memory-utilization`` / N, on the CPU ``num_cpus`` cores / N;
+  the ``service`` mode's requests to its ingress (``bench/serving_ray.py``).
 
 Workload: ``--concurrency`` requests in flight at once (each level measured on
 its own), prompts from the embedded corpus, n=1, ``ignore_eos`` so every request
@@ -42,6 +46,8 @@ timed rounds (collapsed stacks, read with ``bench/profile_summary.py``).
     python -m bench.serving --model embedded:small --concurrency 128,512 --max-tokens 256
     python -m bench.serving --engine sglang --model embedded:small --concurrency 128,512 \
         --max-tokens 256
+    python -m bench.serving --model embedded:small --modes service,ray-serve \
+        --concurrency 128,512 --max-tokens 256
 """
 
 from __future__ import annotations
@@ -74,6 +80,7 @@ from bench.serving_http import (  # noqa: F401 - re-exported for bench.speculati
     on_same_server,
     start_http,
 )
+from bench.serving_ray import RAY_MODE, start_ray_serve
 from bench.serving_sglang import SGLANG_MODES, sglang_config, start_sglang_server
 from rollout_service.config import ServiceConfig, load_config
 from rollout_service.embedded.corpus import arithmetic_prompts
@@ -81,13 +88,13 @@ from rollout_service.engines.vllm.cpu_preload import preload_for_cpu_engine
 from rollout_service.engines.vllm.start_method import spawn_engine_core_on_cuda
 
 MODES = ("asyncllm", "service", "service-openai", "service-sglang", "service-no-preload",
-         "vllm-server", "sglang-server")
+         "vllm-server", "sglang-server", RAY_MODE)
 DEFAULT_MODES = ("asyncllm", "service", "vllm-server")
 RATIOS = (("service", "asyncllm", 0.90), ("service", "vllm-server", 1.0),
           ("service", "sglang-server", 1.0), ("service-sglang", "sglang-server", 1.0),
           ("service-openai", "vllm-server", 1.0), ("service-sglang", "vllm-server", 1.0),
           ("service-openai", "service", 0.97), ("service-sglang", "service", 0.97),
-          ("service", "service-no-preload", None))
+          ("service", "service-no-preload", None), (RAY_MODE, "service", 0.95))
 """(numerator, denominator, target) of each printed ratio."""
 DIALECT_MODES = ("service", "service-openai", "service-sglang")
 """The service's modes that share one service process (the same engine, three dialects)."""
@@ -132,8 +139,9 @@ async def start_asyncllm(cfg: ServiceConfig, workload: Workload) -> tuple[RoundF
 class Rates:
     """Per-round figures of each mode at one concurrency, in round order: tokens/s, and
     the CPU the bench process (the client; for ``asyncllm`` also the front end) and the
-    mode's front-end process used, in cores (1.0 = one core busy the whole round). A
-    front end near 1.0 is a saturated event loop; so is a client near 1.0."""
+    mode's front-end process used, in cores (1.0 = one core busy the whole round; for a
+    front end of several processes, Ray Serve's, the busiest one). A front end near 1.0
+    is a saturated event loop; so is a client near 1.0."""
 
     by_mode: dict[str, list[float]] = dataclasses.field(default_factory=dict)
     client_cpu: dict[str, list[float]] = dataclasses.field(default_factory=dict)
@@ -150,28 +158,31 @@ def cpu_seconds(process: psutil.Process) -> float:
     return times.user + times.system
 
 
-async def measure(rounds: dict[str, RoundFn], front_ends: dict[str, int], concurrency: int,
+async def measure(rounds: dict[str, RoundFn], front_ends: dict[str, tuple[int, ...]],
+                  concurrency: int,
                   num_requests: int, num_rounds: int, console: Console) -> Rates:
     """A warm-up round per mode, then ``num_rounds`` rounds with the modes' order rotated;
     each round ``num_requests`` requests, ``concurrency`` in flight.
 
-    ``front_ends`` names each mode's front-end process (the one that runs vLLM's output
-    handler: this process for ``asyncllm``, the server's otherwise)."""
+    ``front_ends`` names each mode's front-end processes (the ones that run vLLM's output
+    handler and the HTTP server: this process for ``asyncllm``, the server's otherwise,
+    Serve's proxy, ingress and engine replicas for ``ray-serve``)."""
     modes = list(rounds)
     for mode in modes:
         await rounds[mode](concurrency, num_requests)
     me = psutil.Process()
-    processes = {mode: psutil.Process(pid) for mode, pid in front_ends.items()}
+    processes = {mode: [psutil.Process(pid) for pid in pids]
+                 for mode, pids in front_ends.items()}
     rates = Rates()
     for r in range(num_rounds):
         order = modes[r % len(modes):] + modes[:r % len(modes)]
         for mode in order:
-            client, front = cpu_seconds(me), cpu_seconds(processes[mode])
+            client, front = cpu_seconds(me), [cpu_seconds(p) for p in processes[mode]]
             start = time.perf_counter()
             tokens = await rounds[mode](concurrency, num_requests)
             wall = time.perf_counter() - start
             rates.add(mode, tokens / wall, (cpu_seconds(me) - client) / wall,
-                      (cpu_seconds(processes[mode]) - front) / wall)
+                      max(cpu_seconds(p) - f for p, f in zip(processes[mode], front)) / wall)
         console.print(f"  c={concurrency} round {r + 1}: " + ", ".join(
             f"{m} {rates.by_mode[m][-1]:.0f} (front end {rates.front_end_cpu[m][-1]:.2f}, "
             f"client {rates.client_cpu[m][-1]:.2f} cores)" for m in modes) + " tok/s")
@@ -240,7 +251,7 @@ async def run(opts: argparse.Namespace, console: Console) -> dict[int, Rates]:
                       f"{non_default_engine_args(engine_args(cfg))}")
     rounds: dict[str, RoundFn] = {}
     servers: dict[str, HttpMode] = {}
-    front_ends: dict[str, int] = {}
+    front_ends: dict[str, tuple[int, ...]] = {}
     closers: list[Callable[[], Awaitable[None]]] = []
     profiler: subprocess.Popen[bytes] | None = None
     try:
@@ -248,10 +259,18 @@ async def run(opts: argparse.Namespace, console: Console) -> dict[int, Rates]:
             console.print(f"starting {mode} ...")
             if mode == "asyncllm":
                 run_round, shutdown = await start_asyncllm(cfg, workload)
-                front_ends[mode] = os.getpid()
+                front_ends[mode] = (os.getpid(),)
 
                 async def close(shutdown: Callable = shutdown) -> None:
                     shutdown()
+            elif mode == RAY_MODE:
+                http, front_ends[mode], app = await start_ray_serve(
+                    cfg, workload, scratch, max(levels), num_replicas=opts.ray_replicas,
+                    device=opts.device)
+                console.print(f"  {app.num_replicas} replicas, {app.ray_actor_options}, "
+                              f"engine_kwargs {app.engine_kwargs}; front-end processes "
+                              f"{front_ends[mode]}")
+                run_round, close = http.run_round, http.close
             else:
                 shared = next((h for m, h in servers.items() if m in DIALECT_MODES), None)
                 if mode in DIALECT_MODES and shared is not None:
@@ -262,7 +281,7 @@ async def run(opts: argparse.Namespace, console: Console) -> dict[int, Rates]:
                     http = await start_http(mode, cfg, workload, scratch, max(levels))
                 servers[mode] = http
                 run_round, close = http.run_round, http.close
-                front_ends[mode] = http.server.pid
+                front_ends[mode] = (http.server.pid,)
                 if mode == "service" and opts.profile_service:
                     profiler = start_profiler(http.server.pid, Path(opts.profile_service))
             rounds[mode] = run_round
@@ -337,6 +356,8 @@ def main() -> None:
         f"comma-separated subset of {','.join(MODES)}; default {','.join(DEFAULT_MODES)} "
         f"(vllm), {','.join(SGLANG_MODES)} (sglang)"))
     add_device_arguments(parser, gpu_memory_utilization=0.25, engines="all modes run at once")
+    parser.add_argument("--ray-replicas", type=int, default=2,
+                        help=f"{RAY_MODE}: engine replicas sharing the one engine's share")
     parser.add_argument("--profile-service", default=None,
                         help="directory for a py-spy profile of the service process")
     opts = parser.parse_args()
@@ -344,9 +365,9 @@ def main() -> None:
     opts.modes = opts.modes or ",".join(SGLANG_MODES if is_sglang else DEFAULT_MODES)
     accepted = set(SGLANG_MODES) if is_sglang else set(MODES) - {"sglang-server"}
     unknown = sorted(set(opts.modes.split(",")) - accepted)
-    if unknown or opts.rounds < 1 or opts.waves < 1:
+    if unknown or opts.rounds < 1 or opts.waves < 1 or opts.ray_replicas < 1:
         parser.error(f"bad --modes {unknown} for --engine {opts.engine}" if unknown
-                     else "--rounds and --waves must be >= 1")
+                     else "--rounds, --waves and --ray-replicas must be >= 1")
     if is_sglang:
         opts.device = "cuda"  # SGLang serves on GPUs only; nothing here imports vLLM
     else:

@@ -37,6 +37,11 @@ class RayServeConfig(ServiceConfig):
             "Ray actor options of each engine replica, passed as is: num_cpus, num_gpus, "
             "resources, runtime_env (e.g. env_vars VLLM_CPU_OMP_THREADS_BIND=nobind and "
             "OMP_NUM_THREADS so CPU engines sharing a host do not bind the same cores)."))
+    engine_start_lock: Path | None = Field(None, description=(
+        "A file on the replicas' host: replicas naming the same one start their engines one "
+        "at a time. Set it when replicas share a GPU (fractional num_gpus): vLLM sizes its "
+        "KV cache from the device's free memory during its start and counts what another "
+        "engine starting beside it allocates as its own (serve/start_lock.py)."))
     max_ongoing_requests: int = Field(256, ge=1, description=(
         "Requests Ray Serve sends one engine replica at once (the engine batches them)."))
     health_check_period_s: float = Field(10.0, gt=0, description=(

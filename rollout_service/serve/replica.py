@@ -8,8 +8,9 @@ commands (``coordinator.py``), so one push reaches every replica.
 
 Life of a replica:
 
-1. ``__init__`` announces itself, starts the engine, serves its metrics on a
-   free port, registers, and replays the deployment's last push from the
+1. ``__init__`` announces itself, starts the engine (after the other replicas naming the
+   same ``engine_start_lock`` have started theirs), serves its metrics on a free port,
+   registers, and replays the deployment's last push from the
    trainer's segment if it is behind, all before the constructor returns, so
    Ray Serve never routes a request to it while it holds older weights. If
    the segment is gone, it still starts but reports ``lagging`` and refuses
@@ -45,6 +46,7 @@ from rollout_service.protocol import messages
 from rollout_service.serve.config import RayServeConfig
 from rollout_service.serve.coordinator import Command, CommandResult, StoredPush
 from rollout_service.serve.replica_group import ReplicaGroup
+from rollout_service.serve.start_lock import one_start_at_a_time
 from rollout_service.service import RolloutService, speculation_info
 from rollout_service.telemetry.exposition import serve_metrics
 from rollout_service.weights.intake import PushError
@@ -90,7 +92,8 @@ class EngineReplica:
         self._engine: Engine | None = None
         self._service: RolloutService | None = None
         await coordinator.announce.remote(await self._report())
-        self._engine = await start_engine(config)
+        async with one_start_at_a_time(config.engine_start_lock):
+            self._engine = await start_engine(config)
         if config.weights_store_dir is not None:  # each replica its own stored copies
             config = config.model_copy(update={
                 "weights_store_dir": config.weights_store_dir / self._id})

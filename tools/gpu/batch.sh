@@ -22,6 +22,11 @@
 #   bash tools/gpu/batch.sh load starts trainer # ~4 + 5 + 5 min
 #   bash tools/gpu/batch.sh sync7b              # ~6-9 min: the 7B shape (15 GB per push)
 #
+# Ray Serve on the GPU (issue item 6), after `source tools/gpu/ray_env.sh` as well (Ray carried
+# by tools/gpu/prepare_ray.sh; docs/ray-serve.md), one call each:
+#   bash tools/gpu/batch.sh rayserve            # ~5-7 min: 2 replicas on one GPU vs the service
+#   bash tools/gpu/batch.sh rayserve-load       # ~6-8 min: 100 pushes through the Ray ingress
+#
 # SGLang (issue 28), after `source tools/gpu/project_env_sglang.sh` instead (the sglang
 # bundle in /tmp/site-sglang; carry .gpuextra), one call each:
 #   bash tools/gpu/batch.sh sglang-smoke        # ~4-6 min: checkpoints, the JIT kernels,
@@ -34,9 +39,11 @@ out="${OUT:-/tmp/gpu-batch}"; mkdir -p "$out"; export OUT="$out"
 export COLUMNS="${COLUMNS:-200}"  # rich tables in full in the logs, not cut at 80
 
 clean() {  # what an earlier step or call left running (not this script's shells); a
-  # launched SGLang server runs in its own session, so a killed service can leave it
-  pkill -9 -f "^(/[^ ]*/)?python3? -m (rollout_service|bench|pytest|vllm|sglang)|^VLLM::|^sglang::" \
-    2>/dev/null
+  # launched SGLang server runs in its own session, so a killed service can leave it, and a
+  # killed serve-ray its Ray (gcs_server, raylet, dashboard, the ray:: workers)
+  local ours="^(/[^ ]*/)?python3? -m (rollout_service|bench|pytest|vllm|sglang)|^VLLM::|^sglang::"
+  local ray="^ray::|/ray/(core/src/ray|dashboard|_private|autoscaler)/"
+  pkill -9 -f "$ours|$ray" 2>/dev/null
   sleep 2
 }
 
@@ -146,10 +153,25 @@ for s in "$@"; do
         --logs "$out/sglang-serving-logs" ;;
     sglang-sync) step sglang-sync 420 python3 -m bench.weight_sync_sglang --size 1b \
         --rounds 5 ;;
+    rayserve)  # the Ray Serve ingress, 2 engine replicas on the one GPU (num_gpus 0.5, half of
+      # the service's gpu_memory_utilization each, engines started one after the other) vs the
+      # standalone service on the whole share (0.25), interleaved as in `serving`: 3 engines
+      # to start (~1 min each with compile and graphs), ~3 min of rounds at 512
+      step rayserve 550 python3 -m bench.serving --model embedded:small --modes service,ray-serve \
+        --ray-replicas 2 --concurrency 128,512 --max-tokens 256 --rounds 3 --waves 2 \
+        --logs "$out/rayserve-logs" ;;
+    rayserve-load)  # 100 pushes of main + drafter (shm: NCCL puts no two ranks on one GPU)
+      # through the Ray ingress, 2 replicas at 0.25 each, under 128 requests in flight, as
+      # `load` does standalone (3 pushing rounds of 20 s made 134 cuda_ipc pushes there): 2
+      # engine starts (1b), then pairs of 20 s rounds until the 100th push, ~4 pairs at ~1 s
+      # a push
+      step rayserve-load 550 python3 -m bench.push_under_load --model embedded:1b \
+        --ray-replicas 2 --transport shm --concurrency 128 --pushes 100 --round-s 20 \
+        --logs "$out/rayserve-load-logs" ;;
     spec-full) step spec-full 540 python3 -m bench.speculation --model embedded:1b \
             --draft-noise 0.1,0.6 --k-max 3 --concurrency 1,16,256 --max-tokens 256 \
             --rounds 2 --rollout-prompts 512 --stale-drafter --logs "$out/spec-logs" ;;
-    *) echo "unknown step: $s (tests spec-tests trainer starts serving serving-dialects sync sync7b load spec spec-skip spec-profile spec-full spec-repro spec-repro-eager churn churn-modes churn-tests spec-ab sglang-smoke sglang-tests sglang-serving sglang-sync)" >&2; exit 2 ;;
+    *) echo "unknown step: $s (tests spec-tests trainer starts serving serving-dialects sync sync7b load spec spec-skip spec-profile spec-full spec-repro spec-repro-eager churn churn-modes churn-tests spec-ab sglang-smoke sglang-tests sglang-serving sglang-sync rayserve rayserve-load)" >&2; exit 2 ;;
   esac
 done
 clean
