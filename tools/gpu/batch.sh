@@ -32,8 +32,9 @@
 #   bash tools/gpu/batch.sh sglang-smoke        # ~4-6 min: checkpoints, the JIT kernels,
 #                                               #   SGLang alone, the service launching it
 #   bash tools/gpu/batch.sh sglang-tests        # ~5-9 min: ROLLOUT_TEST_TARGET=sglang
+#   bash tools/gpu/batch.sh sglang-ipc-tests    # ~2-4 min: cuda_ipc pushes into a live SGLang
 #   bash tools/gpu/batch.sh sglang-serving      # ~6-9 min: service vs SGLang's own server
-#   bash tools/gpu/batch.sh sglang-sync         # ~3-5 min: 1b push vs SGLang's disk reload
+#   bash tools/gpu/batch.sh sglang-sync         # ~4-6 min: 1b shm and cuda_ipc pushes vs disk
 set -uo pipefail
 out="${OUT:-/tmp/gpu-batch}"; mkdir -p "$out"; export OUT="$out"
 export COLUMNS="${COLUMNS:-200}"  # rich tables in full in the logs, not cut at 80
@@ -151,6 +152,12 @@ for s in "$@"; do
     sglang-serving) step sglang-serving 540 python3 -m bench.serving --engine sglang \
         --model embedded:small --concurrency 128,512 --max-tokens 256 --rounds 3 --waves 2 \
         --logs "$out/sglang-serving-logs" ;;
+    sglang-ipc-tests)  # test_sglang_cuda_ipc_live.py: its own SGLang server (tiny) and a
+      # cuda_ipc service on it; staged and in-place pushes of main + drafter, a refused one
+      STALL_S=100000 step sglang-ipc-tests 360 env ROLLOUT_TEST_TARGET=sglang python3 -m pytest \
+        -q -p no:cacheprovider -rfEs --basetemp "$out/sglang-ipc-tests-tmp" \
+        --junitxml "$out/sglang-ipc-tests.xml" \
+        tests/integration/rollout_service/test_sglang_cuda_ipc_live.py ;;
     sglang-sync) step sglang-sync 420 python3 -m bench.weight_sync_sglang --size 1b \
         --rounds 5 ;;
     rayserve)  # the Ray Serve ingress, 2 engine replicas on the one GPU (num_gpus 0.5, half of
@@ -171,7 +178,7 @@ for s in "$@"; do
     spec-full) step spec-full 540 python3 -m bench.speculation --model embedded:1b \
             --draft-noise 0.1,0.6 --k-max 3 --concurrency 1,16,256 --max-tokens 256 \
             --rounds 2 --rollout-prompts 512 --stale-drafter --logs "$out/spec-logs" ;;
-    *) echo "unknown step: $s (tests spec-tests trainer starts serving serving-dialects sync sync7b load spec spec-skip spec-profile spec-full spec-repro spec-repro-eager churn churn-modes churn-tests spec-ab sglang-smoke sglang-tests sglang-serving sglang-sync rayserve rayserve-load)" >&2; exit 2 ;;
+    *) echo "unknown step: $s (tests spec-tests trainer starts serving serving-dialects sync sync7b load spec spec-skip spec-profile spec-full spec-repro spec-repro-eager churn churn-modes churn-tests spec-ab sglang-smoke sglang-tests sglang-ipc-tests sglang-serving sglang-sync rayserve rayserve-load)" >&2; exit 2 ;;
   esac
 done
 clean
