@@ -49,6 +49,10 @@ and dropped the tensors (at the end of its handler).
 
 Every TP rank gets the same payload (SGLang indexes the list by rank). Not run on a GPU
 yet; with TP > 1, ranks on other GPUs would map the trainer's GPU by its UUID (never run).
+A handle SGLang cannot open (a GPU its worker does not see, a trainer that has freed the
+memory) raises in ``deserialize_own_rank``, outside any handler of 0.5.23's scheduler
+(``run_scheduler_process`` then signals the server to quit): the server dies rather than
+refuse the push, and the service reports its engine gone, as for a bad ``shm`` payload.
 SGLang's ``FlattenedTensorMetadata`` is pickled by reference, so the sglang package must
 be importable here, as for ``shm``; torch is imported for its classes, never for CUDA.
 """
