@@ -18,8 +18,8 @@
 ray_store="${RAY_STORE:-/tmp/gpu-ray}"
 ray_site="${RAY_SITE:-/tmp/raysite}"
 mkdir -p "$ray_store"
-for ray_part in .gpuray/r*/PART; do
-  [ -f "$ray_part" ] || continue
+for ray_part in .gpuray/r*/PART; do  # (a folder carried once may stay for later calls)
+  [ -f "$ray_part" ] && [ ! -f "$ray_site/.installed" ] || continue
   read -r ray_i ray_n ray_sha ray_part_sha < "$ray_part"
   if [ "$(sha256sum "${ray_part%PART}ray.tar.part" | cut -d' ' -f1)" != "$ray_part_sha" ]; then
     echo "ray: part $ray_i of $ray_n is damaged (${ray_part%/PART})" >&2

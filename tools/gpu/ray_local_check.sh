@@ -43,8 +43,8 @@ for part in .gpuray/r*/; do
     RAY_STORE="$tmp/store" RAY_SITE="$tmp/raysite" \
     bash -c 'source tools/gpu/ray_env.sh && echo "PYTHONPATH=$PYTHONPATH"')
 done
-echo "== a later call (no part carried)"
-rm -rf "$tmp/call/.gpuray"/*
+echo "== a later call (both part folders still there, as the device keeps ignored paths)"
+for part in .gpuray/r*/; do ln -sfn "$root/$part" "$tmp/call/.gpuray/$(basename "$part")"; done
 (cd "$tmp/call" && env PATH="$tmp/venv/bin:$PATH" PYTHONPATH="$tmp/site" \
   RAY_STORE="$tmp/store" RAY_SITE="$tmp/raysite" bash -c \
   'source tools/gpu/ray_env.sh && python3 -c "import ray, ray.serve; print(\"import ray, ray.serve: ok,\", ray.__version__, ray.__file__)"')
