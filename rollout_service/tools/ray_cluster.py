@@ -60,8 +60,11 @@ class SimulatedCluster:
         from ray.cluster_utils import Cluster
 
         self.num_nodes = num_nodes
+        # The dashboard on a port of its own: with Ray's 8265 taken (another Ray on the
+        # host) the head starts without one, and Ray's state API (replica_node_ids) fails.
         self._cluster = Cluster(initialize_head=True, head_node_args={
-            "num_cpus": head_cpus, "object_store_memory": OBJECT_STORE_BYTES})
+            "num_cpus": head_cpus, "object_store_memory": OBJECT_STORE_BYTES,
+            "include_dashboard": True, "dashboard_port": free_port()})
         self.node_ids = tuple(
             self._cluster.add_node(num_cpus=cpus_per_node, resources={REPLICA_HOST: 1},
                                    object_store_memory=OBJECT_STORE_BYTES).node_id
