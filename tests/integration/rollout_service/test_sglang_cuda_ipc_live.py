@@ -14,7 +14,6 @@ SGLang computes alike (one at a time, prefilled in full), as in ``test_sglang_li
 from __future__ import annotations
 
 import gc
-import importlib.util
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,55 +22,43 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from bench.sglang_server import own_checksums, sglang_server
+from bench.sglang_server import own_checksums
 from rollout_service.client import RolloutClient, ServiceError
-from rollout_service.config import EMBEDDED_SGLANG_ENGINE_KWARGS
 from rollout_service.embedded import ensure_model
-from rollout_service.engines.speculative import MTPSettings
 from rollout_service.protocol import messages
 from rollout_service.tools.launch import ServiceProcess
 from tests.integration.conftest import (
     API_KEY,
-    NUM_SPECULATIVE_TOKENS,
-    TARGET,
     WEIGHTS_TOKEN,
     served_version,
-    service_config,
     weights_checksums,
     weights_status,
 )
+from tests.integration.rollout_service.sglang_live import (
+    DRAFT_PARAM,
+    LIVE_SGLANG,
+    MAIN_ONLY_PARAM,
+    PROMPTS,
+    own_sglang,
+    service_on,
+)
 from trainer_client.push import WeightPusher
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(TARGET.engine != "sglang", reason="ROLLOUT_TEST_TARGET=sglang only"),
-    pytest.mark.skipif(not torch.cuda.is_available()
-                       or importlib.util.find_spec("sglang") is None,
-                       reason="needs a CUDA GPU and the sglang package (the sglang bundle)"),
-]
-
-PROMPTS = [[5 + i, 17, 42, 9] for i in range(6)]
-DRAFT_PARAM = "model.mtp_layers.0.input_proj.weight"
-MAIN_ONLY_PARAM = "model.norm.weight"
+pytestmark = LIVE_SGLANG
 
 
 @pytest.fixture(scope="module")
 def sglang(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """The module's own SGLang server; yields its URL."""
-    args = {**EMBEDDED_SGLANG_ENGINE_KWARGS, **TARGET.engine_kwargs, "disable_radix_cache": True}
-    with sglang_server(str(ensure_model("tiny")), args,
-                       MTPSettings(num_speculative_tokens=NUM_SPECULATIVE_TOKENS),
-                       tmp_path_factory.mktemp("sglang-ipc") / "sglang.log") as url:
+    with own_sglang(tmp_path_factory.mktemp("sglang-ipc") / "sglang.log") as url:
         yield url
 
 
 @pytest.fixture(scope="module")
 def live(sglang: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServiceProcess]:
     """A service taking ``cuda_ipc`` pushes into the module's server."""
-    workdir = tmp_path_factory.mktemp("ipc-service")
-    with ServiceProcess(workdir / "service.log", config=service_config(
-            workdir, engine_url=sglang, weights_transport="cuda_ipc")) as proc:
-        proc.wait_healthy(timeout_s=300)
+    with service_on(sglang, tmp_path_factory.mktemp("ipc-service"),
+                    weights_transport="cuda_ipc") as proc:
         yield proc
 
 

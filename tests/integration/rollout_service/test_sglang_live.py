@@ -13,7 +13,6 @@ compared: SGLang ignores ``sampling_seed`` unless it runs deterministic inferenc
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
@@ -23,62 +22,51 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from bench.sglang_server import counter, own_checksums, sglang_server
+from bench.sglang_server import counter, own_checksums
 from rollout_service.client import RolloutClient, ServiceError
-from rollout_service.config import EMBEDDED_SGLANG_ENGINE_KWARGS
 from rollout_service.embedded import ensure_model
 from rollout_service.engines.sglang.stats import spec_stats_from_meta_info
-from rollout_service.engines.speculative import MTPSettings
 from rollout_service.protocol import messages
 from rollout_service.tools.launch import ServiceProcess
 from rollout_service.tools.scrape import sample_sum
 from tests.integration.conftest import (
     API_KEY,
     NUM_SPECULATIVE_TOKENS,
-    TARGET,
     WEIGHTS_TOKEN,
     served_version,
-    service_config,
     until,
     wait_for,
     weights_checksums,
     weights_status,
 )
+from tests.integration.rollout_service.sglang_live import (
+    DRAFT_PARAM,
+    LIVE_SGLANG,
+    MAIN_ONLY_PARAM,
+    PROMPTS,
+    own_sglang,
+    service_on,
+)
 from trainer_client.push import WeightPusher
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(TARGET.engine != "sglang", reason="ROLLOUT_TEST_TARGET=sglang only"),
-    pytest.mark.skipif(not torch.cuda.is_available()
-                       or importlib.util.find_spec("sglang") is None,
-                       reason="needs a CUDA GPU and the sglang package (the sglang bundle)"),
-]
+pytestmark = LIVE_SGLANG
 
-PROMPTS = [[5 + i, 17, 42, 9] for i in range(6)]
 K = NUM_SPECULATIVE_TOKENS
-DRAFT_PARAM = "model.mtp_layers.0.input_proj.weight"
-MAIN_ONLY_PARAM = "model.norm.weight"
-"""The main model's final norm: the drafter has its own (``final_layernorm``)."""
 SHARED_PARAM = "lm_head.weight"
 
 
 @pytest.fixture(scope="module")
 def sglang(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """The module's own SGLang server; yields its URL."""
-    args = {**EMBEDDED_SGLANG_ENGINE_KWARGS, **TARGET.engine_kwargs, "enable_metrics": True,
-            "disable_radix_cache": True}
-    with sglang_server(str(ensure_model("tiny")), args, MTPSettings(num_speculative_tokens=K),
-                       tmp_path_factory.mktemp("sglang") / "sglang.log") as url:
+    """The module's own SGLang server, exporting its metrics; yields its URL."""
+    with own_sglang(tmp_path_factory.mktemp("sglang") / "sglang.log",
+                    enable_metrics=True) as url:
         yield url
 
 
 @pytest.fixture(scope="module")
 def live(sglang: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServiceProcess]:
     """A service driving the module's server (``engine_url``)."""
-    workdir = tmp_path_factory.mktemp("live-service")
-    with ServiceProcess(workdir / "service.log",
-                        config=service_config(workdir, engine_url=sglang)) as proc:
-        proc.wait_healthy(timeout_s=300)
+    with service_on(sglang, tmp_path_factory.mktemp("live-service")) as proc:
         yield proc
 
 

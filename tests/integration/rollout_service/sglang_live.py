@@ -1,0 +1,57 @@
+"""What the live-SGLang modules share (``test_sglang_live.py``,
+``test_sglang_cuda_ipc_live.py``; GPU only: ``ROLLOUT_TEST_TARGET=sglang``, the sglang
+bundle): their marks, prompts and probe tensors, and each module's own SGLang server
+with a service driving it through ``engine_url``."""
+
+from __future__ import annotations
+
+import importlib.util
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from bench.sglang_server import sglang_server
+from rollout_service.config import EMBEDDED_SGLANG_ENGINE_KWARGS
+from rollout_service.embedded import ensure_model
+from rollout_service.engines.speculative import MTPSettings
+from rollout_service.tools.launch import ServiceProcess
+from tests.integration.conftest import NUM_SPECULATIVE_TOKENS, TARGET, service_config
+
+LIVE_SGLANG = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(TARGET.engine != "sglang", reason="ROLLOUT_TEST_TARGET=sglang only"),
+    pytest.mark.skipif(not torch.cuda.is_available()
+                       or importlib.util.find_spec("sglang") is None,
+                       reason="needs a CUDA GPU and the sglang package (the sglang bundle)"),
+]
+"""The modules' ``pytestmark``."""
+
+PROMPTS = [[5 + i, 17, 42, 9] for i in range(6)]
+DRAFT_PARAM = "model.mtp_layers.0.input_proj.weight"
+MAIN_ONLY_PARAM = "model.norm.weight"
+"""The main model's final norm: the drafter has its own (``final_layernorm``)."""
+
+
+@contextmanager
+def own_sglang(log: Path, **server_args: Any) -> Iterator[str]:
+    """An SGLang server on the embedded tiny checkpoint, its MTP layer the drafter, no
+    radix cache (a greedy answer computed alike whether or not a prefix was cached), the
+    target's arguments plus ``server_args``; yields its URL."""
+    args = {**EMBEDDED_SGLANG_ENGINE_KWARGS, **TARGET.engine_kwargs,
+            "disable_radix_cache": True, **server_args}
+    with sglang_server(str(ensure_model("tiny")), args,
+                       MTPSettings(num_speculative_tokens=NUM_SPECULATIVE_TOKENS), log) as url:
+        yield url
+
+
+@contextmanager
+def service_on(engine_url: str, workdir: Path, **config: Any) -> Iterator[ServiceProcess]:
+    """A service driving the server at ``engine_url``, healthy."""
+    with ServiceProcess(workdir / "service.log", config=service_config(
+            workdir, engine_url=engine_url, **config)) as proc:
+        proc.wait_healthy(timeout_s=300)
+        yield proc
