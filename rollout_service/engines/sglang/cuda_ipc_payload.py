@@ -65,6 +65,7 @@ from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
 from rollout_service.engines.base import WeightUpdate
+from rollout_service.engines.sglang.bucket_metadata import flattened_metadata
 from rollout_service.protocol.cuda_ipc import ByteBufferHandle, CudaIpcHandle
 from rollout_service.protocol.placement import CudaIpcLocation, TensorPlacement
 from rollout_service.protocol.tensors import DTYPE_BYTES
@@ -123,17 +124,9 @@ def build_cuda_ipc_payloads(update: WeightUpdate, num_ranks: int) -> tuple[list[
     if len(export_buckets(update)) > 1:
         raise ValueError(f"push {update.push_id}: tensors in several CUDA IPC exports; a "
                          "request to SGLang takes one (split with export_buckets)")
-    import torch
 
-    metadata_cls = _sglang_metadata_class()
+    metadata = flattened_metadata(update)
     handle = _as_bytes(_handle_of(update, update.tensors[0]))
-    metadata = []
-    for placement in update.tensors:
-        start = placement.location.offset
-        metadata.append(metadata_cls(
-            name=placement.name, shape=torch.Size(placement.shape),
-            dtype=getattr(torch, placement.dtype), start_idx=start,
-            end_idx=start + placement.nbytes, numel=placement.nbytes))
     flat = RebuildCudaTensor(handle.to_rebuild_args(handle.gpu_uuid))
     # What SGLang's MultiprocessingSerializer.serialize(obj, output_str=True) writes.
     pickled = ForkingPickler.dumps({"flattened_tensor": flat, "metadata": metadata})
@@ -163,11 +156,3 @@ def _as_bytes(handle: CudaIpcHandle) -> CudaIpcHandle:
         "storage_offset": handle.storage_offset * DTYPE_BYTES[handle.dtype]})
 
 
-def _sglang_metadata_class() -> type:
-    try:
-        from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorMetadata
-    except ImportError as exc:
-        raise RuntimeError(
-            "pushing weights to SGLang needs the sglang package in the rollout service's "
-            f"environment (the payload names its FlattenedTensorMetadata): {exc}") from exc
-    return FlattenedTensorMetadata

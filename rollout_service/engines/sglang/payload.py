@@ -23,6 +23,7 @@ from collections.abc import Callable
 from typing import Any
 
 from rollout_service.engines.base import WeightUpdate
+from rollout_service.engines.sglang.bucket_metadata import flattened_metadata
 from rollout_service.engines.sglang.cuda_ipc_payload import build_cuda_ipc_payloads, export_buckets
 from rollout_service.protocol.placement import ShmLocation
 
@@ -84,7 +85,6 @@ def build_flattened_bucket_payloads(update: WeightUpdate, num_ranks: int) -> tup
 
     try:
         from sglang.srt.utils import MultiprocessingSerializer
-        from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorMetadata
     except ImportError as exc:
         raise RuntimeError(
             "pushing weights to SGLang needs the sglang package in the rollout service's "
@@ -92,13 +92,7 @@ def build_flattened_bucket_payloads(update: WeightUpdate, num_ranks: int) -> tup
     segment = Segment.attach(segment_name)
     try:
         flat = segment.tensor(0, torch.uint8, (segment.nbytes,))
-        metadata = []
-        for placement in update.tensors:
-            offset = placement.location.offset
-            metadata.append(FlattenedTensorMetadata(
-                name=placement.name, shape=torch.Size(placement.shape),
-                dtype=getattr(torch, placement.dtype), start_idx=offset,
-                end_idx=offset + placement.nbytes, numel=placement.nbytes))
+        metadata = flattened_metadata(update)
         strategy = torch.multiprocessing.get_sharing_strategy()
         torch.multiprocessing.set_sharing_strategy("file_system")
         try:
