@@ -3,14 +3,14 @@
 Runs on a developer's machine or in CI, never in the service: ``python -m
 deploy.grafana.dashboards`` writes ``deploy/grafana/dashboards/rollout.json``,
 which Grafana loads through ``deploy/grafana/provisioning/``. The committed JSON
-must equal what this module generates (tests/integration/test_deploy.py checks
-it), so edit this file, not the JSON.
+must equal what this module generates (tests/integration/test_deploy_artifacts.py
+checks it), so edit this file, not the JSON.
 
 Every panel query comes from ``rollout_service/telemetry/queries.py``, rendered
 with the dashboard's variables: ``$__rate_interval`` and ``{model=~"$model",
 instance=~"$instance"}``. vLLM labels its own series (``vllm:*``) with its served
 model name, not the service's ``model``, so the vLLM panels are filtered by
-``$instance`` only, whose choices follow ``$model``. tests/integration/test_deploy.py
+``$instance`` only, whose choices follow ``$model``. tests/integration/test_deploy_live.py
 evaluates every query against a real Prometheus scraping the real service.
 """
 

@@ -5,9 +5,10 @@ deploy.prometheus.rules`` writes ``deploy/prometheus/rules.yml``, which
 ``prometheus.yml`` loads. Every expression comes from
 ``rollout_service/telemetry/queries.py`` and ``alerts.py``; this module names them, and
 gives each alert its severity and annotations. The committed YAML must equal what this
-module generates (tests/integration/test_deploy.py checks it, checks it with
-promtool, unit-tests each alert and evaluates every expression against a real
-Prometheus), so edit this file, queries.py or alerts.py, not the YAML.
+module generates (tests/integration/test_deploy_artifacts.py checks it, checks it with
+promtool and unit-tests each alert; tests/integration/test_deploy_live.py evaluates
+every expression against a real Prometheus), so edit this file, queries.py or
+alerts.py, not the YAML.
 """
 
 from __future__ import annotations

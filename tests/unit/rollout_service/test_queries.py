@@ -1,6 +1,6 @@
 """The PromQL of ``telemetry/queries.py``: its rendering, the series it reads, the docs table.
 
-Evaluation against a real Prometheus is in ``tests/integration/test_deploy.py``.
+Evaluation against a real Prometheus is in ``tests/integration/test_deploy_live.py``.
 """
 
 from __future__ import annotations
