@@ -13,7 +13,8 @@ of it on the live server). Files that are not listed did not run against SGLang.
 from __future__ import annotations
 
 _DIR = "tests/integration/rollout_service/"
-RUN_ON_SGLANG = (f"{_DIR}test_api.py", f"{_DIR}test_weights.py", f"{_DIR}test_openai.py",
+RUN_ON_SGLANG = (f"{_DIR}test_api.py", f"{_DIR}test_weights.py", f"{_DIR}test_weights_refused.py",
+                 f"{_DIR}test_openai.py",
                  f"{_DIR}test_no_speculation.py", f"{_DIR}test_engine_start.py",
                  f"{_DIR}test_sglang_live.py", f"{_DIR}test_sglang_cuda_ipc_live.py",
                  f"{_DIR}test_sglang_service.py")

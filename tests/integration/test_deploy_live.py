@@ -44,7 +44,7 @@ from tests.integration.rollout_service.test_api import (
     _prometheus_value,
     outputs,
 )
-from tests.integration.rollout_service.test_weights import next_version
+from tests.integration.rollout_service.weights_support import next_version
 from tests.support.deploy_artifacts import (
     COMPARISON,
     DIVISION,

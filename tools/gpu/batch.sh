@@ -146,6 +146,7 @@ for s in "$@"; do
         tests/integration/rollout_service/test_sglang_live.py \
         tests/integration/rollout_service/test_api.py \
         tests/integration/rollout_service/test_weights.py \
+        tests/integration/rollout_service/test_weights_refused.py \
         tests/integration/rollout_service/test_openai.py \
         tests/integration/rollout_service/test_engine_start.py \
         tests/integration/rollout_service/test_no_speculation.py ;;

@@ -10,7 +10,7 @@
 set -uo pipefail
 out="${OUT:-/tmp/gpu-tests}"
 mkdir -p "$out"
-service_tests="tests/integration/rollout_service/test_api.py tests/integration/rollout_service/test_weights.py"
+service_tests="tests/integration/rollout_service/test_api.py tests/integration/rollout_service/test_weights.py tests/integration/rollout_service/test_weights_refused.py"
 targets=("$@")
 [ ${#targets[@]} -eq 0 ] && targets=(cuda-shm cuda-ipc cuda-ipc-k1 cuda-ipc-reload gpu-marked)
 for target in "${targets[@]}"; do

@@ -30,15 +30,29 @@ class SGLangWeights:
     _num_draft_tokens: int
     _control: Callable[[str, Any], Awaitable[Any]]
     """POST a control call (the engine's): a refusal raises RuntimeError."""
+    _built_for_drafter: tuple[str, list[tuple[list[str], Any]]] | None = None
+    """A ``target: both`` push's payloads, kept from the main model's load for the
+    drafter's, which the push manager makes next (push id, payloads)."""
 
     async def load_weights(self, update: WeightUpdate, *, draft: bool,
                            version: str | None) -> LoadTimings:
         """One request per bucket (``payload.load_buckets``: ``shm`` one, ``cuda_ipc`` one
         per export) in one session; every payload is built before the first is sent, and
-        the version goes with the last."""
+        the version goes with the last.
+
+        Both models load from the same tensors, so a ``target: both`` push builds its
+        payloads once: for ``shm`` building is a copy of the whole segment into torch's
+        shared memory (the 1b push's 2.28 GB), and SGLang's workers map that copy for the
+        drafter as they did for the main model. The copy lives until the drafter's load
+        ends (one copy at a time, as before)."""
         start_s = time.perf_counter()
         route = "/update_weights_from_tensor"
-        built = await asyncio.to_thread(self._payloads_per_bucket, update)
+        kept, self._built_for_drafter = self._built_for_drafter, None
+        if draft and kept is not None and kept[0] == update.push_id:
+            built = kept[1]
+        else:
+            built = await asyncio.to_thread(self._payloads_per_bucket, update)
+        del kept
         target = self._target(route, draft)
         await self._begin_session(draft)
         try:
@@ -49,9 +63,12 @@ class SGLangWeights:
                     "flush_cache": False,
                     "weight_version": version if i == len(built) - 1 else None, **target})
             loaded_s = time.perf_counter()
+            for_drafter = built if not draft and update.target == "both" else None
         finally:
             del built  # what kept shm payloads alive: SGLang has copied the tensors
             await self._end_session()  # a failed load leaves no session open
+        if for_drafter is not None:  # kept only once the main model's load has succeeded
+            self._built_for_drafter = (update.push_id, for_drafter)
         return LoadTimings(load_s=loaded_s - start_s, finalize_s=time.perf_counter() - loaded_s)
 
     def _payloads_per_bucket(self, update: WeightUpdate) -> list[tuple[list[str], Any]]:

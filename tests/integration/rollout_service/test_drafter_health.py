@@ -18,7 +18,7 @@ from rollout_service.protocol import messages
 from rollout_service.tools.launch import ServiceProcess
 from rollout_service.tools.scrape import sample_sum
 from tests.integration.conftest import API_KEY, NUM_SPECULATIVE_TOKENS, WEIGHTS_TOKEN
-from tests.integration.rollout_service.test_weights import next_version
+from tests.integration.rollout_service.weights_support import next_version
 from trainer_client.push import WeightPusher
 
 PROMPTS = [p for p, _ in arithmetic_prompts(6, seed=11)]

@@ -30,7 +30,7 @@ from tests.integration.conftest import (
     weights_checksums,
     weights_status,
 )
-from tests.integration.rollout_service.test_weights import MAIN_PARAM, with_change
+from tests.integration.rollout_service.weights_support import MAIN_PARAM, with_change
 from trainer_client.push import WeightPusher
 
 ACCEPTANCE_SERIES = ("rollout_spec_decode_missing_stats_requests_total",

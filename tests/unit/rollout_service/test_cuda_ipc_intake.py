@@ -6,7 +6,7 @@ args that select the backend, and the push's staging buffer (begin's
 
 The codec itself (export in one process, open in another) runs only on CUDA:
 ``test_cuda_ipc_gpu.py``. The service-level refusal (a cuda_ipc push to a service
-configured with shm) is in ``test_weights.py``, next to its helpers. The wire checks are
+configured with shm) is in ``test_weights_refused.py``. The wire checks are
 ``test_cuda_ipc_wire.py``.
 """
 

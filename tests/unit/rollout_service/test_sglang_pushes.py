@@ -96,7 +96,8 @@ async def test_weight_push_through_the_push_manager(version: str, checkpoint: st
     for (route, body), (_, want) in zip(fake.calls, expected):
         assert body == want or {key: body[key] for key in want or ()} == want, route
     update = payloads.calls[0][0]
-    assert [num_ranks for _, num_ranks in payloads.calls] == [2, 2]
+    # Built once for both models' loads (an shm build copies the whole segment).
+    assert [num_ranks for _, num_ranks in payloads.calls] == [2]
     assert sorted((p.name, p.dtype, p.shape, p.location.offset) for p in update.tensors) == [
         ("model.embed_tokens.weight", "bfloat16", (64, 8), 0),
         ("model.mtp_layers.0.input_proj.weight", "float32", (8, 16), 1024)]
@@ -105,6 +106,32 @@ async def test_weight_push_through_the_push_manager(version: str, checkpoint: st
         assert [json.loads(p)["segment"] for p in body["serialized_named_tensors"]] == [name] * 2
     assert manager.status().main_version == 7 and manager.status().consistent
     assert fake.weight_version == "7"
+
+
+async def test_payloads_are_reused_only_by_the_same_pushs_drafter(checkpoint: str) -> None:
+    """The main model's payloads serve the drafter's load of the same ``target: both``
+    push, and nothing else: not a later push's load, not after a main-only push."""
+    fake = make_fake("0.5.23", checkpoint)
+    payloads = PayloadRecorder()
+    engine = await connect(fake, payload_builder=payloads)
+    tensor = placed("w", "float32", (2,), 0)
+    both = WeightUpdate(push_id="both-1", target="both", transport="shm", tensors=(tensor,))
+    await engine.load_weights(both, draft=False, version="1")
+    await engine.load_weights(both, draft=True, version=None)
+    assert len(payloads.calls) == 1
+    main_only = WeightUpdate(push_id="main-2", target="main", transport="shm", tensors=(tensor,))
+    await engine.load_weights(main_only, draft=False, version="2")
+    draft_only = WeightUpdate(push_id="draft-3", target="draft", transport="shm", tensors=(tensor,))
+    await engine.load_weights(draft_only, draft=True, version=None)
+    assert [u.push_id for u, _ in payloads.calls] == ["both-1", "main-2", "draft-3"]
+    # A main load that fails keeps nothing: the drafter's load after it builds anew.
+    failing = WeightUpdate(push_id="both-4", target="both", transport="shm", tensors=(tensor,))
+    engine._num_tp_ranks = 2  # two payloads for the fake's one TP rank: it refuses the load
+    with pytest.raises(RuntimeError):
+        await engine.load_weights(failing, draft=False, version="4")
+    engine._num_tp_ranks = 1
+    await engine.load_weights(failing, draft=True, version=None)
+    assert [u.push_id for u, _ in payloads.calls][-2:] == ["both-4", "both-4"]
 
 
 async def test_failed_load_closes_the_session(checkpoint: str) -> None:
