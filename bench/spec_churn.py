@@ -213,7 +213,9 @@ def start_engine(model: str, *, k_max: int, drafter_at_k0: str, engine_kwargs: d
     from rollout_service.engines.vllm.spec_schedule import with_startup_schedule
     from rollout_service.local import engine_spec
 
-    control = {"enabled": static is None, "drafter_at_k0": drafter_at_k0}
+    # FULL CUDA graphs allowed: reproducing what they do under changes is this bench's job.
+    control = {"enabled": static is None, "drafter_at_k0": drafter_at_k0,
+               "allow_full_cuda_graphs": True}
     spec = engine_spec(load_config(model=model, engine_kwargs=engine_kwargs,
                                    mtp={"num_speculative_tokens": k_max},
                                    speculation_control=control))
@@ -222,7 +224,7 @@ def start_engine(model: str, *, k_max: int, drafter_at_k0: str, engine_kwargs: d
     if static is None:
         if spec.skip_drafter_at_k0:
             skip_module.check_engine_args(args)
-        args = with_startup_schedule(args)
+        args = with_startup_schedule(args, allow_full_cuda_graphs=spec.allow_full_cuda_graphs)
     else:
         os.environ["VLLM_PLUGINS"] = "none"  # nothing of this project in vLLM's processes
         speculative = {**args.speculative_config,

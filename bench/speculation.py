@@ -113,8 +113,8 @@ def service_config(opts: argparse.Namespace, model: Path, *,
                 else {"enabled": False}),
     }
     if speculation:
-        overrides["speculation_control"] = {
-            "enabled": True, "drafter_at_k0": drafter_at_k0,
+        overrides["speculation_control"] = {  # measured with the graphs vLLM serves with
+            "enabled": True, "drafter_at_k0": drafter_at_k0, "allow_full_cuda_graphs": True,
             "calibration": {"max_batch_size": opts.calibration_max_batch_size}}
     if opts.device == "cuda":
         overrides["engine_kwargs"] = {"dtype": "bfloat16", "enforce_eager": opts.eager,

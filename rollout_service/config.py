@@ -109,6 +109,12 @@ class SpeculationControlSettings(BaseModel):
         "nothing of the drafter runs (vLLM 0.32.0's model runner V2 on CUDA only); the "
         "positions generated at K = 0 leave the drafter's cache stale, which may lower "
         "its acceptance once K comes back (docs/speculation-control.md)."))
+    allow_full_cuda_graphs: bool = Field(False, description=(
+        "Start the controller on a CUDA engine with FULL CUDA graphs (vLLM's default "
+        "FULL_AND_PIECEWISE). vLLM 0.32.0's engine has died of an illegal memory access with "
+        "them when K changed under load (docs/speculation-control.md, the crash on the "
+        "H200), so false refuses that start, naming this field; enforce_eager ran clean. "
+        "true accepts the risk (the benches and GPU tests that measure or reproduce it)."))
 
     @field_validator("batch_size_buckets")
     @classmethod

@@ -56,7 +56,8 @@ def engine_spec(config: ServiceConfig) -> EngineSpec:
                       weights_load=config.weights_load, engine_url=config.engine_url,
                       verify_cost_batch_size=config.telemetry.verify_cost_batch_size,
                       runtime_spec_schedule=config.speculation_control.enabled,
-                      skip_drafter_at_k0=config.speculation_control.drafter_at_k0 == "skip")
+                      skip_drafter_at_k0=config.speculation_control.drafter_at_k0 == "skip",
+                      allow_full_cuda_graphs=config.speculation_control.allow_full_cuda_graphs)
 
 
 async def start_engine(config: ServiceConfig) -> Engine:

@@ -148,6 +148,9 @@ class EngineSpec:
     skip_drafter_at_k0: bool = False
     """vLLM: steps at K = 0 run nothing of the drafter
     (``speculation_control.drafter_at_k0: skip``; ``engines/vllm/drafter_at_k0.py``)."""
+    allow_full_cuda_graphs: bool = False
+    """vLLM on CUDA: start a run-time schedule with FULL CUDA graphs
+    (``speculation_control.allow_full_cuda_graphs``); otherwise refused."""
 
 
 def check_prompt(info: EngineInfo, prompt_ids: Sequence[int], max_tokens: int) -> None:

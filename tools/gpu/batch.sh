@@ -17,6 +17,7 @@
 #   bash tools/gpu/batch.sh spec-repro churn    # ~5 + 4 min: the illegal memory access
 #   bash tools/gpu/batch.sh churn-modes         # ~10 min: the crash with PIECEWISE or FULL
 #                                               #   decode graphs only, and vLLM alone
+#   bash tools/gpu/batch.sh churn-pin churn-pin-static  # ~9 min: K = 1, 2 pinned, no change
 #   bash tools/gpu/batch.sh churn-tests         # ~5 min: test_spec_churn.py, run and skip
 #   bash tools/gpu/batch.sh spec-ab             # ~9 min: drafter_at_k0 run vs skip at K = 0
 #   bash tools/gpu/batch.sh load starts trainer # ~4 + 5 + 5 min
@@ -126,6 +127,21 @@ for s in "$@"; do
       done
       step churn-static 240 python3 -m bench.spec_churn --model embedded:1b --k-max 3 \
         --concurrency 256 --static '[[1,250,3],[251,1024,1]]' --requests 6000 ;;
+    churn-pin)  # one K pinned before any request, then no change: uniform decodes sweep the
+      # batch from 256 down at query length K + 1 (FULL graphs no static run replays above
+      # 16 requests) with no K change under load; a crash here blames those graphs, a clean
+      # run the changes themselves (docs/speculation-control.md, the crash)
+      for k in 1 2; do
+        step "churn-pin-k$k" 200 env CUDA_LAUNCH_BLOCKING=1 python3 -m bench.spec_churn \
+          --model embedded:1b --k-max 3 --concurrency 256 --pin "{\"1\": $k}" --requests 512 \
+          --prompt-tokens 8,64 --max-tokens 128,256
+      done ;;
+    churn-pin-static)  # vLLM alone, the same load, K = 1 from 4 requests on (K 2, 3 below it
+      # so that every query length is captured, as with the project's start-up schedule)
+      step churn-pin-static 200 env CUDA_LAUNCH_BLOCKING=1 python3 -m bench.spec_churn \
+        --model embedded:1b --k-max 3 --concurrency 256 \
+        --static '[[1,1,0],[2,2,2],[3,3,3],[4,1024,1]]' --requests 512 \
+        --prompt-tokens 8,64 --max-tokens 128,256 ;;
     churn-tests) STALL_S=100000 step churn-tests 560 python3 -m pytest -q -p no:cacheprovider \
         -m gpu -rA tests/integration/rollout_service/test_spec_churn.py ;;
     spec-ab)  # drafter_at_k0 run vs skip: k=0 against spec-off on one run, 3 engines

@@ -20,6 +20,7 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from vllm.config.compilation import CUDAGraphMode
     from vllm.engine.arg_utils import AsyncEngineArgs
 
 ScheduleRanges = list[list[int]]
@@ -116,7 +117,33 @@ def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def with_startup_schedule(args: AsyncEngineArgs) -> AsyncEngineArgs:
+def check_cuda_graphs(cudagraph_mode: CUDAGraphMode, *, is_cuda: bool,
+                      allow_full_cuda_graphs: bool) -> None:
+    """Refuse a run-time schedule on CUDA with FULL CUDA graphs unless the user accepts them.
+
+    vLLM 0.32.0's engine died of ``CUDA error: an illegal memory access`` inside a replayed
+    graph when the schedule changed under load on an H200 (a uniform decode at K = 1 and 229
+    requests, replaying the FULL graph of 232 requests at query length 2; eager, the same
+    load ran clean; docs/speculation-control.md, "The crash on the H200"). Until the cause
+    is known a speculating engine the controller drives must not die mid-rollout, so the
+    start is refused, naming the way out.
+
+    Raises:
+        ValueError: naming ``speculation_control.allow_full_cuda_graphs``.
+    """
+    if is_cuda and cudagraph_mode.has_full_cudagraphs() and not allow_full_cuda_graphs:
+        raise ValueError(
+            f"speculation_control.allow_full_cuda_graphs: this engine's CUDA graphs "
+            f"({cudagraph_mode.name}) include FULL ones, with which vLLM 0.32.0 has died of an "
+            "illegal memory access when the controller changed K under load "
+            "(docs/speculation-control.md, the crash on the H200). Set "
+            "engine_kwargs.enforce_eager: true (ran clean), or "
+            "engine_kwargs.compilation_config.cudagraph_mode: PIECEWISE (not yet run under "
+            "changes), or allow_full_cuda_graphs: true to accept the risk")
+
+
+def with_startup_schedule(args: AsyncEngineArgs, *,
+                          allow_full_cuda_graphs: bool = False) -> AsyncEngineArgs:
     """``args`` with the K schedule a run-time schedule needs at start-up: every K in
     ``0..num_speculative_tokens`` at some batch size (:func:`startup_ranges`), over the
     batch sizes vLLM will allow (its ``max_num_seqs``, resolved here as vLLM resolves it
@@ -127,6 +154,7 @@ def with_startup_schedule(args: AsyncEngineArgs) -> AsyncEngineArgs:
         ValueError: naming the field: no speculative decoding, a schedule of the user's
             own, data parallelism (vLLM drops any schedule there), vLLM's model runner V1
             on CUDA (it forces PIECEWISE graphs with a schedule, vllm-project/vllm#49548),
+            FULL CUDA graphs without ``allow_full_cuda_graphs`` (:func:`check_cuda_graphs`),
             or a vLLM version the engine-core patch does not support.
     """
     from vllm import __version__ as vllm_version
@@ -154,6 +182,8 @@ def with_startup_schedule(args: AsyncEngineArgs) -> AsyncEngineArgs:
         raise ValueError(f"{field}: vLLM's model runner V1 on CUDA turns a K schedule's "
                          "FULL CUDA graphs into PIECEWISE ones (vllm-project/vllm#49548); "
                          "run model runner V2 (VLLM_USE_V2_MODEL_RUNNER=1)")
+    check_cuda_graphs(config.compilation_config.cudagraph_mode, is_cuda=current_platform.is_cuda(),
+                      allow_full_cuda_graphs=allow_full_cuda_graphs)
     ranges = startup_ranges(config.speculative_config.num_speculative_tokens,
                             config.scheduler_config.max_num_seqs)
     # Each step's proposed and accepted counts: vLLM's histogram alone cannot tell the K

@@ -41,8 +41,9 @@ from trainer_client.push import WeightPusher
 BUCKETS = [1, 2, 4, 8]
 CALIBRATED_BATCH_SIZES = (1, 2, 4)
 WINDOW = 8
-CONTROL = {
+CONTROL = {  # on the GPU target with vLLM's default graphs (spec-tests), FULL ones included
     "enabled": True, "batch_size_buckets": BUCKETS, "collapse_window_observations": WINDOW,
+    "allow_full_cuda_graphs": True,
     "calibration": {"max_batch_size": CALIBRATED_BATCH_SIZES[-1], "num_steps": 12,
                     "prompt_tokens": 32},
 }
