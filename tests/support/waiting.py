@@ -46,18 +46,25 @@ async def until(probe: Callable[[], Awaitable[T]], condition: Callable[[T], bool
 
 
 async def first_caught(attempt: Callable[[], Awaitable[T | None]], *, attempts: int = 3,
-                       what: str) -> T:
-    """The first of ``attempts`` runs of ``attempt`` that caught what it tried to (None: it
-    did not). For a test that must catch a request still running: on the busy 2-core
-    machine the test process can be starved until a request it just saw start has
-    generated every token, and then no ordering of its calls can freeze or abort it.
+                       timeout_s: float = 90.0, what: str) -> T:
+    """The first run of ``attempt`` that caught what it tried to (None: it did not): at
+    least ``attempts`` runs, and more until ``timeout_s`` has passed. For a test that must
+    catch a request still running: on the busy 2-core machine the test process can be
+    starved until a request it just saw start has generated every token, and then no
+    ordering of its calls can freeze or abort it. Starvation comes in bursts (a CI run
+    once lost two tests' three attempts each beside another process's start), so the
+    attempts go on for a while rather than a fixed number of times.
 
     Raises:
         AssertionError: no attempt caught it.
     """
-    for _ in range(attempts):
+    deadline = time.monotonic() + timeout_s
+    tried = 0
+    while tried < attempts or time.monotonic() < deadline:
         caught = await attempt()
+        tried += 1
         if caught is not None:
             return caught
-    raise AssertionError(f"{attempts} attempts, and {what} every time: the test process was "
-                         "starved each time, or the service let the request finish")
+    raise AssertionError(f"{tried} attempts in {timeout_s:g} s or more, and {what} every time: "
+                         "the test process was starved each time, or the service let the "
+                         "request finish")
