@@ -15,7 +15,9 @@ path), ``--changes`` times: a random K per random bucket, a quarter of them one 
 batch size (K = 0 included), then the load drains. A request that fails, or ends with
 fewer tokens than asked, is an error; so is a dead engine.
 
-``--pin '{"1": 0}'`` applies one schedule once instead (the smallest change to try), and
+The report ends with the graphs the steps ran and how often (``graph_replays.py``; the
+engine runs with ``cudagraph_metrics``): after a crash, whether the failing step's graph
+had run before. ``--pin '{"1": 0}'`` applies one schedule once instead (the smallest change to try), and
 ``--static '[[1,16,3],[17,1024,0]]'`` starts a plain vLLM engine with that schedule and
 no project code in its processes (``VLLM_PLUGINS=none`` and no worker extension: no
 run-time schedule, no ``drafter_at_k0``, no verify-cost timing) for ``--requests``
@@ -42,6 +44,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from bench.graph_replays import GraphReplayMonitor
 from rollout_service.config import load_config
 from rollout_service.embedded import ensure_model
 from rollout_service.engines.base import EngineUnavailableError, SamplingOptions
@@ -204,7 +207,8 @@ async def churn(engine: VLLMEngine, steps: StepCostMonitor, config: ChurnConfig
 
 
 def start_engine(model: str, *, k_max: int, drafter_at_k0: str, engine_kwargs: dict[str, Any],
-                 static: list[list[int]] | None = None) -> tuple[VLLMEngine, StepCostMonitor]:
+                 static: list[list[int]] | None = None
+                 ) -> tuple[VLLMEngine, GraphReplayMonitor]:
     """The engine as the service starts it with the speculation control on (the steps of
     ``engines/vllm/engine.py::start`` but with a monitor of its own), or with ``static``:
     vLLM alone with that schedule."""
@@ -231,7 +235,7 @@ def start_engine(model: str, *, k_max: int, drafter_at_k0: str, engine_kwargs: d
                        "num_speculative_tokens_per_batch_size": static}
         args = dataclasses.replace(args, speculative_config=speculative,
                                    weight_transfer_config=None, worker_extension_cls="")
-    monitor = StepCostMonitor()
+    monitor = GraphReplayMonitor()
     return VLLMEngine.start(args, served_model_name=spec.served_model_name,
                             step_costs=monitor), monitor
 
@@ -255,12 +259,14 @@ def _ints(text: str) -> tuple[int, int]:
 
 async def run(opts: argparse.Namespace, print_line: Callable[[str], None]) -> ChurnReport:
     static = json.loads(opts.static) if opts.static else None
-    model, engine_kwargs = opts.model, {}  # on the CPU: the embedded defaults
+    # Each step's graph (mode, padded tokens) in its stats, for GraphReplayMonitor; on the
+    # CPU the embedded defaults besides.
+    model, engine_kwargs = opts.model, {"cudagraph_metrics": True}
     if opts.device == "cuda":  # the checkpoint's own context, vLLM's defaults, graphs
         if model.startswith("embedded:"):
             model = str(ensure_model(model.removeprefix("embedded:")))
-        engine_kwargs = {"gpu_memory_utilization": opts.gpu_memory_utilization,
-                         "dtype": opts.dtype, "enforce_eager": opts.eager}
+        engine_kwargs |= {"gpu_memory_utilization": opts.gpu_memory_utilization,
+                          "dtype": opts.dtype, "enforce_eager": opts.eager}
         if opts.cudagraph_mode:  # e.g. PIECEWISE: which graphs the failure needs
             engine_kwargs["compilation_config"] = {"cudagraph_mode": opts.cudagraph_mode}
     engine, monitor = start_engine(model, k_max=opts.k_max, static=static,
@@ -283,6 +289,8 @@ async def run(opts: argparse.Namespace, print_line: Callable[[str], None]) -> Ch
                    f"{c.schedule}")
     for error in report.errors[:10]:
         print_line(f"  error: {error[:400]}")
+    for line in monitor.report():
+        print_line(line)
     print_line(f"churn: {report.summary()}")
     return report
 
