@@ -197,8 +197,10 @@ class ServiceConfig(BaseModel):
         "IPC handles; trainer and engine on the same GPU: vLLM's CUDA build or SGLang, "
         "standalone) or 'nccl' (the trainer broadcasts each bucket to every engine worker in "
         "a collective group it owns and this service joins through POST /weights/group: "
-        "NCCL on CUDA, gloo on the CPU; a trainer on any host; engine 'vllm', standalone or "
-        "under Ray Serve). A push announcing another transport is refused (400)."))
+        "NCCL on CUDA, gloo on the CPU; a trainer on any host; standalone or under Ray "
+        "Serve; vLLM's workers join the group, and for SGLang this service process joins it "
+        "and SGLang loads from the copy it received). A push announcing another transport is "
+        "refused (400)."))
     weights_group_timeout_s: float = Field(60.0, gt=0, description=(
         "nccl only: how long the group's join and each bucket's broadcast wait for the "
         "other ranks, unless the trainer's group asks for another (timeout_s). A trainer "
@@ -232,13 +234,6 @@ class ServiceConfig(BaseModel):
         default_factory=SpeculationControlSettings, description=(
             "Choose the number of draft tokens per batch size at run time "
             "(docs/speculation-control.md); off by default."))
-
-    @model_validator(mode="after")
-    def _transport_engine(self) -> ServiceConfig:
-        if self.weights_transport == "nccl" and self.engine != "vllm":
-            raise ValueError(f"weights_transport: 'nccl' is built for engine 'vllm' only, "
-                             f"not {self.engine!r}; use 'shm' or 'cuda_ipc' (same GPU)")
-        return self
 
     @model_validator(mode="after")
     def _speculation_control_engine(self) -> ServiceConfig:

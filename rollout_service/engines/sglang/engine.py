@@ -7,7 +7,8 @@ SGLang except to build weight payloads (``payload``). What the server accepts is
 from its schema (``features``); its answers become results in ``answers``, with the
 acceptance counts of each answer's ``meta_info`` (``stats``).
 
-Weight pushes go to ``/update_weights_from_tensor`` (``weight_methods``).
+Weight pushes go to ``/update_weights_from_tensor`` (``weight_methods``); for ``nccl``
+pushes this process is the server's rank of the trainer's group (``group_receiver``).
 
 Streaming (``stream``) sends ``"stream": true`` to ``/generate`` and merges SGLang's
 server-sent events into deltas (``answers``); closing the stream closes the
@@ -49,6 +50,7 @@ from rollout_service.engines.sglang.features import (
     ServerFeatures,
     detect_features,
 )
+from rollout_service.engines.sglang.group_receiver import ServiceRank
 from rollout_service.engines.sglang.launch import (
     build_launch_command,
     free_port_below_ephemeral,
@@ -74,13 +76,9 @@ async def start(spec: EngineSpec) -> SGLangEngine:
     ``spec.engine_url``, or launch a server when it is None.
 
     Raises:
-        ValueError: a weights transport other than ``shm`` or ``cuda_ipc``, or bad
-            engine kwargs.
+        ValueError: bad engine kwargs.
         EngineUnavailableError: the server cannot be reached or did not start.
     """
-    if spec.weights_transport not in ("shm", "cuda_ipc"):
-        raise ValueError(f"weights_transport: {spec.weights_transport!r} is not supported by "
-                         "engine 'sglang'; use 'shm' or 'cuda_ipc' (same GPU)")
     if spec.engine_url is not None:
         return await SGLangEngine.connect(spec.engine_url, served_model_name=spec.served_model_name,
                                           model_path=spec.model_path)
@@ -97,7 +95,7 @@ service at 100 running requests on the H200 (0.45x SGLang's own server at 128 co
 requests, 0.20x at 512)."""
 
 
-class SGLangEngine(SGLangWeights):
+class SGLangEngine(SGLangWeights, ServiceRank):
     """:class:`~rollout_service.engines.base.Engine` over an SGLang server's HTTP API.
 
     Create it with :meth:`connect` (existing server) or :meth:`launch` (subprocess)
@@ -338,6 +336,7 @@ class SGLangEngine(SGLangWeights):
             raise EngineUnavailableError(f"SGLang /health answered {response.status_code}")
 
     async def shutdown(self) -> None:
+        await self.leave_group()
         await self._client.aclose()
         if self._process is not None:
             await stop_process(self._process)

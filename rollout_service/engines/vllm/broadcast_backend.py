@@ -10,7 +10,8 @@ file (``transfer.LoadSession``, in place or by reload as for the other backends)
 drafter receives nothing a second time, no worker ever holds the whole checkpoint in
 memory, and a broadcast that fails half-way loads nothing at all.
 
-Joining and receiving block on the other ranks, so both run on threads of their own:
+Joining and receiving block on the other ranks, so both run on threads of their own
+(``weights/group_member.py``, the worker's rank of the group):
 vLLM's engine core keeps stepping while a worker waits for the trainer. The service
 follows a join through the workers' state (``rollout_group_state`` of
 ``worker_ext.py``) and a bucket through the trainer's store, where each worker counts
@@ -24,8 +25,6 @@ and loaded inside ``update_weights``, with no length or checksum of their own).
 from __future__ import annotations
 
 import logging
-import threading
-import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,12 +32,12 @@ import torch
 from vllm.distributed.weight_transfer.base import WeightTransferEngine, WeightTransferInitInfo
 
 from rollout_service.engines.base import BucketReceive
-from rollout_service.engines.vllm.bucket_receiver import PushReceiver
 from rollout_service.engines.vllm.transfer import PushUpdateInfo, SessionLoads
-from rollout_service.protocol.broadcast import Group, GroupSpec, join
+from rollout_service.protocol.broadcast import GroupSpec
 from rollout_service.protocol.placement import BroadcastLocation
 from rollout_service.protocol.shm import PinnedSegment, Segment
 from rollout_service.protocol.store import BucketInfo, map_store
+from rollout_service.weights.group_member import GroupMember
 
 logger = logging.getLogger(__name__)
 
@@ -46,37 +45,6 @@ logger = logging.getLogger(__name__)
 @dataclass
 class BroadcastInitInfo(WeightTransferInitInfo):
     """Nothing at start-up: groups are joined at run time (``rollout_group_join``)."""
-
-
-class _Background:
-    """One blocking call on its own thread, and how it ended."""
-
-    def __init__(self, key: str, target: Any, *args: Any) -> None:
-        self.key = key
-        self.result: Any = None
-        self.error: BaseException | None = None
-        self._started = time.monotonic()
-        self._ended: float | None = None
-        self._thread = threading.Thread(target=self._run, args=(target, *args), daemon=True,
-                                        name=f"rollout-{key}")
-        self._thread.start()
-
-    def _run(self, target: Any, *args: Any) -> None:
-        try:
-            self.result = target(*args)
-        except BaseException as exc:  # reported through state(), never lost
-            self.error = exc
-        finally:
-            self._ended = time.monotonic()
-
-    def state(self) -> str:
-        """``running``, ``done`` or ``failed after <seconds> s: <error>``."""
-        if self._thread.is_alive():
-            return "running"
-        if self.error is None:
-            return "done"
-        assert self._ended is not None
-        return f"failed after {self._ended - self._started:.1f} s: {self.error!r}"
 
 
 class BroadcastWeightTransferEngine(SessionLoads,
@@ -89,75 +57,37 @@ class BroadcastWeightTransferEngine(SessionLoads,
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self._join: _Background | None = None
-        self._is_writer = False
-        self._receiver: PushReceiver | None = None
+        self._member = GroupMember(self.device)
         self._mapped: tuple[str, Segment, PinnedSegment | None] | None = None
 
     def init_transfer_engine(self, init_info: BroadcastInitInfo) -> None:
         pass
 
-    # ---- the group and its buckets (worker_ext.py calls these) ---------------------
+    # ---- the group and its buckets (worker_ext.py calls these; group_member.py) -------
 
     def join_group(self, spec: dict[str, Any], rank: int, is_writer: bool) -> None:
         """Start joining the group ``spec`` as ``rank`` (returns at once); an earlier
         group is let go."""
-        self.leave_group()
-        group_spec = GroupSpec(**spec)
-        device = self.device if group_spec.backend == "nccl" else None
-        self._is_writer = is_writer
-        self._join = _Background(group_spec.group_id, join, group_spec, rank, device)
+        self._member.join_group(GroupSpec(**spec), rank, is_writer=is_writer)
 
     def group_state(self, group_id: str) -> str:
-        """``running`` (joining), ``done`` (joined), ``failed: ...``, or ``unknown``."""
-        if self._join is None or self._join.key != group_id:
-            return "unknown"
-        return self._join.state()
+        return self._member.group_state(group_id)
 
     def leave_group(self) -> None:
-        """Leave the group first: a receive blocked in it then fails at once, and its
-        threads end (leaving after them would wait out the group's timeout)."""
-        if self._join is not None and self._join.state() == "done":
-            self._join.result.close()
-        self._join = None
-        self._end_receive()
+        self._member.leave_group()
 
     def start_bucket(self, receive: dict[str, Any], bucket: dict[str, Any]) -> None:
-        """Queue one bucket's receive (returns at once); the push's first bucket sets up
-        its receiver (ring, stored copy)."""
-        plan = BucketReceive(**receive)
-        if self._receiver is None or self._receiver.push_id != plan.push_id:
-            if self._join is None or self._join.state() != "done":
-                raise RuntimeError("this worker has joined no group "
-                                   f"({self._join.state() if self._join else 'none'})")
-            self._end_receive()
-            group: Group = self._join.result
-            device = self.device if group.spec.backend == "nccl" else torch.device("cpu")
-            self._receiver = PushReceiver(group, plan, device=device,
-                                          is_writer=self._is_writer)
-        self._receiver.start(BucketInfo.model_validate(bucket))
+        self._member.start_bucket(BucketReceive(**receive), BucketInfo.model_validate(bucket))
 
     def bucket_state(self, push_id: str, index: int) -> str:
-        if self._receiver is None or self._receiver.push_id != push_id:
-            return "unknown"
-        return self._receiver.bucket_state(index)
+        return self._member.bucket_state(push_id, index)
 
     def receive_report(self, push_id: str, num_buckets: int) -> dict[str, Any]:
-        """The push's receive on this worker; once it ended (every bucket stored, or a
-        failure), the receiver and its ring are let go. ``copy_checksums`` by the
-        bucket's index as a string (the RPC's encoding keeps string keys only)."""
-        if self._receiver is None or self._receiver.push_id != push_id:
-            return {"state": "unknown", "peak_bytes": 0, "copy_checksums": {}}
-        state, peak = self._receiver.report(num_buckets)
-        checksums = {str(i): c for i, c in self._receiver.copy_checksums().items()}
-        if state != "running":
-            self._end_receive()
-        return {"state": state, "peak_bytes": peak, "copy_checksums": checksums}
-
-    def _end_receive(self) -> None:
-        if self._receiver is not None:
-            self._receiver.close()
-            self._receiver = None
+        """:meth:`GroupMember.receive_report`, ``copy_checksums`` keyed by the bucket's
+        index as a string (the RPC's encoding keeps string keys only)."""
+        report = self._member.receive_report(push_id, num_buckets)
+        return {"state": report.state, "peak_bytes": report.peak_bytes,
+                "copy_checksums": {str(i): c for i, c in report.copy_checksums.items()}}
 
     # ---- vLLM's weight-update session (SessionLoads) -------------------------------
 

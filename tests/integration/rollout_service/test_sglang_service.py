@@ -13,17 +13,12 @@ import asyncio
 import base64
 import json
 import shutil
-import threading
-import time
 from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
 import openai
 import pytest
-import uvicorn
-from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
 from rollout_service.api.app import create_app
@@ -34,10 +29,10 @@ from rollout_service.protocol import messages
 from rollout_service.protocol.cuda_ipc import ByteBufferHandle
 from rollout_service.protocol.placement import CudaIpcLocation, ShmLocation, TensorPlacement
 from rollout_service.protocol.tensors import checkpoint_tensors
-from rollout_service.tools.launch import free_port
 from rollout_service.tools.scrape import sample_sum
 from tests.integration.conftest import wait_for
 from tests.support.fake_sglang import FakeSGLang
+from tests.support.loopback_server import serving
 from tests.support.sglang_cuda_ipc_payloads import PayloadReadingFake, stand_in_for_sglang
 from trainer_client.push import layout
 
@@ -46,25 +41,6 @@ SPEC_ARGS = build_sglang_server_args(MTPSettings(num_speculative_tokens=3), {})
 
 def b64(raw: bytes) -> str:
     return base64.b64encode(raw).decode()
-
-
-@contextmanager
-def serving(app: FastAPI) -> Iterator[str]:
-    """``app`` under uvicorn on loopback, in a thread; yields its URL."""
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port,
-                                           log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        assert time.monotonic() < deadline, "the server did not start"
-        time.sleep(0.05)
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.should_exit = True
-        thread.join(timeout=10)
 
 
 @pytest.fixture

@@ -1,10 +1,11 @@
-"""One engine worker's receive of a ``nccl`` push: a ring of fixed-size slots, a thread
-that takes the trainer's buckets in order, and one that writes them to the stored copy.
+"""One receiver's part of a ``nccl`` push: a ring of fixed-size slots, a thread that
+takes the trainer's buckets in order, and one that writes them to the stored copy.
 
-Runs inside a vLLM worker process (``broadcast_backend.py`` holds one
-:class:`PushReceiver` per push), on threads of its own so that vLLM's engine keeps
-stepping while the trainer broadcasts. No vLLM import: the unit tests drive it over gloo
-between threads.
+Runs in whichever process is a rank of the trainer's group (``group_member.py`` holds one
+:class:`PushReceiver` per push): a vLLM worker (``engines/vllm/broadcast_backend.py``) or
+the service process in front of SGLang (``engines/sglang/group_receiver.py``), on threads
+of its own so that the engine keeps stepping while the trainer broadcasts. No engine
+import: the unit tests drive it over gloo between threads.
 
 Memory: a worker holds at most ``num_slots`` slots of ``slot_bytes`` (allocated on first
 use, freed when the push's receive ends), never a buffer of the whole checkpoint. A

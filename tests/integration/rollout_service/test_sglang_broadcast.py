@@ -1,0 +1,120 @@
+"""``nccl`` pushes into the SGLang engine, end to end on the CPU: the trainer owns a gloo
+group, the service process joins it as the SGLang server's one rank, receives every bucket
+into its ring and stored copy, and loads the main model and the drafter from that copy.
+
+SGLang cannot serve here: the engine drives the FAKE SGLang server
+(``sglang_shared_payloads.SharedPayloadFake``, a real HTTP server on loopback) that
+unpickles each load's payload as SGLang's TP worker does and slices the tensors out of
+it; SGLang's serializer is stood in for (it is not installed here). The trainer is
+``WeightPusher(transport="nccl")`` in the test process; the service runs under uvicorn in
+a thread of it. The intake, the group and the receive are the ones vLLM's workers use
+(``test_broadcast_push.py``); what is SGLang's own here is the rank in the service process
+(``engines/sglang/group_receiver.py``) and the load from the stored copy.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from rollout_service.api.app import create_app
+from rollout_service.client import ServiceError
+from rollout_service.config import ServiceConfig
+from rollout_service.embedded import ensure_model
+from rollout_service.engines.speculative import MTPSettings, build_sglang_server_args
+from tests.integration.rollout_service.framework_trainers import SGLangTrainer
+from tests.support.loopback_server import serving
+from tests.support.sglang_shared_payloads import (
+    SharedPayloadFake,
+    stand_in_for_sglang_serializer,
+)
+from trainer_client.push import WeightPusher
+
+TOKEN = "weights-token"
+DRAFT_PARAM = "model.mtp_layers.0.input_proj.weight"
+
+
+@pytest.fixture
+def service(monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+            ) -> Iterator[tuple[SharedPayloadFake, str]]:
+    """The fake SGLang server and a service with ``weights_transport: nccl`` on it."""
+    stand_in_for_sglang_serializer(monkeypatch)
+    fake = SharedPayloadFake("0.5.23", model_path=str(ensure_model("tiny")),
+                             speculative=build_sglang_server_args(
+                                 MTPSettings(num_speculative_tokens=3), {}))
+    with serving(fake.app) as url:
+        config = ServiceConfig(model=fake.model_path, engine="sglang", engine_url=url,
+                               served_model_name="tiny", weights_transport="nccl",
+                               weights_token=TOKEN, weights_store_dir=tmp_path / "store",
+                               weights_group_timeout_s=30)
+        with serving(create_app(config)) as service_url:
+            yield fake, service_url
+
+
+def pushed_tensors(seed: int) -> dict[str, torch.Tensor]:
+    """The tiny checkpoint with the drafter's input projection drawn anew."""
+    tensors = load_file(str(Path(ensure_model("tiny")) / "model.safetensors"))
+    g = torch.Generator().manual_seed(seed)
+    tensors[DRAFT_PARAM] = torch.randn(tensors[DRAFT_PARAM].shape, generator=g).to(
+        tensors[DRAFT_PARAM].dtype)
+    return tensors
+
+
+def versions(url: str) -> tuple[int | None, int | None]:
+    """The main model's and the drafter's served versions (``/weights/status``)."""
+    status = httpx.get(f"{url}/weights/status", headers={"authorization": f"Bearer {TOKEN}"})
+    status.raise_for_status()
+    return status.json()["main_version"], status.json()["draft_version"]
+
+
+def test_an_nccl_push_loads_both_models_from_the_copy_the_service_received(
+        service: tuple[SharedPayloadFake, str]) -> None:
+    fake, url = service
+    tensors = pushed_tensors(seed=1)
+    with WeightPusher(url, TOKEN, transport="nccl", bucket_bytes=256 * 1024) as pusher:
+        report = pusher.push(tensors.items(), version=7, target="both")
+        assert report.num_buckets > 2  # several buckets through the ring of two slots
+        assert [(load.selector, load.weight_version) for load in fake.loads] == [
+            ("target", "7"), ("draft", None)]
+        for load in fake.loads:  # every tensor, bit for bit, from the received copy
+            assert load.tensors.keys() == tensors.keys()
+            assert all(torch.equal(load.tensors[n], t) for n, t in tensors.items())
+        assert versions(url) == (7, 7)
+
+        # A refused push (a dtype the served checkpoint does not have) loads nothing.
+        bad = pushed_tensors(seed=2)
+        bad[DRAFT_PARAM] = bad[DRAFT_PARAM].float()
+        with pytest.raises(ServiceError, match="dtype") as refused:
+            pusher.push(bad.items(), version=8, target="both")
+        assert refused.value.status == 400
+        assert len(fake.loads) == 2
+        assert versions(url) == (7, 7)
+
+        # The group stays the trainer's: the next push goes through it.
+        pusher.push(pushed_tensors(seed=3).items(), version=9, target="draft")
+    assert [(load.selector, load.weight_version) for load in fake.loads[2:]] == [
+        ("draft", None)]
+    assert torch.equal(fake.loads[2].tensors[DRAFT_PARAM], pushed_tensors(seed=3)[DRAFT_PARAM])
+
+
+def test_slimes_sync_through_the_sglang_dialect_loads_sglang(
+        service: tuple[SharedPayloadFake, str]) -> None:
+    """slime's trainer (``framework_trainers.SGLangTrainer``: SGLang's own
+    ``/init_weights_update_group`` and ``/update_weights_from_distributed`` per bucket, then
+    ``/continue_generation``) syncing a service that itself fronts SGLang."""
+    fake, url = service
+    tensors = pushed_tensors(seed=4)
+    trainer = SGLangTrainer(url, weights_token=TOKEN)
+    assert trainer.init_answer.status_code == 200, trainer.init_answer.text
+    answer = trainer.sync(tensors, version=11, bucket_bytes=256 * 1024)
+    assert answer.status_code == 200, answer.text
+    assert [(load.selector, load.weight_version) for load in fake.loads] == [
+        ("target", "11"), ("draft", None)]
+    assert all(torch.equal(fake.loads[-1].tensors[n], t) for n, t in tensors.items())
+    assert versions(url) == (11, 11)
+    assert trainer.destroy().status_code == 200
