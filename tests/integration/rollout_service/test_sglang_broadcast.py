@@ -14,6 +14,7 @@ a thread of it. The intake, the group and the receive are the ones vLLM's worker
 
 from __future__ import annotations
 
+import multiprocessing
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -27,15 +28,20 @@ from rollout_service.client import ServiceError
 from rollout_service.config import ServiceConfig
 from rollout_service.embedded import ensure_model
 from rollout_service.engines.speculative import MTPSettings, build_sglang_server_args
-from tests.integration.rollout_service.framework_trainers import SGLangTrainer
+from tests.integration.rollout_service.framework_trainers import (
+    SGLangTrainer,
+    sglang_push_and_die,
+)
 from tests.support.loopback_server import serving
 from tests.support.sglang_shared_payloads import (
     SharedPayloadFake,
     stand_in_for_sglang_serializer,
 )
+from tests.support.waiting import wait_for
 from trainer_client.push import WeightPusher
 
 TOKEN = "weights-token"
+AUTH = {"authorization": f"Bearer {TOKEN}"}
 DRAFT_PARAM = "model.mtp_layers.0.input_proj.weight"
 
 
@@ -65,11 +71,17 @@ def pushed_tensors(seed: int) -> dict[str, torch.Tensor]:
     return tensors
 
 
-def versions(url: str) -> tuple[int | None, int | None]:
-    """The main model's and the drafter's served versions (``/weights/status``)."""
-    status = httpx.get(f"{url}/weights/status", headers={"authorization": f"Bearer {TOKEN}"})
+def push_state(url: str) -> dict:
+    """``/weights/status``."""
+    status = httpx.get(f"{url}/weights/status", headers=AUTH)
     status.raise_for_status()
-    return status.json()["main_version"], status.json()["draft_version"]
+    return status.json()
+
+
+def versions(url: str) -> tuple[int | None, int | None]:
+    """The main model's and the drafter's served versions."""
+    state = push_state(url)
+    return state["main_version"], state["draft_version"]
 
 
 def test_an_nccl_push_loads_both_models_from_the_copy_the_service_received(
@@ -118,3 +130,28 @@ def test_slimes_sync_through_the_sglang_dialect_loads_sglang(
     assert all(torch.equal(fake.loads[-1].tensors[n], t) for n, t in tensors.items())
     assert versions(url) == (11, 11)
     assert trainer.destroy().status_code == 200
+
+
+def test_a_trainer_that_dies_mid_broadcast_loads_nothing_into_sglang(
+        service: tuple[SharedPayloadFake, str]) -> None:
+    """slime's trainer, a process of its own, broadcasts one tensor of a bucket and exits:
+    the service's rank sees the broadcast break, SGLang loads nothing, the versions stay,
+    and the next trainer's sync loads."""
+    fake, url = service
+    trainer = multiprocessing.get_context("spawn").Process(target=sglang_push_and_die, args=(
+        url, TOKEN, "", str(Path(ensure_model("tiny")) / "model.safetensors"), 5))
+    trainer.start()
+    trainer.join(300)
+    assert trainer.exitcode == 3
+    wait_for(lambda: push_state(url), lambda state: state["active_push_id"] is None,
+             timeout_s=120)
+    assert push_state(url)["last_push"]["outcome"] in ("failed", "aborted", "rejected")
+    assert fake.loads == [] and versions(url) == (None, None)
+    assert httpx.post(f"{url}/continue_generation", json={}).status_code == 200
+    # The broken broadcast ended the group: the next trainer makes its own.
+    assert httpx.get(f"{url}/weights/group/state", headers=AUTH).json()["current"] is None
+    tensors = pushed_tensors(seed=6)
+    again = SGLangTrainer(url, weights_token=TOKEN)
+    assert again.sync(tensors, version=6, bucket_bytes=256 * 1024).status_code == 200
+    assert versions(url) == (6, 6)
+    assert all(torch.equal(fake.loads[-1].tensors[n], t) for n, t in tensors.items())
