@@ -69,7 +69,8 @@ class ServiceRank:
         return [self._rank().group_state(group_id)]
 
     async def leave_group(self) -> None:
-        self._rank().leave_group()
+        if self._member is not None:  # no rank made (nor torch imported) just to leave
+            self._member.leave_group()
 
     async def start_bucket(self, receive: BucketReceive, bucket: BucketInfo) -> None:
         """Start receiving ``bucket`` on this process's threads (returns at once;
