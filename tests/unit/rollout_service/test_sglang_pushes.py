@@ -6,8 +6,8 @@ nothing here has run against a live SGLang server. A push through the service's
 ``WeightPushManager`` becomes, per server version, the calls SGLang takes (0.5.23's
 weight-update sessions with a selector, 0.5.10-0.5.12's ``disable_draft_model``), one
 payload per TP rank from one shared-memory segment; a failed load closes its session, a
-drafter load the server cannot target is refused before anything is sent, transports
-SGLang cannot load are refused at start, and the server's checksums move with a load.
+drafter load the server cannot target is refused before anything is sent, and the
+server's checksums move with a load (``nccl`` pushes: ``test_sglang_broadcast.py``).
 Payloads come from ``PayloadRecorder`` (JSON of our own data); the real serializer's
 round trip is the opt-in ``test_sglang_conformance.py``.
 """
@@ -21,8 +21,7 @@ import os
 import pytest
 from prometheus_client import CollectorRegistry
 
-from rollout_service.engines.base import EngineSpec, WeightUpdate
-from rollout_service.engines.sglang import engine as sglang_engine
+from rollout_service.engines.base import WeightUpdate
 from rollout_service.engines.sglang.features import ServerFeatures
 from rollout_service.engines.sglang.payload import push_segment
 from rollout_service.protocol import messages
@@ -179,13 +178,6 @@ def test_a_push_to_sglang_lies_in_one_segment() -> None:
                              location=CudaIpcLocation(handle=handle))
     with pytest.raises(ValueError, match="'c' travels by 'cuda_ipc'"):
         push_segment(shm_update(placed("a", "float32", (2,), 0), on_gpu))
-
-
-async def test_start_refuses_a_transport_sglang_cannot_load(checkpoint: str) -> None:
-    spec = EngineSpec(model_path=checkpoint, served_model_name="tiny",
-                      weights_transport="nccl", engine_url="http://unused")
-    with pytest.raises(ValueError, match="weights_transport: 'nccl'"):
-        await sglang_engine.start(spec)
 
 
 async def test_weight_checksums(checkpoint: str) -> None:
