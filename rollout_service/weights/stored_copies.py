@@ -1,7 +1,7 @@
 """A server's stored copies of its ``nccl`` pushes: the one arriving, and the one served.
 
 Runs in the service process (standalone, or a Ray Serve replica); the files themselves
-are written by the engine's first worker (``weights/bucket_receiver.py``) and read
+are written by the engine's first worker (``engines/bucket_receiver.py``) and read
 by every worker when the push loads (``protocol/store.py``). The served version's copy
 stays until the next push commits: it is what a Ray Serve replica that (re)starts
 fetches from a peer (``serve/peer_store.py``). A push that fails leaves no file.

@@ -5,7 +5,7 @@ Runs in the rollout service process, as a mixin of ``SGLangEngine`` (``engine.py
 makes it a :class:`~rollout_service.engines.base.BroadcastEngine`: the trainer's group
 (``/weights/group``, or SGLang's and vLLM's dialect routes that create one) is joined
 here at the group's rank offset, and each bucket is received here, on threads of
-``weights/group_member.py``, into the same bounded ring and stored copy as a vLLM
+``engines/group_member.py``, into the same bounded ring and stored copy as a vLLM
 worker's, with the same length and checksum checks. At ``/weights/finish`` the main
 model and the drafter load from that copy as a flattened bucket, the way an ``shm`` push
 loads (``payload.py``): SGLang's TP workers read it from host memory.
@@ -31,7 +31,7 @@ from rollout_service.protocol.broadcast import Backend, GroupSpec
 from rollout_service.protocol.store import BucketInfo
 
 if TYPE_CHECKING:
-    from rollout_service.weights.group_member import GroupMember
+    from rollout_service.engines.group_member import GroupMember
 
 
 class ServiceRank:
@@ -54,7 +54,7 @@ class ServiceRank:
         if self._member is None:
             import torch
 
-            from rollout_service.weights.group_member import GroupMember
+            from rollout_service.engines.group_member import GroupMember
 
             device = (torch.device("cuda", torch.cuda.current_device())
                       if torch.cuda.is_available() else torch.device("cpu"))

@@ -11,7 +11,7 @@ drafter receives nothing a second time, no worker ever holds the whole checkpoin
 memory, and a broadcast that fails half-way loads nothing at all.
 
 Joining and receiving block on the other ranks, so both run on threads of their own
-(``weights/group_member.py``, the worker's rank of the group):
+(``engines/group_member.py``, the worker's rank of the group):
 vLLM's engine core keeps stepping while a worker waits for the trainer. The service
 follows a join through the workers' state (``rollout_group_state`` of
 ``worker_ext.py``) and a bucket through the trainer's store, where each worker counts
@@ -32,12 +32,12 @@ import torch
 from vllm.distributed.weight_transfer.base import WeightTransferEngine, WeightTransferInitInfo
 
 from rollout_service.engines.base import BucketReceive
+from rollout_service.engines.group_member import GroupMember
 from rollout_service.engines.vllm.transfer import PushUpdateInfo, SessionLoads
 from rollout_service.protocol.broadcast import GroupSpec
 from rollout_service.protocol.placement import BroadcastLocation
 from rollout_service.protocol.shm import PinnedSegment, Segment
 from rollout_service.protocol.store import BucketInfo, map_store
-from rollout_service.weights.group_member import GroupMember
 
 logger = logging.getLogger(__name__)
 

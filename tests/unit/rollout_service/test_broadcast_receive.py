@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from rollout_service.engines.base import BucketReceive
+from rollout_service.engines.bucket_receiver import PushReceiver, Ring
 from rollout_service.protocol.broadcast import (
     GroupSpec,
     Rendezvous,
@@ -27,7 +28,6 @@ from rollout_service.protocol.broadcast import (
     join,
 )
 from rollout_service.protocol.store import BucketInfo
-from rollout_service.weights.bucket_receiver import PushReceiver, Ring
 from tests.support.broadcast_groups import in_thread, joined, spec
 from tests.support.waiting import wait_for
 

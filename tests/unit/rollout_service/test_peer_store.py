@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from rollout_service.engines.base import BucketReceive
+from rollout_service.engines.bucket_receiver import PushReceiver
 from rollout_service.protocol import messages
 from rollout_service.protocol.broadcast import Group, GroupSpec, Rendezvous, join
 from rollout_service.protocol.store import (
@@ -26,7 +27,6 @@ from rollout_service.protocol.store import (
 from rollout_service.serve.commands import CommandResult, StoredPush
 from rollout_service.serve.group_fanout import GroupFanOut, GroupSettings
 from rollout_service.serve.peer_store import StoreServer, fetch_store
-from rollout_service.weights.bucket_receiver import PushReceiver
 from rollout_service.weights.stored_copies import StoredCopies
 from tests.support.waiting import wait_for
 

@@ -18,9 +18,9 @@ from typing import Any
 import torch
 
 from rollout_service.engines.base import BucketReceive, WorkerReceive
+from rollout_service.engines.bucket_receiver import PushReceiver
 from rollout_service.protocol.broadcast import Group, GroupSpec, join
 from rollout_service.protocol.store import BucketInfo
-from rollout_service.weights.bucket_receiver import PushReceiver
 
 
 class BackgroundCall:
