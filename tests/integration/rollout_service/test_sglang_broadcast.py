@@ -27,12 +27,12 @@ from rollout_service.api.app import create_app
 from rollout_service.client import ServiceError
 from rollout_service.config import ServiceConfig
 from rollout_service.embedded import ensure_model
-from rollout_service.engines.speculative import MTPSettings, build_sglang_server_args
 from tests.integration.rollout_service.framework_trainers import (
     SGLangTrainer,
     sglang_push_and_die,
 )
 from tests.support.loopback_server import serving
+from tests.support.sglang_on_fake import SPEC_ARGS
 from tests.support.sglang_shared_payloads import (
     SharedPayloadFake,
     stand_in_for_sglang_serializer,
@@ -51,8 +51,7 @@ def service(monkeypatch: pytest.MonkeyPatch, tmp_path: Path
     """The fake SGLang server and a service with ``weights_transport: nccl`` on it."""
     stand_in_for_sglang_serializer(monkeypatch)
     fake = SharedPayloadFake("0.5.23", model_path=str(ensure_model("tiny")),
-                             speculative=build_sglang_server_args(
-                                 MTPSettings(num_speculative_tokens=3), {}))
+                             speculative=SPEC_ARGS)
     with serving(fake.app) as url:
         config = ServiceConfig(model=fake.model_path, engine="sglang", engine_url=url,
                                served_model_name="tiny", weights_transport="nccl",
@@ -108,10 +107,11 @@ def test_an_nccl_push_loads_both_models_from_the_copy_the_service_received(
         assert versions(url) == (7, 7)
 
         # The group stays the trainer's: the next push goes through it.
-        pusher.push(pushed_tensors(seed=3).items(), version=9, target="draft")
+        drafter_only = pushed_tensors(seed=3)
+        pusher.push(drafter_only.items(), version=9, target="draft")
     assert [(load.selector, load.weight_version) for load in fake.loads[2:]] == [
         ("draft", None)]
-    assert torch.equal(fake.loads[2].tensors[DRAFT_PARAM], pushed_tensors(seed=3)[DRAFT_PARAM])
+    assert torch.equal(fake.loads[2].tensors[DRAFT_PARAM], drafter_only[DRAFT_PARAM])
 
 
 def test_slimes_sync_through_the_sglang_dialect_loads_sglang(

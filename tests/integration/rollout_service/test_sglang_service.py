@@ -24,7 +24,6 @@ from fastapi.testclient import TestClient
 from rollout_service.api.app import create_app
 from rollout_service.config import ServiceConfig
 from rollout_service.embedded import ensure_model
-from rollout_service.engines.speculative import MTPSettings, build_sglang_server_args
 from rollout_service.protocol import messages
 from rollout_service.protocol.cuda_ipc import ByteBufferHandle
 from rollout_service.protocol.placement import CudaIpcLocation, ShmLocation, TensorPlacement
@@ -34,9 +33,8 @@ from tests.integration.conftest import wait_for
 from tests.support.fake_sglang import FakeSGLang
 from tests.support.loopback_server import serving
 from tests.support.sglang_cuda_ipc_payloads import PayloadReadingFake, stand_in_for_sglang
+from tests.support.sglang_on_fake import SPEC_ARGS
 from trainer_client.push import layout
-
-SPEC_ARGS = build_sglang_server_args(MTPSettings(num_speculative_tokens=3), {})
 
 
 def b64(raw: bytes) -> str:
