@@ -66,6 +66,8 @@ class FakeSGLang:
         self.context_length = context_length
         self.speculative = speculative
         self.tp_size = tp_size
+        self.base_gpu_id = 0
+        """SGLang's first GPU (its ``--base-gpu-id``), reported in ``/server_info``."""
         self.vocab_size = 64
         self.eos_token_id = 63
         self.accept_per_step = 1
@@ -155,6 +157,7 @@ class FakeSGLang:
         spec = self.speculative or {}
         return {"model_path": self.model_path, "served_model_name": self.model_path,
                 "context_length": None, "tp_size": self.tp_size, "dp_size": 1,
+                "base_gpu_id": self.base_gpu_id,
                 "speculative_algorithm": spec.get("speculative_algorithm"),
                 "speculative_num_steps": spec.get("speculative_num_steps"),
                 "speculative_eagle_topk": spec.get("speculative_eagle_topk"),

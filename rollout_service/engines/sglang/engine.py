@@ -103,7 +103,7 @@ class SGLangEngine(SGLangWeights, ServiceRank):
     """
 
     def __init__(self, client: httpx.AsyncClient, info: EngineInfo, features: ServerFeatures, *,
-                 num_draft_tokens: int, num_tp_ranks: int,
+                 num_draft_tokens: int, num_tp_ranks: int, base_gpu_id: int = 0,
                  is_text_streamed_as_delta: bool = False,
                  payload_builder: PayloadBuilder | None = None,
                  process: asyncio.subprocess.Process | None = None) -> None:
@@ -116,6 +116,7 @@ class SGLangEngine(SGLangWeights, ServiceRank):
         self._tokenizer_loaded = asyncio.Lock()
         self._num_draft_tokens = num_draft_tokens
         self._num_tp_ranks = num_tp_ranks
+        self._rank_gpu = base_gpu_id
         self._build_payloads = payload_builder or build_payloads
         self._process = process
         self._resumed = asyncio.Event()
@@ -172,6 +173,7 @@ class SGLangEngine(SGLangWeights, ServiceRank):
         return cls(client, info, features,
                    num_draft_tokens=server_info["speculative_num_draft_tokens"] if is_spec else 0,
                    num_tp_ranks=server_info.get("tp_size") or 1,
+                   base_gpu_id=server_info.get("base_gpu_id") or 0,
                    is_text_streamed_as_delta=bool(server_info.get("incremental_streaming_output")),
                    payload_builder=payload_builder)
 

@@ -18,8 +18,11 @@ before anything moves, nothing loaded unless every bucket arrived intact, a stor
 for replicas that restart) at the cost of one pass through host memory.
 
 The rank's buffers: on a machine where this process sees CUDA the group is ``nccl`` on
-its current GPU (the ring's slots, ``weights_num_buckets`` x the largest bucket, are GPU
-memory outside SGLang's ``mem_fraction_static``); elsewhere ``gloo`` on the CPU.
+SGLang's first GPU, the ``base_gpu_id`` its ``/server_info`` reports (the ring's slots,
+``weights_num_buckets`` x the largest bucket, are GPU memory outside SGLang's
+``mem_fraction_static``); elsewhere ``gloo`` on the CPU. Why SGLang's GPU and not this
+process's current one: NCCL puts no two ranks of one group on one GPU, and a trainer
+colocated on the node (ranks on GPUs 0-3, SGLang on ``base_gpu_id: 4``) owns GPU 0.
 """
 
 from __future__ import annotations
@@ -31,7 +34,22 @@ from rollout_service.protocol.broadcast import Backend, GroupSpec
 from rollout_service.protocol.store import BucketInfo
 
 if TYPE_CHECKING:
+    import torch
+
     from rollout_service.engines.group_member import GroupMember
+
+
+def rank_device(gpu: int) -> torch.device:
+    """Where the service's rank receives: CUDA device ``gpu`` (SGLang's ``base_gpu_id``)
+    when this process sees it, else its current CUDA device (a server on another host,
+    given by ``engine_url``: its GPU numbers are not this machine's), else the CPU."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return torch.device("cpu")
+    if 0 <= gpu < torch.cuda.device_count():
+        return torch.device("cuda", gpu)
+    return torch.device("cuda", torch.cuda.current_device())
 
 
 class ServiceRank:
@@ -39,6 +57,7 @@ class ServiceRank:
     one receiver (a mixin; torch is imported on first use)."""
 
     _member: GroupMember | None = None
+    _rank_gpu: int = 0  # SGLang's base_gpu_id; the engine sets it from /server_info
 
     @property
     def num_workers(self) -> int:
@@ -50,15 +69,16 @@ class ServiceRank:
 
         return "nccl" if torch.cuda.is_available() else "gloo"
 
+    @property
+    def receive_device(self) -> torch.device:
+        """Where an ``nccl`` group's buckets arrive (see :func:`rank_device`)."""
+        return rank_device(self._rank_gpu)
+
     def _rank(self) -> GroupMember:
         if self._member is None:
-            import torch
-
             from rollout_service.engines.group_member import GroupMember
 
-            device = (torch.device("cuda", torch.cuda.current_device())
-                      if torch.cuda.is_available() else torch.device("cpu"))
-            self._member = GroupMember(device)
+            self._member = GroupMember(self.receive_device)
         return self._member
 
     async def join_group(self, spec: GroupSpec) -> None:

@@ -88,6 +88,27 @@ async def test_features_by_route_and_field(is_openapi_enabled: bool, checkpoint:
     assert not new.features.accepts(route, "disable_draft_model")
 
 
+@pytest.mark.parametrize(("base_gpu_id", "num_gpus", "expected"), [
+    (2, 4, "cuda:2"),  # SGLang's first GPU, not this process's current one (0)
+    (0, 4, "cuda:0"),
+    (6, 4, "cuda:1"),  # a server on another host: this process's current GPU
+    (2, 0, "cpu"),  # no CUDA here: gloo on the CPU
+])
+async def test_nccl_rank_receives_on_sglangs_first_gpu(
+        base_gpu_id: int, num_gpus: int, expected: str, checkpoint: str,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: num_gpus > 0)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: num_gpus)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+    fake = make_fake("0.5.23", checkpoint)
+    fake.base_gpu_id = base_gpu_id
+    engine = await connect(fake)
+    assert str(engine.receive_device) == expected
+    assert engine.group_backend == ("nccl" if num_gpus else "gloo")
+
+
 # --- health ---
 
 
