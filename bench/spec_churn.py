@@ -17,11 +17,13 @@ fewer tokens than asked, is an error; so is a dead engine.
 
 The report ends with the graphs the steps ran and how often (``graph_replays.py``; the
 engine runs with ``cudagraph_metrics``): after a crash, whether the failing step's graph
-had run before. ``--pin '{"1": 0}'`` applies one schedule once instead (the smallest change to try), and
-``--static '[[1,16,3],[17,1024,0]]'`` starts a plain vLLM engine with that schedule and
-no project code in its processes (``VLLM_PLUGINS=none`` and no worker extension: no
-run-time schedule, no ``drafter_at_k0``, no verify-cost timing) for ``--requests``
-requests: a failure there is vLLM's alone.
+had run before. ``--pin '{"1": 0}'`` applies one schedule once instead (the smallest
+change to try), and ``--static '[[1,16,3],[17,1024,0]]'`` starts a plain vLLM engine with
+that schedule and no project code in its processes (``VLLM_PLUGINS=none`` and no worker
+extension: no run-time schedule, no ``drafter_at_k0``, no verify-cost timing) for
+``--requests`` requests: a failure there is vLLM's alone. The CUDA graphs are vLLM's own
+sizes (``speculation_control.full_cuda_graphs: as_is``, which reproduces the crash);
+``--full-cuda-graphs align`` runs the service's aligned sizes (``graph_policy.py``).
 
     python -m bench.spec_churn --model embedded:tiny --concurrency 16 --changes 100 \\
         --max-tokens 8,48
@@ -207,6 +209,7 @@ async def churn(engine: VLLMEngine, steps: StepCostMonitor, config: ChurnConfig
 
 
 def start_engine(model: str, *, k_max: int, drafter_at_k0: str, engine_kwargs: dict[str, Any],
+                 full_cuda_graphs: str = "as_is",
                  static: list[list[int]] | None = None
                  ) -> tuple[VLLMEngine, GraphReplayMonitor]:
     """The engine as the service starts it with the speculation control on (the steps of
@@ -217,9 +220,10 @@ def start_engine(model: str, *, k_max: int, drafter_at_k0: str, engine_kwargs: d
     from rollout_service.engines.vllm.spec_schedule import with_startup_schedule
     from rollout_service.local import engine_spec
 
-    # FULL CUDA graphs allowed: reproducing what they do under changes is this bench's job.
+    # FULL CUDA graphs as vLLM sizes them by default: reproducing what they do under
+    # changes is this bench's job (--full-cuda-graphs align: the service's fix).
     control = {"enabled": static is None, "drafter_at_k0": drafter_at_k0,
-               "allow_full_cuda_graphs": True}
+               "full_cuda_graphs": full_cuda_graphs}
     spec = engine_spec(load_config(model=model, engine_kwargs=engine_kwargs,
                                    mtp={"num_speculative_tokens": k_max},
                                    speculation_control=control))
@@ -228,7 +232,7 @@ def start_engine(model: str, *, k_max: int, drafter_at_k0: str, engine_kwargs: d
     if static is None:
         if spec.skip_drafter_at_k0:
             skip_module.check_engine_args(args)
-        args = with_startup_schedule(args, allow_full_cuda_graphs=spec.allow_full_cuda_graphs)
+        args = with_startup_schedule(args, full_cuda_graphs=spec.full_cuda_graphs)
     else:
         os.environ["VLLM_PLUGINS"] = "none"  # nothing of this project in vLLM's processes
         speculative = {**args.speculative_config,
@@ -271,6 +275,7 @@ async def run(opts: argparse.Namespace, print_line: Callable[[str], None]) -> Ch
             engine_kwargs["compilation_config"] = {"cudagraph_mode": opts.cudagraph_mode}
     engine, monitor = start_engine(model, k_max=opts.k_max, static=static,
                                    drafter_at_k0=opts.drafter_at_k0,
+                                   full_cuda_graphs=opts.full_cuda_graphs,
                                    engine_kwargs=engine_kwargs)
     try:
         await prepare(engine, static=static is not None, skip=opts.drafter_at_k0 == "skip")
@@ -315,6 +320,8 @@ def main() -> None:
     parser.add_argument("--device", choices=("cpu", "cuda"), default=None)
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.5)
     parser.add_argument("--eager", action="store_true", help="no compile, no CUDA graphs")
+    parser.add_argument("--full-cuda-graphs", choices=("as_is", "align"), default="as_is",
+                        help="speculation_control.full_cuda_graphs (as_is: vLLM's sizes)")
     parser.add_argument("--cudagraph-mode", default=None,
                         help="vLLM's compilation_config.cudagraph_mode (FULL_AND_PIECEWISE, "
                              "PIECEWISE, FULL_DECODE_ONLY, ...)")

@@ -114,7 +114,7 @@ def service_config(opts: argparse.Namespace, model: Path, *,
     }
     if speculation:
         overrides["speculation_control"] = {  # measured with the graphs vLLM serves with
-            "enabled": True, "drafter_at_k0": drafter_at_k0, "allow_full_cuda_graphs": True,
+            "enabled": True, "drafter_at_k0": drafter_at_k0, "full_cuda_graphs": "as_is",
             "calibration": {"max_batch_size": opts.calibration_max_batch_size}}
     if opts.device == "cuda":
         overrides["engine_kwargs"] = {"dtype": "bfloat16", "enforce_eager": opts.eager,

@@ -22,7 +22,7 @@ from pydantic import (
     model_validator,
 )
 
-from rollout_service.engines.base import WeightsLoad
+from rollout_service.engines.base import FullGraphPolicy, WeightsLoad
 from rollout_service.engines.speculative import MTPSettings
 from rollout_service.telemetry.config import TelemetryConfig
 
@@ -109,12 +109,15 @@ class SpeculationControlSettings(BaseModel):
         "nothing of the drafter runs (vLLM 0.32.0's model runner V2 on CUDA only); the "
         "positions generated at K = 0 leave the drafter's cache stale, which may lower "
         "its acceptance once K comes back (docs/speculation-control.md)."))
-    allow_full_cuda_graphs: bool = Field(False, description=(
-        "Start the controller on a CUDA engine with FULL CUDA graphs (vLLM's default "
-        "FULL_AND_PIECEWISE). vLLM 0.32.0's engine has died of an illegal memory access with "
-        "them when K changed under load (docs/speculation-control.md, the crash on the "
-        "H200), so false refuses that start, naming this field; enforce_eager ran clean. "
-        "true accepts the risk (the benches and GPU tests that measure or reproduce it)."))
+    full_cuda_graphs: FullGraphPolicy = Field("refuse", description=(
+        "The controller on a CUDA engine whose CUDA graphs include FULL ones (vLLM's "
+        "default FULL_AND_PIECEWISE). vLLM 0.32.0's engine has died of an illegal memory "
+        "access with its default capture sizes when K changed under load "
+        "(docs/speculation-control.md, the crash on the H200). refuse: that start is "
+        "refused, naming this field (enforce_eager ran clean). align: the capture sizes are "
+        "rounded to multiples of every query length K + 1, with which the MTP drafter always "
+        "replays the target's graph, and checked at start-up (not yet run on a GPU). as_is: "
+        "vLLM's sizes, accepting the risk (the benches that reproduce the crash)."))
 
     @field_validator("batch_size_buckets")
     @classmethod

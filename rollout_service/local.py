@@ -57,7 +57,7 @@ def engine_spec(config: ServiceConfig) -> EngineSpec:
                       verify_cost_batch_size=config.telemetry.verify_cost_batch_size,
                       runtime_spec_schedule=config.speculation_control.enabled,
                       skip_drafter_at_k0=config.speculation_control.drafter_at_k0 == "skip",
-                      allow_full_cuda_graphs=config.speculation_control.allow_full_cuda_graphs)
+                      full_cuda_graphs=config.speculation_control.full_cuda_graphs)
 
 
 async def start_engine(config: ServiceConfig) -> Engine:

@@ -34,6 +34,10 @@ from rollout_service.speculation.cost import StepCostSample
 WeightsLoad = Literal["auto", "reload"]
 """How an engine loads a push: ``ServiceConfig.weights_load`` documents both."""
 
+FullGraphPolicy = Literal["refuse", "align", "as_is"]
+"""A run-time K schedule and FULL CUDA graphs: ``SpeculationControlSettings.full_cuda_graphs``
+documents each value."""
+
 
 class InvalidRequestError(ValueError):
     """The request cannot be served as given (the HTTP layer answers 400)."""
@@ -148,9 +152,9 @@ class EngineSpec:
     skip_drafter_at_k0: bool = False
     """vLLM: steps at K = 0 run nothing of the drafter
     (``speculation_control.drafter_at_k0: skip``; ``engines/vllm/drafter_at_k0.py``)."""
-    allow_full_cuda_graphs: bool = False
-    """vLLM on CUDA: start a run-time schedule with FULL CUDA graphs
-    (``speculation_control.allow_full_cuda_graphs``); otherwise refused."""
+    full_cuda_graphs: FullGraphPolicy = "refuse"
+    """vLLM on CUDA: a run-time schedule's FULL CUDA graphs
+    (``speculation_control.full_cuda_graphs``; ``engines/vllm/graph_policy.py``)."""
 
 
 def check_prompt(info: EngineInfo, prompt_ids: Sequence[int], max_tokens: int) -> None:

@@ -18,6 +18,7 @@
 #   bash tools/gpu/batch.sh churn-modes         # ~10 min: the crash with PIECEWISE or FULL
 #                                               #   decode graphs only, and vLLM alone
 #   bash tools/gpu/batch.sh churn-pin churn-pin-static  # ~9 min: K = 1, 2 pinned, no change
+#   bash tools/gpu/batch.sh churn-align         # ~5 min: the churn with aligned sizes
 #   bash tools/gpu/batch.sh churn-tests         # ~5 min: test_spec_churn.py, run and skip
 #   bash tools/gpu/batch.sh spec-ab             # ~9 min: drafter_at_k0 run vs skip at K = 0
 #   bash tools/gpu/batch.sh load starts trainer # ~4 + 5 + 5 min
@@ -128,9 +129,10 @@ for s in "$@"; do
       step churn-static 240 python3 -m bench.spec_churn --model embedded:1b --k-max 3 \
         --concurrency 256 --static '[[1,250,3],[251,1024,1]]' --requests 6000 ;;
     churn-pin)  # one K pinned before any request, then no change: uniform decodes sweep the
-      # batch from 256 down at query length K + 1 (FULL graphs no static run replays above
-      # 16 requests) with no K change under load; a crash here blames those graphs, a clean
-      # run the changes themselves (docs/speculation-control.md, the crash)
+      # batch from 256 down at query length K + 1 with vLLM's capture sizes. The mechanism
+      # of docs/speculation-control.md (the drafter replays a FULL graph of more requests
+      # than the target ran) predicts a crash at K = 1 and none at K = 2; the engine's log
+      # names the batch sizes at risk (graph_policy.warn_divergence)
       for k in 1 2; do
         step "churn-pin-k$k" 200 env CUDA_LAUNCH_BLOCKING=1 python3 -m bench.spec_churn \
           --model embedded:1b --k-max 3 --concurrency 256 --pin "{\"1\": $k}" --requests 512 \
@@ -142,6 +144,11 @@ for s in "$@"; do
         --model embedded:1b --k-max 3 --concurrency 256 \
         --static '[[1,1,0],[2,2,2],[3,3,3],[4,1024,1]]' --requests 512 \
         --prompt-tokens 8,64 --max-tokens 128,256 ;;
+    churn-align)  # the random churn with the service's aligned capture sizes
+      # (speculation_control.full_cuda_graphs: align): predicted clean
+      step churn-align 300 env CUDA_LAUNCH_BLOCKING="${BLOCKING:-1}" python3 -m bench.spec_churn \
+        --model embedded:1b --k-max 3 --concurrency 256 --changes "${CHANGES:-1000}" \
+        --full-cuda-graphs align ;;
     churn-tests) STALL_S=100000 step churn-tests 560 python3 -m pytest -q -p no:cacheprovider \
         -m gpu -rA tests/integration/rollout_service/test_spec_churn.py ;;
     spec-ab)  # drafter_at_k0 run vs skip: k=0 against spec-off on one run, 3 engines
@@ -195,7 +202,7 @@ for s in "$@"; do
     spec-full) step spec-full 540 python3 -m bench.speculation --model embedded:1b \
             --draft-noise 0.1,0.6 --k-max 3 --concurrency 1,16,256 --max-tokens 256 \
             --rounds 2 --rollout-prompts 512 --stale-drafter --logs "$out/spec-logs" ;;
-    *) echo "unknown step: $s (tests spec-tests trainer starts serving serving-dialects sync sync7b load spec spec-skip spec-profile spec-full spec-repro spec-repro-eager churn churn-modes churn-tests spec-ab sglang-smoke sglang-tests sglang-ipc-tests sglang-serving sglang-sync rayserve rayserve-load)" >&2; exit 2 ;;
+    *) echo "unknown step: $s (tests spec-tests trainer starts serving serving-dialects sync sync7b load spec spec-skip spec-profile spec-full spec-repro spec-repro-eager churn churn-modes churn-pin churn-pin-static churn-align churn-tests spec-ab sglang-smoke sglang-tests sglang-ipc-tests sglang-serving sglang-sync rayserve rayserve-load)" >&2; exit 2 ;;
   esac
 done
 clean

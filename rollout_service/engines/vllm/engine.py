@@ -98,7 +98,7 @@ async def start(spec: EngineSpec) -> VLLMEngine:
         engine = VLLMEngine.start(args, served_model_name=spec.served_model_name,
                                   weights_load=spec.weights_load)
     else:
-        startup = with_startup_schedule(args, allow_full_cuda_graphs=spec.allow_full_cuda_graphs)
+        startup = with_startup_schedule(args, full_cuda_graphs=spec.full_cuda_graphs)
         engine = VLLMEngine.start(startup,
                                   served_model_name=spec.served_model_name,
                                   weights_load=spec.weights_load, step_costs=StepCostMonitor())

@@ -19,8 +19,10 @@ import dataclasses
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
+from rollout_service.engines.base import FullGraphPolicy
+from rollout_service.engines.vllm.graph_policy import apply_full_graph_policy, check_cuda_graphs
+
 if TYPE_CHECKING:
-    from vllm.config.compilation import CUDAGraphMode
     from vllm.engine.arg_utils import AsyncEngineArgs
 
 ScheduleRanges = list[list[int]]
@@ -117,44 +119,20 @@ def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def check_cuda_graphs(cudagraph_mode: CUDAGraphMode, *, is_cuda: bool,
-                      allow_full_cuda_graphs: bool) -> None:
-    """Refuse a run-time schedule on CUDA with FULL CUDA graphs unless the user accepts them.
-
-    vLLM 0.32.0's engine died of ``CUDA error: an illegal memory access`` inside a replayed
-    graph when the schedule changed under load on an H200 (a uniform decode at K = 1 and 229
-    requests, replaying the FULL graph of 232 requests at query length 2; eager, the same
-    load ran clean; docs/speculation-control.md, "The crash on the H200"). Until the cause
-    is known a speculating engine the controller drives must not die mid-rollout, so the
-    start is refused, naming the way out.
-
-    Raises:
-        ValueError: naming ``speculation_control.allow_full_cuda_graphs``.
-    """
-    if is_cuda and cudagraph_mode.has_full_cudagraphs() and not allow_full_cuda_graphs:
-        raise ValueError(
-            f"speculation_control.allow_full_cuda_graphs: this engine's CUDA graphs "
-            f"({cudagraph_mode.name}) include FULL ones, with which vLLM 0.32.0 has died of an "
-            "illegal memory access when the controller changed K under load "
-            "(docs/speculation-control.md, the crash on the H200). Set "
-            "engine_kwargs.enforce_eager: true (ran clean), or "
-            "engine_kwargs.compilation_config.cudagraph_mode: PIECEWISE (not yet run under "
-            "changes), or allow_full_cuda_graphs: true to accept the risk")
-
-
 def with_startup_schedule(args: AsyncEngineArgs, *,
-                          allow_full_cuda_graphs: bool = False) -> AsyncEngineArgs:
+                          full_cuda_graphs: FullGraphPolicy = "refuse") -> AsyncEngineArgs:
     """``args`` with the K schedule a run-time schedule needs at start-up: every K in
     ``0..num_speculative_tokens`` at some batch size (:func:`startup_ranges`), over the
     batch sizes vLLM will allow (its ``max_num_seqs``, resolved here as vLLM resolves it
     for the service: ``usage_context.py``), and per-request metrics with each step's
-    counts (``detailed``).
+    counts (``detailed``). FULL CUDA graphs as ``full_cuda_graphs`` says
+    (``graph_policy.py``: refused, aligned capture sizes, or vLLM's own).
 
     Raises:
         ValueError: naming the field: no speculative decoding, a schedule of the user's
             own, data parallelism (vLLM drops any schedule there), vLLM's model runner V1
             on CUDA (it forces PIECEWISE graphs with a schedule, vllm-project/vllm#49548),
-            FULL CUDA graphs without ``allow_full_cuda_graphs`` (:func:`check_cuda_graphs`),
+            FULL CUDA graphs under ``refuse`` (``graph_policy.check_cuda_graphs``),
             or a vLLM version the engine-core patch does not support.
     """
     from vllm import __version__ as vllm_version
@@ -182,8 +160,8 @@ def with_startup_schedule(args: AsyncEngineArgs, *,
         raise ValueError(f"{field}: vLLM's model runner V1 on CUDA turns a K schedule's "
                          "FULL CUDA graphs into PIECEWISE ones (vllm-project/vllm#49548); "
                          "run model runner V2 (VLLM_USE_V2_MODEL_RUNNER=1)")
-    check_cuda_graphs(config.compilation_config.cudagraph_mode, is_cuda=current_platform.is_cuda(),
-                      allow_full_cuda_graphs=allow_full_cuda_graphs)
+    mode, is_cuda = config.compilation_config.cudagraph_mode, current_platform.is_cuda()
+    check_cuda_graphs(mode, is_cuda=is_cuda, policy=full_cuda_graphs)
     ranges = startup_ranges(config.speculative_config.num_speculative_tokens,
                             config.scheduler_config.max_num_seqs)
     # Each step's proposed and accepted counts: vLLM's histogram alone cannot tell the K
@@ -191,6 +169,9 @@ def with_startup_schedule(args: AsyncEngineArgs, *,
     # (speculation/acceptance.py). The service's default level is "summary".
     metrics = ("detailed" if args.per_request_spec_decode_metrics == "summary"
                else args.per_request_spec_decode_metrics)
-    return dataclasses.replace(args, per_request_spec_decode_metrics=metrics,
-                               speculative_config={
-                                   **speculative, "num_speculative_tokens_per_batch_size": ranges})
+    startup = dataclasses.replace(args, per_request_spec_decode_metrics=metrics,
+                                  speculative_config={
+                                      **speculative,
+                                      "num_speculative_tokens_per_batch_size": ranges})
+    return apply_full_graph_policy(startup, mode, is_cuda=is_cuda, policy=full_cuda_graphs,
+                                   query_lens=tuple(sorted({k + 1 for _, _, k in ranges})))

@@ -6,9 +6,10 @@ schedule holding every K; ``bench/spec_churn.py``), in this process. On the CPU 
 model runner V1, eager) a small run with ``drafter_at_k0: run`` (``skip`` needs model
 runner V2). On CUDA (``gpu``-marked: vLLM's compile and CUDA graphs, model runner V2) the
 issue's run: 256 requests in flight with prompts of 8-400 tokens, 1,000 changes, K = 0
-among them, once with the drafter run at K = 0 and once with it skipped. An H200 engine
-had died of an illegal memory access after K = 0 was pinned under load
-(docs/speculation-control.md).
+among them, once with the drafter run at K = 0 and once with it skipped, with the
+capture sizes the service aligns (``speculation_control.full_cuda_graphs: align``). An
+H200 engine had died of an illegal memory access after K = 0 was pinned under load with
+vLLM's own sizes (docs/speculation-control.md; ``batch.sh churn`` reproduces that).
 
     python -m pytest -q -m gpu tests/integration/rollout_service/test_spec_churn.py -rA
 """
@@ -48,7 +49,7 @@ async def test_random_k_changes_under_load_never_fail_a_request(
     else:
         model, kwargs = "embedded:tiny", {}
     engine, steps = start_engine(model, k_max=K_MAX, drafter_at_k0=drafter_at_k0,
-                                 engine_kwargs=kwargs)
+                                 full_cuda_graphs="align", engine_kwargs=kwargs)
     try:
         await prepare(engine, static=False, skip=drafter_at_k0 == "skip")
         report = await churn(engine, steps, CONFIG)

@@ -43,7 +43,7 @@ CALIBRATED_BATCH_SIZES = (1, 2, 4)
 WINDOW = 8
 CONTROL = {  # on the GPU target with vLLM's default graphs (spec-tests), FULL ones included
     "enabled": True, "batch_size_buckets": BUCKETS, "collapse_window_observations": WINDOW,
-    "allow_full_cuda_graphs": True,
+    "full_cuda_graphs": "as_is",
     "calibration": {"max_batch_size": CALIBRATED_BATCH_SIZES[-1], "num_steps": 12,
                     "prompt_tokens": 32},
 }

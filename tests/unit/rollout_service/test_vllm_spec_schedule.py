@@ -1,5 +1,6 @@
 """The K schedule as vLLM takes it: the table -> ranges conversion read back through vLLM's
-own lookup builder, the start-up schedule, and the engine-core patch's refusals and fence.
+own lookup builder, the start-up schedule, and the engine-core patch's refusals (the CUDA
+graph policy: test_vllm_graph_policy.py).
 
 The running engine is in tests/integration/rollout_service/test_speculation_control.py.
 """
@@ -11,13 +12,11 @@ from types import SimpleNamespace
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from vllm.config.compilation import CUDAGraphMode
 from vllm.v1.engine.core import EngineCore
 from vllm.v1.spec_decode.dynamic import utils as vllm_dynamic_sd
 
 from rollout_service.engines.vllm.patches import spec_schedule as patch
 from rollout_service.engines.vllm.spec_schedule import (
-    check_cuda_graphs,
     check_schedule,
     lookup_to_schedule,
     schedule_to_ranges,
@@ -188,21 +187,3 @@ def test_the_controlled_engine_reports_each_steps_counts() -> None:
     assert controlled.per_request_spec_decode_metrics == "detailed"
     config = controlled.create_engine_config()
     assert config.observability_config.per_request_spec_decode_metrics == "detailed"
-
-
-@pytest.mark.parametrize("mode", list(CUDAGraphMode))
-@pytest.mark.parametrize("allow", [False, True])
-def test_full_cuda_graphs_are_refused_on_cuda_unless_allowed(mode: CUDAGraphMode,
-                                                             allow: bool) -> None:
-    """Every vLLM graph mode with FULL graphs in it is refused on CUDA without the opt-in,
-    naming the field; PIECEWISE, NONE, the opt-in and the CPU start."""
-    refused = mode.has_full_cudagraphs() and not allow
-    assert refused == (mode in (CUDAGraphMode.FULL, CUDAGraphMode.FULL_DECODE_ONLY,
-                                CUDAGraphMode.FULL_AND_PIECEWISE) and not allow)
-    if refused:
-        with pytest.raises(ValueError, match=r"^speculation_control\.allow_full_cuda_graphs: "
-                                             rf".*\({mode.name}\).*enforce_eager"):
-            check_cuda_graphs(mode, is_cuda=True, allow_full_cuda_graphs=allow)
-    else:
-        check_cuda_graphs(mode, is_cuda=True, allow_full_cuda_graphs=allow)
-    check_cuda_graphs(mode, is_cuda=False, allow_full_cuda_graphs=allow)  # vLLM's CPU engine

@@ -1,0 +1,157 @@
+"""What the speculation controller does with a CUDA engine's FULL CUDA graphs:
+refuse them, align their capture sizes, or take them as vLLM made them.
+
+Runs in the rollout service process at start-up, from
+:func:`~rollout_service.engines.vllm.spec_schedule.with_startup_schedule`.
+
+vLLM 0.32.0's engine died of ``CUDA error: an illegal memory access`` inside a replayed
+graph when K changed under load on an H200 with its default graphs
+(docs/speculation-control.md, "The crash on the H200"); eager, the same load ran clean.
+``graph_ladder.py`` gives the mechanism we believe in: at some batch sizes the MTP
+drafter's prefill replays a FULL graph captured for more requests than the target ran.
+``align`` rounds the capture sizes so that no batch size does, and checks it.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import logging
+import math
+from typing import TYPE_CHECKING
+
+from rollout_service.engines.base import FullGraphPolicy
+from rollout_service.engines.vllm.graph_ladder import (
+    GraphLadder,
+    aligned_capture_sizes,
+    divergent_batches,
+)
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.config.compilation import CUDAGraphMode
+    from vllm.engine.arg_utils import AsyncEngineArgs
+
+logger = logging.getLogger(__name__)
+
+FIELD = "speculation_control.full_cuda_graphs"
+
+
+def check_cuda_graphs(cudagraph_mode: CUDAGraphMode, *, is_cuda: bool,
+                      policy: FullGraphPolicy) -> None:
+    """Refuse a run-time schedule on CUDA with FULL CUDA graphs under ``refuse``: a
+    speculating engine the controller drives must not die mid-rollout.
+
+    Raises:
+        ValueError: naming ``speculation_control.full_cuda_graphs`` and the ways out.
+    """
+    if is_cuda and cudagraph_mode.has_full_cudagraphs() and policy == "refuse":
+        raise ValueError(
+            f"{FIELD}: this engine's CUDA graphs ({cudagraph_mode.name}) include FULL ones, "
+            "with which vLLM 0.32.0 has died of an illegal memory access when the "
+            "controller changed K under load (docs/speculation-control.md, the crash on "
+            "the H200). Set engine_kwargs.enforce_eager: true (ran clean), or "
+            "engine_kwargs.compilation_config.cudagraph_mode: PIECEWISE or "
+            "FULL_DECODE_ONLY (no drafter/target divergence; not yet run under changes), "
+            f"or {FIELD}: align (capture sizes with no divergence; not yet run on a GPU), "
+            "or as_is to accept the risk")
+
+
+def apply_full_graph_policy(args: AsyncEngineArgs, cudagraph_mode: CUDAGraphMode, *,
+                            is_cuda: bool, policy: FullGraphPolicy,
+                            query_lens: tuple[int, ...]) -> AsyncEngineArgs:
+    """``args`` (with the start-up schedule) as ``policy`` starts them: ``align``: aligned
+    capture sizes (:func:`align_full_graphs`); ``as_is``: unchanged, with a warning naming
+    the batch sizes at which the drafter will replay another graph than the target.
+
+    Only FULL_AND_PIECEWISE graphs on CUDA can diverge (FULL, FULL_DECODE_ONLY and
+    PIECEWISE cannot: ``test_vllm_graph_ladder.py`` checks it on vLLM's own dispatch), so
+    other starts are returned unchanged.
+    """
+    from vllm.config.compilation import CUDAGraphMode
+
+    if not is_cuda or cudagraph_mode != CUDAGraphMode.FULL_AND_PIECEWISE:
+        return args
+    if policy == "align":
+        return align_full_graphs(args, query_lens)
+    if policy == "as_is":
+        warn_divergence(resolve(args), query_lens)
+    return args
+
+
+def resolve(args: AsyncEngineArgs) -> VllmConfig:
+    """The config vLLM will run ``args`` with (resolved as for the service)."""
+    from rollout_service.engines.vllm.usage_context import serving_usage_context
+
+    return dataclasses.replace(args).create_engine_config(serving_usage_context())
+
+
+def warn_divergence(config: VllmConfig, query_lens: tuple[int, ...]) -> None:
+    """Log where ``config``'s drafter replays another graph than its target (``as_is``)."""
+    found = divergent_batches(ladder_of(config, query_lens))
+    for q in query_lens:
+        sizes = [d.num_reqs for d in found if d.query_len == q]
+        if sizes:
+            logger.warning("%s: as_is: at K = %d the drafter replays a FULL graph of more "
+                           "requests than the target ran at %d batch sizes: %s%s", FIELD,
+                           q - 1, len(sizes), sizes[:16], " ..." if len(sizes) > 16 else "")
+
+
+def ladder_of(config: VllmConfig, query_lens: tuple[int, ...]) -> GraphLadder:
+    """The graphs ``config`` (resolved by vLLM) captures for uniform decodes."""
+    from vllm.config.compilation import CUDAGraphMode
+
+    compilation = config.compilation_config
+    return GraphLadder(
+        capture_sizes=tuple(compilation.cudagraph_capture_sizes or ()), query_lens=query_lens,
+        max_num_reqs=config.scheduler_config.max_num_seqs,
+        max_capture_size=compilation.max_cudagraph_capture_size or 0,
+        has_piecewise=compilation.cudagraph_mode == CUDAGraphMode.FULL_AND_PIECEWISE)
+
+
+def with_capture_sizes(args: AsyncEngineArgs, sizes: list[int]) -> AsyncEngineArgs:
+    """``args`` capturing exactly ``sizes`` (through ``compilation_config``; the
+    top-level shortcuts vLLM would refuse beside it are cleared)."""
+    compilation = copy.deepcopy(args.compilation_config)
+    compilation.cudagraph_capture_sizes = sizes
+    compilation.max_cudagraph_capture_size = max(sizes)
+    return dataclasses.replace(args, compilation_config=compilation,
+                               cudagraph_capture_sizes=None, max_cudagraph_capture_size=None)
+
+
+def check_no_divergence(ladder: GraphLadder) -> None:
+    """Raises:
+        ValueError: naming the field and the first batches whose drafter would replay a
+            FULL graph of more requests than its target ran.
+    """
+    found = divergent_batches(ladder)
+    if found:
+        shown = ", ".join(f"{d.num_reqs} requests at query length {d.query_len}"
+                          for d in found[:4])
+        raise ValueError(
+            f"{FIELD}: with {len(ladder.capture_sizes)} CUDA graph capture sizes up to "
+            f"{max(ladder.capture_sizes)} tokens the drafter replays "
+            f"another CUDA graph than the target at {len(found)} batch sizes ({shown}); "
+            "leave engine_kwargs.compilation_config.cudagraph_capture_sizes to the service")
+
+
+def align_full_graphs(args: AsyncEngineArgs, query_lens: tuple[int, ...]) -> AsyncEngineArgs:
+    """``args`` whose capture sizes (vLLM's own, or the user's) are rounded to multiples of
+    every query length, checked on the config vLLM resolves from them.
+
+    Raises:
+        ValueError: naming the field, if a divergence is left (see
+            :func:`check_no_divergence`).
+    """
+    before = resolve(args)
+    sizes = aligned_capture_sizes(
+        before.compilation_config.cudagraph_capture_sizes or [1], query_lens,
+        max_num_tokens=before.scheduler_config.max_num_batched_tokens)
+    aligned = with_capture_sizes(args, sizes)
+    check_no_divergence(ladder_of(resolve(aligned), query_lens))
+    logger.info("CUDA graph capture sizes aligned for the speculation control: %d sizes, "
+                "multiples of %d up to %d tokens (were %d sizes up to %d)", len(sizes),
+                math.lcm(*query_lens), sizes[-1],
+                len(before.compilation_config.cudagraph_capture_sizes or ()),
+                before.compilation_config.max_cudagraph_capture_size)
+    return aligned

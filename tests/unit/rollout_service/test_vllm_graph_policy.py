@@ -1,0 +1,123 @@
+"""``engines/vllm/graph_policy.py``: what the controller does with FULL CUDA graphs.
+
+vLLM's CPU engine captures no graphs, so the aligned start itself is a GPU test
+(``test_spec_churn.py``); here: the refusal per graph mode and policy, which modes get
+aligned, the engine arguments that carry the sizes (resolved by vLLM), and the check
+that refuses sizes whose drafter would diverge.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from types import SimpleNamespace
+
+import pytest
+from vllm.config.compilation import CUDAGraphMode
+from vllm.engine.arg_utils import AsyncEngineArgs
+
+from rollout_service.config import EMBEDDED_ENGINE_KWARGS
+from rollout_service.embedded import ensure_model
+from rollout_service.engines.speculative import MTPSettings, load_checkpoint_config
+from rollout_service.engines.vllm.engine_args import build_engine_args
+from rollout_service.engines.vllm.graph_ladder import GraphLadder, aligned_capture_sizes
+from rollout_service.engines.vllm.graph_policy import (
+    align_full_graphs,
+    apply_full_graph_policy,
+    check_cuda_graphs,
+    check_no_divergence,
+    warn_divergence,
+    with_capture_sizes,
+)
+
+FULL_MODES = (CUDAGraphMode.FULL, CUDAGraphMode.FULL_DECODE_ONLY,
+              CUDAGraphMode.FULL_AND_PIECEWISE)
+QUERY_LENS = (1, 2, 3, 4)
+# vLLM's default grid up to 512 tokens (config/vllm.py) with 1024 requests: the start-up
+# schedule's K = 0 and K = 1 diverge on it (test_vllm_graph_ladder.py).
+DEFAULT_GRID = (1, 2, 4, *range(8, 256, 8), *range(256, 513, 16))
+
+
+@pytest.fixture(scope="module")
+def engine_args() -> AsyncEngineArgs:
+    model = str(ensure_model("tiny"))
+    return build_engine_args(model, EMBEDDED_ENGINE_KWARGS,
+                             MTPSettings(num_speculative_tokens=3), load_checkpoint_config(model))
+
+
+@pytest.mark.parametrize("mode", list(CUDAGraphMode))
+@pytest.mark.parametrize("policy", ["refuse", "align", "as_is"])
+def test_full_cuda_graphs_are_refused_on_cuda_under_refuse(mode: CUDAGraphMode,
+                                                           policy: str) -> None:
+    """Every vLLM graph mode with FULL graphs in it is refused on CUDA under ``refuse``,
+    naming the field and the ways out; PIECEWISE, NONE, the other policies and the CPU
+    start are not."""
+    refused = mode.has_full_cudagraphs() and policy == "refuse"
+    assert refused == (mode in FULL_MODES and policy == "refuse")
+    if refused:
+        with pytest.raises(ValueError, match=r"^speculation_control\.full_cuda_graphs: "
+                                             rf".*\({mode.name}\).*enforce_eager.*align"):
+            check_cuda_graphs(mode, is_cuda=True, policy=policy)  # type: ignore[arg-type]
+    else:
+        check_cuda_graphs(mode, is_cuda=True, policy=policy)  # type: ignore[arg-type]
+    check_cuda_graphs(mode, is_cuda=False, policy=policy)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("mode", list(CUDAGraphMode))
+def test_only_full_and_piecewise_graphs_on_cuda_are_aligned(
+        mode: CUDAGraphMode, engine_args: AsyncEngineArgs) -> None:
+    aligned = apply_full_graph_policy(engine_args, mode, is_cuda=True, policy="align",
+                                      query_lens=QUERY_LENS)
+    assert (aligned is not engine_args) == (mode == CUDAGraphMode.FULL_AND_PIECEWISE)
+    for policy, is_cuda in (("align", False), ("as_is", True), ("as_is", False)):
+        assert apply_full_graph_policy(engine_args, mode, is_cuda=is_cuda, policy=policy,
+                                       query_lens=QUERY_LENS) is engine_args
+
+
+def test_as_is_warns_where_the_drafter_diverges(caplog: pytest.LogCaptureFixture) -> None:
+    config = SimpleNamespace(  # what ladder_of reads of a resolved VllmConfig
+        compilation_config=SimpleNamespace(
+            cudagraph_capture_sizes=list(DEFAULT_GRID), max_cudagraph_capture_size=512,
+            cudagraph_mode=CUDAGraphMode.FULL_AND_PIECEWISE),
+        scheduler_config=SimpleNamespace(max_num_seqs=1024))
+    with caplog.at_level(logging.WARNING):
+        warn_divergence(config, QUERY_LENS)  # type: ignore[arg-type]
+    assert [record.getMessage().split(" the drafter")[0] for record in caplog.records] == [
+        "speculation_control.full_cuda_graphs: as_is: at K = 0",
+        "speculation_control.full_cuda_graphs: as_is: at K = 1"]
+    assert "[3, 5, 6, 9," in caplog.records[0].getMessage()
+
+
+def ladder(sizes: tuple[int, ...]) -> GraphLadder:
+    return GraphLadder(capture_sizes=sizes, query_lens=QUERY_LENS, max_num_reqs=1024,
+                       max_capture_size=max(sizes))
+
+
+def test_sizes_whose_drafter_diverges_are_refused_naming_the_field() -> None:
+    with pytest.raises(ValueError, match=r"^speculation_control\.full_cuda_graphs: .* at "
+                                         r"\d+ batch sizes \(3 requests at query length 1"):
+        check_no_divergence(ladder(DEFAULT_GRID))
+    check_no_divergence(ladder(tuple(aligned_capture_sizes(DEFAULT_GRID, QUERY_LENS,
+                                                           max_num_tokens=8192))))
+
+
+def test_the_sizes_travel_in_the_compilation_config(engine_args: AsyncEngineArgs) -> None:
+    """Set through ``compilation_config`` with the top-level shortcuts cleared (vLLM refuses
+    both at once), the rest of the user's compilation config kept, vLLM resolves them."""
+    user = dataclasses.replace(engine_args, cudagraph_capture_sizes=[1, 2],
+                               compilation_config={"mode": 0})
+    aligned = with_capture_sizes(user, [12, 24, 36])
+    assert aligned.compilation_config.cudagraph_capture_sizes == [12, 24, 36]
+    assert aligned.compilation_config.max_cudagraph_capture_size == 36
+    assert aligned.compilation_config.mode == 0
+    assert aligned.cudagraph_capture_sizes is None
+    assert user.compilation_config.cudagraph_capture_sizes is None  # not changed in place
+    dataclasses.replace(aligned).create_engine_config()  # vLLM takes them
+
+
+def test_align_resolves_checks_and_returns_new_args(engine_args: AsyncEngineArgs) -> None:
+    """On the CPU vLLM resolves no graphs, so the sizes are one multiple; the same calls
+    run on CUDA."""
+    aligned = align_full_graphs(engine_args, QUERY_LENS)
+    assert aligned.compilation_config.cudagraph_capture_sizes == [12]
+    assert engine_args.compilation_config.cudagraph_capture_sizes is None
