@@ -113,8 +113,9 @@ def service_config(opts: argparse.Namespace, model: Path, *,
                 else {"enabled": False}),
     }
     if speculation:
-        overrides["speculation_control"] = {  # measured with the graphs vLLM serves with
-            "enabled": True, "drafter_at_k0": drafter_at_k0, "full_cuda_graphs": "as_is",
+        overrides["speculation_control"] = {  # as_is: the graphs vLLM serves with by default
+            "enabled": True, "drafter_at_k0": drafter_at_k0,
+            "full_cuda_graphs": opts.full_cuda_graphs,
             "calibration": {"max_batch_size": opts.calibration_max_batch_size}}
     if opts.device == "cuda":
         overrides["engine_kwargs"] = {"dtype": "bfloat16", "enforce_eager": opts.eager,
@@ -332,9 +333,10 @@ def main() -> None:
     parser.add_argument("--draft-noise", default="0.25",
                         help="comma-separated drafter noises, one checkpoint (and run) each")
     parser.add_argument("--k-max", type=int, default=3, help="the spec engine's largest K")
-    parser.add_argument("--static-k", default=None,
-                        help="comma-separated K values to pin as static modes (default: "
-                             "0 .. k-max)")
+    parser.add_argument("--static-k", default=None, help="comma-separated K values to pin "
+                        "as static modes (default: 0 .. k-max)")
+    parser.add_argument("--full-cuda-graphs", choices=("align", "as_is"), default="align",
+                        help="speculation_control.full_cuda_graphs of the spec engines")
     parser.add_argument("--drafter-at-k0", default="run",
                         help="comma-separated speculation_control.drafter_at_k0 values, one "
                              "spec engine each (run,skip: the A/B on one run; skip: "
@@ -342,13 +344,11 @@ def main() -> None:
     parser.add_argument("--profile-modes", default="",
                         help="comma-separated modes (spec-off, k=<K>, controller) to sample "
                              "with py-spy, service and engine core, every round")
-    parser.add_argument("--profile-dir", default="bench-speculation-profiles",
-                        help="where --profile-modes writes (read with bench.profile_summary)")
-    parser.add_argument("--stale-drafter", action="store_true",
-                        help="one more run: the first noise's drafter after a main push of "
-                             "another seed's model")
-    parser.add_argument("--concurrency", default="1,4,16,64",
-                        help="comma-separated levels of requests in flight")
+    parser.add_argument("--profile-dir", default="bench-speculation-profiles", help="where "
+                        "--profile-modes writes (read with bench.profile_summary)")
+    parser.add_argument("--stale-drafter", action="store_true", help="one more run: the first "
+                        "noise's drafter after a main push of another seed's model")
+    parser.add_argument("--concurrency", default="1,4,16,64", help="comma-separated levels")
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--rollout-prompts", type=int, default=512,
                         help="prompts of the decaying rollout (0: no rollout)")

@@ -111,7 +111,8 @@ for s in "$@"; do
       # launched synchronously so that the engine core's traceback names the faulting one
       step spec-repro 330 env CUDA_LAUNCH_BLOCKING=1 python3 -m bench.speculation \
         --model embedded:1b --draft-noise 0.1 --k-max 3 --static-k 0 --concurrency 16,64 \
-        --max-tokens 256 --rounds 1 --rollout-prompts 0 --logs "$out/spec-repro-logs" ;;
+        --max-tokens 256 --rounds 1 --rollout-prompts 0 --full-cuda-graphs as_is \
+        --logs "$out/spec-repro-logs" ;;
     spec-repro-eager)  # the same without compile and CUDA graphs: are the graphs in it?
       step spec-repro-eager 200 env CUDA_LAUNCH_BLOCKING=1 python3 -m bench.speculation \
         --model embedded:1b --draft-noise 0.1 --k-max 3 --static-k 0 --concurrency 16,64 \
