@@ -36,6 +36,10 @@ logger = logging.getLogger(__name__)
 
 FIELD = "speculation_control.full_cuda_graphs"
 
+MAX_ALIGNMENT = 60
+"""The largest multiple ``align`` rounds to: query lengths 1..5 (``k_max`` 4 or 5). Above
+it (420 for ``k_max`` 6) a one-request decode would pad to hundreds of tokens."""
+
 
 def check_cuda_graphs(cudagraph_mode: CUDAGraphMode, *, is_cuda: bool,
                       policy: FullGraphPolicy) -> None:
@@ -140,9 +144,18 @@ def align_full_graphs(args: AsyncEngineArgs, query_lens: tuple[int, ...]) -> Asy
     every query length, checked on the config vLLM resolves from them.
 
     Raises:
-        ValueError: naming the field, if a divergence is left (see
+        ValueError: naming the field: the multiple is above :data:`MAX_ALIGNMENT` (a decode
+            of one request would pad to it), or a divergence is left (see
             :func:`check_no_divergence`).
     """
+    step = math.lcm(*query_lens)
+    if step > MAX_ALIGNMENT:
+        raise ValueError(
+            f"{FIELD}: align would round the capture sizes to multiples of {step} (every "
+            f"query length K + 1 up to {max(query_lens)}), padding small batches to {step} "
+            "tokens; set engine_kwargs.compilation_config.cudagraph_mode: FULL_DECODE_ONLY "
+            "(its drafter cannot diverge) with full_cuda_graphs: as_is, or a smaller "
+            "num_speculative_tokens")
     before = resolve(args)
     sizes = aligned_capture_sizes(
         before.compilation_config.cudagraph_capture_sizes or [1], query_lens,
@@ -151,7 +164,7 @@ def align_full_graphs(args: AsyncEngineArgs, query_lens: tuple[int, ...]) -> Asy
     check_no_divergence(ladder_of(resolve(aligned), query_lens))
     logger.info("CUDA graph capture sizes aligned for the speculation control: %d sizes, "
                 "multiples of %d up to %d tokens (were %d sizes up to %d)", len(sizes),
-                math.lcm(*query_lens), sizes[-1],
+                step, sizes[-1],
                 len(before.compilation_config.cudagraph_capture_sizes or ()),
                 before.compilation_config.max_cudagraph_capture_size)
     return aligned

@@ -121,3 +121,8 @@ def test_align_resolves_checks_and_returns_new_args(engine_args: AsyncEngineArgs
     aligned = align_full_graphs(engine_args, QUERY_LENS)
     assert aligned.compilation_config.cudagraph_capture_sizes == [12]
     assert engine_args.compilation_config.cudagraph_capture_sizes is None
+    up_to_six = align_full_graphs(engine_args, (1, 2, 3, 4, 5, 6))
+    assert up_to_six.compilation_config.cudagraph_capture_sizes == [60]
+    with pytest.raises(ValueError, match=r"^speculation_control\.full_cuda_graphs: .*420.*"
+                                         r"FULL_DECODE_ONLY"):
+        align_full_graphs(engine_args, (1, 2, 3, 4, 5, 6, 7))
