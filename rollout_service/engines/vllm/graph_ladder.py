@@ -15,8 +15,9 @@ its ``r`` requests. The MTP drafter's prefill then dispatches again on ``P`` tok
 FULL graph for ``q`` there, captured for ``P / q > r`` requests, which it replays on the
 target's metadata. A FULL graph replayed on metadata for fewer requests than it was
 captured for reads what no step wrote (FA3's scheduler metadata past ``r``): our
-hypothesis for the illegal memory access of docs/speculation-control.md, which fits every
-clean and crashing run so far; the same shadowing is vllm-project/vllm#56136 (open), and
+hypothesis for the illegal memory access of docs/speculation-control.md, not yet confirmed
+on a GPU (the docs list the runs it fits and its gaps); the same shadowing is
+vllm-project/vllm#56136 (open), and
 vllm-project/vllm#53660 (open) describes the drafter reusing the target's metadata.
 
 :func:`divergent_batches` finds those batches; :func:`aligned_capture_sizes` removes them
