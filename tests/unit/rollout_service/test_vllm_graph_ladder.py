@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 from vllm.config.compilation import CUDAGraphMode
 from vllm.v1.worker.gpu.cudagraph_utils import CudaGraphManager
 
+from bench.graph_divergence import default_sizes
 from rollout_service.engines.vllm.graph_ladder import (
     GraphChoice,
     GraphLadder,
@@ -25,9 +26,6 @@ from rollout_service.engines.vllm.graph_ladder import (
 from rollout_service.engines.vllm.spec_schedule import ScheduleRanges, startup_ranges
 
 K_MAX = 3
-# vLLM's default grid up to its 512-token ceiling (config/vllm.py), the sizes a speculating
-# engine on an H200 starts from before the decode tiers are added.
-DEFAULT_GRID = [1, 2, 4, *range(8, 256, 8), *range(256, 513, 16)]
 
 
 def vllm_manager(sizes: list[int], schedule: ScheduleRanges, max_num_reqs: int,
@@ -82,15 +80,6 @@ def vllm_divergences(manager: CudaGraphManager, query_lens: tuple[int, ...],
     return found
 
 
-def with_decode_tiers(schedule: ScheduleRanges, max_num_reqs: int) -> list[int]:
-    """DEFAULT_GRID plus each tier's requests times its query length (vLLM's decode tiers,
-    a coarse stand-in for ``config/vllm.py``'s request-count grid)."""
-    tiers = {k + 1: end for _, end, k in schedule}
-    extra = {n * q for q, end in tiers.items() for n in range(8, min(end, 512) + 1, 8)
-             if n * q <= 512}
-    return sorted(set(DEFAULT_GRID) | extra)
-
-
 CASES = {
     "start-up schedule, 1024 requests": (startup_ranges(K_MAX, 1024), 1024),
     "start-up schedule, 256 requests": (startup_ranges(K_MAX, 256), 256),
@@ -105,7 +94,7 @@ CASES = {
 @pytest.mark.parametrize("case", CASES)
 def test_dispatch_is_vllms(case: str, mode: CUDAGraphMode) -> None:
     schedule, max_num_reqs = CASES[case]
-    sizes = with_decode_tiers(schedule, max_num_reqs)
+    sizes = default_sizes(schedule, max_num_reqs)
     manager = vllm_manager(sizes, schedule, max_num_reqs, mode)
     ladder = ladder_for(sizes, schedule, max_num_reqs, mode)
     for q in ladder.query_lens:
@@ -126,7 +115,7 @@ def test_the_start_up_schedule_diverges_at_the_sizes_the_h200_crashed_near() -> 
     drafter replays a FULL graph of more requests than its target ran; K = 2 and 3 have
     none."""
     schedule, max_num_reqs = CASES["start-up schedule, 1024 requests"]
-    sizes = with_decode_tiers(schedule, max_num_reqs)
+    sizes = default_sizes(schedule, max_num_reqs)
     ladder = ladder_for(sizes, schedule, max_num_reqs, CUDAGraphMode.FULL_AND_PIECEWISE)
     found = {(d.query_len, d.num_reqs): d for d in divergent_batches(ladder)}
     assert (1, 17) in found

@@ -16,6 +16,7 @@ import pytest
 from vllm.config.compilation import CUDAGraphMode
 from vllm.engine.arg_utils import AsyncEngineArgs
 
+from bench.graph_divergence import DEFAULT_GRID  # the start-up schedule's K = 0, 1 diverge
 from rollout_service.config import EMBEDDED_ENGINE_KWARGS
 from rollout_service.embedded import ensure_model
 from rollout_service.engines.speculative import MTPSettings, load_checkpoint_config
@@ -33,9 +34,6 @@ from rollout_service.engines.vllm.graph_policy import (
 FULL_MODES = (CUDAGraphMode.FULL, CUDAGraphMode.FULL_DECODE_ONLY,
               CUDAGraphMode.FULL_AND_PIECEWISE)
 QUERY_LENS = (1, 2, 3, 4)
-# vLLM's default grid up to 512 tokens (config/vllm.py) with 1024 requests: the start-up
-# schedule's K = 0 and K = 1 diverge on it (test_vllm_graph_ladder.py).
-DEFAULT_GRID = (1, 2, 4, *range(8, 256, 8), *range(256, 513, 16))
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,91 @@
+"""Where the MTP drafter replays another CUDA graph than its target: a table per K schedule
+and capture sizes, from the model that ``test_vllm_graph_ladder.py`` checks against
+vLLM 0.32.0's own dispatch (``rollout_service/engines/vllm/graph_ladder.py``).
+
+Runs on any machine, no engine: the capture sizes are vLLM's default grid up to its
+512-token ceiling plus each tier's decode sizes (a stand-in for ``vllm/config/vllm.py``'s
+request-count grid; an H200 engine logs its own with ``full_cuda_graphs: as_is``), or
+``--sizes``. Each row: the batch sizes at which the drafter's prefill replays a FULL graph
+captured for more requests than the target ran, per K, with vLLM's sizes and with the
+service's aligned ones (``full_cuda_graphs: align``).
+
+    python -m bench.graph_divergence --k-max 3 --max-num-seqs 1024
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from rich.console import Console
+from rich.table import Table
+
+from rollout_service.engines.vllm.graph_ladder import (
+    GraphLadder,
+    aligned_capture_sizes,
+    divergent_batches,
+)
+from rollout_service.engines.vllm.spec_schedule import ScheduleRanges, startup_ranges
+
+DEFAULT_GRID = (1, 2, 4, *range(8, 256, 8), *range(256, 513, 16))
+"""vLLM's default capture sizes up to its 512-token ceiling (``vllm/config/vllm.py``)."""
+
+
+def default_sizes(schedule: ScheduleRanges, max_num_seqs: int) -> list[int]:
+    """:data:`DEFAULT_GRID` plus each tier's requests (8, 16, ...) times its query length,
+    up to 512 tokens: vLLM's decode tiers, coarsely."""
+    widest = {k + 1: end for _, end, k in schedule}
+    tiers = {n * q for q, end in widest.items() for n in range(8, min(end, 512) + 1, 8)
+             if n * q <= 512}
+    return sorted(set(DEFAULT_GRID) | tiers)
+
+
+def ladder(sizes: list[int], schedule: ScheduleRanges, max_num_seqs: int) -> GraphLadder:
+    return GraphLadder(capture_sizes=tuple(sizes),
+                       query_lens=tuple(sorted({k + 1 for *_, k in schedule})),
+                       max_num_reqs=max_num_seqs, max_capture_size=max(sizes))
+
+
+def describe(sizes: list[int], schedule: ScheduleRanges, max_num_seqs: int) -> str:
+    found = divergent_batches(ladder(sizes, schedule, max_num_seqs))
+    parts = []
+    for q in sorted({d.query_len for d in found}):
+        batches = [d.num_reqs for d in found if d.query_len == q]
+        shown = ", ".join(map(str, batches[:8])) + (", ..." if len(batches) > 8 else "")
+        parts.append(f"K={q - 1}: {len(batches)} ({shown})")
+    return "; ".join(parts) or "none"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--k-max", type=int, default=3)
+    parser.add_argument("--max-num-seqs", type=int, default=1024)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    parser.add_argument("--schedules", default=None,
+                        help="JSON list of extra static schedules, e.g. '[[[1,16,3],[17,1024,0]]]'")
+    parser.add_argument("--sizes", default=None, help="comma-separated capture sizes "
+                        "(default: vLLM's grid plus the tiers' decode sizes)")
+    opts = parser.parse_args()
+    schedules = {"start-up (the controller's engine)": startup_ranges(opts.k_max,
+                                                                      opts.max_num_seqs)}
+    for extra in json.loads(opts.schedules or "[]"):
+        schedules[json.dumps(extra)] = extra
+    table = Table(title=f"drafter/target divergence, k_max {opts.k_max}, "
+                        f"max_num_seqs {opts.max_num_seqs}")
+    for column in ("schedule", "sizes", "divergent batch sizes per K"):
+        table.add_column(column)
+    for name, schedule in schedules.items():
+        sizes = ([int(s) for s in opts.sizes.split(",")] if opts.sizes
+                 else default_sizes(schedule, opts.max_num_seqs))
+        query_lens = tuple(sorted({k + 1 for *_, k in schedule}))
+        aligned = aligned_capture_sizes(sizes, query_lens,
+                                        max_num_tokens=opts.max_num_batched_tokens)
+        table.add_row(name, f"vLLM's: {len(sizes)} up to {max(sizes)}",
+                      describe(sizes, schedule, opts.max_num_seqs))
+        table.add_row("", f"aligned: {len(aligned)} up to {max(aligned)}",
+                      describe(aligned, schedule, opts.max_num_seqs))
+    Console(width=160).print(table)
+
+
+if __name__ == "__main__":
+    main()
