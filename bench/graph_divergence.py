@@ -2,10 +2,10 @@
 and capture sizes, from the model that ``test_vllm_graph_ladder.py`` checks against
 vLLM 0.32.0's own dispatch (``rollout_service/engines/vllm/graph_ladder.py``).
 
-Runs on any machine, no engine: the capture sizes are vLLM's default grid up to its
-512-token ceiling plus each tier's decode sizes (a stand-in for ``vllm/config/vllm.py``'s
-request-count grid; an H200 engine logs its own with ``full_cuda_graphs: as_is``), or
-``--sizes``. Each row: the batch sizes at which the drafter's prefill replays a FULL graph
+Runs on any machine, no engine: the capture sizes are those vLLM 0.32.0 computes by
+default on an H100/H200 (its grid up to 512 tokens plus each tier's request-count grid
+times its query length, as ``vllm/config/vllm.py`` does; an H200 engine started with
+``full_cuda_graphs: as_is`` logs the batch sizes at risk for its own), or ``--sizes``. Each row: the batch sizes at which the drafter's prefill replays a FULL graph
 captured for more requests than the target ran, per K, with vLLM's sizes and with the
 service's aligned ones (``full_cuda_graphs: align``).
 
@@ -31,12 +31,23 @@ DEFAULT_GRID = (1, 2, 4, *range(8, 256, 8), *range(256, 513, 16))
 """vLLM's default capture sizes up to its 512-token ceiling (``vllm/config/vllm.py``)."""
 
 
+def request_counts(max_reqs: int) -> list[int]:
+    """vLLM's request-count grid for a decode tier (``vllm/config/vllm.py``)."""
+    max_reqs = min(max_reqs, 512)
+    counts = [n for n in (1, 2, 4) if n <= max_reqs]
+    counts += [*range(8, min(max_reqs + 1, 256), 8), *range(256, max_reqs + 1, 16)]
+    return sorted({*counts, max_reqs})
+
+
 def default_sizes(schedule: ScheduleRanges, max_num_seqs: int) -> list[int]:
-    """:data:`DEFAULT_GRID` plus each tier's requests (8, 16, ...) times its query length,
-    up to 512 tokens: vLLM's decode tiers, coarsely."""
-    widest = {k + 1: end for _, end, k in schedule}
-    tiers = {n * q for q, end in widest.items() for n in range(8, min(end, 512) + 1, 8)
-             if n * q <= 512}
+    """vLLM 0.32.0's default capture sizes on an H100/H200 with ``schedule``:
+    :data:`DEFAULT_GRID` plus each tier's request counts times its query length, up to
+    512 tokens (``vllm/config/vllm.py``; the tier of a query length ends at the widest
+    batch size running it)."""
+    widest: dict[int, int] = {}
+    for _, end, k in sorted(schedule):
+        widest[k + 1] = min(end, max_num_seqs)
+    tiers = {n * q for q, end in widest.items() for n in request_counts(end) if n * q <= 512}
     return sorted(set(DEFAULT_GRID) | tiers)
 
 
