@@ -109,6 +109,18 @@ def test_dispatch_is_vllms(case: str, mode: CUDAGraphMode) -> None:
             == vllm_divergences(manager, ladder.query_lens, max_num_reqs))
 
 
+@pytest.mark.parametrize("mode", [CUDAGraphMode.FULL, CUDAGraphMode.FULL_DECODE_ONLY,
+                                  CUDAGraphMode.PIECEWISE])
+@pytest.mark.parametrize("case", CASES)
+def test_only_full_and_piecewise_graphs_diverge_in_vllm(case: str, mode: CUDAGraphMode) -> None:
+    """Why ``graph_policy`` aligns FULL_AND_PIECEWISE only: with vLLM's sizes the other
+    modes' drafter always replays the target's graph (or none), in vLLM's own dispatch."""
+    schedule, max_num_reqs = CASES[case]
+    manager = vllm_manager(default_sizes(schedule, max_num_reqs), schedule, max_num_reqs, mode)
+    query_lens = tuple(sorted({k + 1 for _, _, k in schedule}))
+    assert vllm_divergences(manager, query_lens, max_num_reqs) == []
+
+
 def test_the_start_up_schedule_diverges_at_the_sizes_the_h200_crashed_near() -> None:
     """The project's start-up schedule on vLLM's sizes: K = 0 (query length 1) pinned with
     17 requests running, where bench.speculation's engine died twice, is a batch whose
