@@ -66,8 +66,7 @@ class FakeSGLang:
         self.context_length = context_length
         self.speculative = speculative
         self.tp_size = tp_size
-        self.base_gpu_id = 0
-        """SGLang's first GPU (its ``--base-gpu-id``), reported in ``/server_info``."""
+        self.base_gpu_id = 0  # SGLang's --base-gpu-id, reported in /server_info
         self.vocab_size = 64
         self.eos_token_id = 63
         self.accept_per_step = 1
@@ -157,15 +156,14 @@ class FakeSGLang:
         spec = self.speculative or {}
         return {"model_path": self.model_path, "served_model_name": self.model_path,
                 "context_length": None, "tp_size": self.tp_size, "dp_size": 1,
-                "base_gpu_id": self.base_gpu_id,
+                "base_gpu_id": self.base_gpu_id, "weight_version": "default",
                 "speculative_algorithm": spec.get("speculative_algorithm"),
                 "speculative_num_steps": spec.get("speculative_num_steps"),
                 "speculative_eagle_topk": spec.get("speculative_eagle_topk"),
                 "speculative_num_draft_tokens": spec.get("speculative_num_draft_tokens"),
-                "weight_version": "default", "max_total_num_tokens": 4096,
-                "max_req_input_len": self.context_length - 6, "internal_states": [],
-                "incremental_streaming_output": self.incremental_streaming_output,
-                "version": self.profile.version}
+                "max_total_num_tokens": 4096, "internal_states": [],
+                "max_req_input_len": self.context_length - 6, "version": self.profile.version,
+                "incremental_streaming_output": self.incremental_streaming_output}
 
     async def _models(self) -> dict[str, Any]:
         card = {"id": self.model_path, "object": "model", "created": 0, "owned_by": "sglang",
