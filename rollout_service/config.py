@@ -117,7 +117,10 @@ class SpeculationControlSettings(BaseModel):
         "refused, naming this field (enforce_eager ran clean). align: the capture sizes are "
         "rounded to multiples of every query length K + 1, with which the MTP drafter always "
         "replays the target's graph, and checked at start-up (not yet run on a GPU). as_is: "
-        "vLLM's sizes, accepting the risk (the benches that reproduce the crash)."))
+        "vLLM's sizes, accepting the risk (the benches that reproduce the crash), with a "
+        "warning naming the batch sizes at risk. Also read with the controller off, for a "
+        "K schedule of the user's own (engine_kwargs.speculative_config."
+        "num_speculative_tokens_per_batch_size): align aligns, refuse and as_is warn."))
 
     @field_validator("batch_size_buckets")
     @classmethod

@@ -58,6 +58,7 @@ from rollout_service.engines.vllm.engine_args import (
     has_pushable_drafter,
     loads_in_place,
 )
+from rollout_service.engines.vllm.graph_policy import with_user_schedule_graphs
 from rollout_service.engines.vllm.outputs import (
     output_logprobs,
     prompt_logprobs,
@@ -65,9 +66,7 @@ from rollout_service.engines.vllm.outputs import (
     to_result,
 )
 from rollout_service.engines.vllm.schedule_methods import SpecScheduleMethods
-from rollout_service.engines.vllm.spec_schedule import (
-    with_startup_schedule,
-)
+from rollout_service.engines.vllm.spec_schedule import with_startup_schedule
 from rollout_service.engines.vllm.start_method import spawn_engine_core_if_cuda
 from rollout_service.engines.vllm.step_costs import StepCostMonitor
 from rollout_service.engines.vllm.transfer import update_info
@@ -95,6 +94,7 @@ async def start(spec: EngineSpec) -> VLLMEngine:
     if spec.skip_drafter_at_k0:
         drafter_at_k0.check_engine_args(args)
     if not spec.runtime_spec_schedule:
+        args = with_user_schedule_graphs(args, spec.full_cuda_graphs)
         engine = VLLMEngine.start(args, served_model_name=spec.served_model_name,
                                   weights_load=spec.weights_load)
     else:

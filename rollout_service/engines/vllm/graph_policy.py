@@ -83,6 +83,24 @@ def apply_full_graph_policy(args: AsyncEngineArgs, cudagraph_mode: CUDAGraphMode
     return args
 
 
+def with_user_schedule_graphs(args: AsyncEngineArgs,
+                              policy: FullGraphPolicy) -> AsyncEngineArgs:
+    """``args`` for a K schedule of the user's own (``engine_kwargs.speculative_config.
+    num_speculative_tokens_per_batch_size``, the controller off), which vLLM runs on the
+    same graphs: aligned under ``align``; under ``refuse`` and ``as_is`` unchanged, with the
+    warning of :func:`warn_divergence` (the user chose that schedule; vLLM may serve it
+    clean on another GPU or version). No schedule, or no CUDA: ``args`` unchanged."""
+    from vllm.platforms import current_platform
+
+    schedule = (args.speculative_config or {}).get("num_speculative_tokens_per_batch_size")
+    if not schedule or not current_platform.is_cuda():
+        return args
+    return apply_full_graph_policy(
+        args, resolve(args).compilation_config.cudagraph_mode, is_cuda=True,
+        policy="align" if policy == "align" else "as_is",
+        query_lens=tuple(sorted({k + 1 for *_, k in schedule})))
+
+
 def resolve(args: AsyncEngineArgs) -> VllmConfig:
     """The config vLLM will run ``args`` with (resolved as for the service)."""
     from rollout_service.engines.vllm.usage_context import serving_usage_context

@@ -16,10 +16,11 @@ import pytest
 from vllm.config.compilation import CUDAGraphMode
 from vllm.engine.arg_utils import AsyncEngineArgs
 
-from bench.graph_divergence import DEFAULT_GRID  # the start-up schedule's K = 0, 1 diverge
+from bench.graph_divergence import DEFAULT_GRID, default_sizes
 from rollout_service.config import EMBEDDED_ENGINE_KWARGS
 from rollout_service.embedded import ensure_model
 from rollout_service.engines.speculative import MTPSettings, load_checkpoint_config
+from rollout_service.engines.vllm import graph_policy
 from rollout_service.engines.vllm.engine_args import build_engine_args
 from rollout_service.engines.vllm.graph_ladder import GraphLadder, aligned_capture_sizes
 from rollout_service.engines.vllm.graph_policy import (
@@ -29,7 +30,9 @@ from rollout_service.engines.vllm.graph_policy import (
     check_no_divergence,
     warn_divergence,
     with_capture_sizes,
+    with_user_schedule_graphs,
 )
+from rollout_service.engines.vllm.spec_schedule import startup_ranges
 
 FULL_MODES = (CUDAGraphMode.FULL, CUDAGraphMode.FULL_DECODE_ONLY,
               CUDAGraphMode.FULL_AND_PIECEWISE)
@@ -124,3 +127,72 @@ def test_align_resolves_checks_and_returns_new_args(engine_args: AsyncEngineArgs
     with pytest.raises(ValueError, match=r"^speculation_control\.full_cuda_graphs: .*420.*"
                                          r"FULL_DECODE_ONLY"):
         align_full_graphs(engine_args, (1, 2, 3, 4, 5, 6, 7))
+
+
+# --- the CUDA path, with vLLM's resolution stood in (the CPU engine resolves no graphs) ---
+
+USER_SCHEDULE = [[1, 1, 3], [2, 2, 2], [3, 1024, 1]]
+
+
+@pytest.fixture
+def on_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``is_cuda`` True, and ``resolve`` giving what vLLM 0.32.0 resolves on an H200 for
+    FULL_AND_PIECEWISE: the args' own capture sizes, else its defaults for their schedule
+    (``bench.graph_divergence.default_sizes``)."""
+    from vllm.platforms import current_platform
+
+    def resolve(args: AsyncEngineArgs) -> SimpleNamespace:
+        schedule = args.speculative_config["num_speculative_tokens_per_batch_size"]
+        sizes = (args.compilation_config.cudagraph_capture_sizes
+                 or default_sizes(schedule, 1024))
+        return SimpleNamespace(
+            compilation_config=SimpleNamespace(
+                cudagraph_capture_sizes=sizes, max_cudagraph_capture_size=max(sizes),
+                cudagraph_mode=CUDAGraphMode.FULL_AND_PIECEWISE),
+            scheduler_config=SimpleNamespace(max_num_seqs=1024, max_num_batched_tokens=8192))
+
+    monkeypatch.setattr(current_platform, "is_cuda", lambda: True)
+    monkeypatch.setattr(graph_policy, "resolve", resolve)
+
+
+def with_schedule(args: AsyncEngineArgs, schedule: list[list[int]]) -> AsyncEngineArgs:
+    return dataclasses.replace(args, speculative_config={
+        **args.speculative_config, "num_speculative_tokens_per_batch_size": schedule})
+
+
+@pytest.mark.usefixtures("on_cuda")
+def test_a_users_own_schedule_is_aligned_under_align(engine_args: AsyncEngineArgs) -> None:
+    args = with_schedule(engine_args, USER_SCHEDULE)
+    aligned = with_user_schedule_graphs(args, "align")
+    sizes = aligned.compilation_config.cudagraph_capture_sizes
+    assert sizes and all(size % 12 == 0 for size in sizes) and max(sizes) >= 512
+
+
+@pytest.mark.usefixtures("on_cuda")
+@pytest.mark.parametrize("policy", ["refuse", "as_is"])
+def test_a_users_own_schedule_otherwise_starts_as_given_with_a_warning(
+        policy: str, engine_args: AsyncEngineArgs, caplog: pytest.LogCaptureFixture) -> None:
+    args = with_schedule(engine_args, USER_SCHEDULE)
+    with caplog.at_level(logging.WARNING):
+        assert with_user_schedule_graphs(args, policy) is args  # type: ignore[arg-type]
+    (record,) = caplog.records
+    assert "at K = 1 " in record.getMessage() and "[9, 21, 33," in record.getMessage()
+
+
+@pytest.mark.usefixtures("on_cuda")
+def test_no_schedule_of_the_users_is_left_alone(engine_args: AsyncEngineArgs) -> None:
+    assert with_user_schedule_graphs(engine_args, "align") is engine_args
+
+
+@pytest.mark.usefixtures("on_cuda")
+def test_align_refuses_a_config_that_still_diverges(engine_args: AsyncEngineArgs,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """A vLLM that resolved other sizes than the aligned ones it was given (here: its
+    defaults again) is caught by the check on the resolved config, naming the field."""
+    args = with_schedule(engine_args, startup_ranges(3, 1024))
+    assert align_full_graphs(args, QUERY_LENS).compilation_config.cudagraph_capture_sizes
+    defaults = graph_policy.resolve(args)
+    monkeypatch.setattr(graph_policy, "resolve", lambda _: defaults)
+    with pytest.raises(ValueError, match=r"^speculation_control\.full_cuda_graphs: .*"
+                                         r"leave engine_kwargs\.compilation_config"):
+        align_full_graphs(args, QUERY_LENS)
