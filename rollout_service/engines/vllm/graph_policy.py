@@ -109,14 +109,17 @@ def resolve(args: AsyncEngineArgs) -> VllmConfig:
 
 
 def warn_divergence(config: VllmConfig, query_lens: tuple[int, ...]) -> None:
-    """Log where ``config``'s drafter replays another graph than its target (``as_is``)."""
+    """Log where ``config``'s drafter replays another graph than its target (``as_is``, and
+    a user's own schedule under ``refuse``)."""
     found = divergent_batches(ladder_of(config, query_lens))
     for q in query_lens:
         sizes = [d.num_reqs for d in found if d.query_len == q]
         if sizes:
-            logger.warning("%s: as_is: at K = %d the drafter replays a FULL graph of more "
-                           "requests than the target ran at %d batch sizes: %s%s", FIELD,
-                           q - 1, len(sizes), sizes[:16], " ..." if len(sizes) > 16 else "")
+            logger.warning("%s: at K = %d the drafter replays a FULL CUDA graph of more "
+                           "requests than the target ran at %d batch sizes: %s%s (vLLM "
+                           "0.32.0 died at such batches on an H200; align avoids them)",
+                           FIELD, q - 1, len(sizes), sizes[:16],
+                           " ..." if len(sizes) > 16 else "")
 
 
 def ladder_of(config: VllmConfig, query_lens: tuple[int, ...]) -> GraphLadder:

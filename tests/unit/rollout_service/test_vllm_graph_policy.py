@@ -84,8 +84,8 @@ def test_as_is_warns_where_the_drafter_diverges(caplog: pytest.LogCaptureFixture
     with caplog.at_level(logging.WARNING):
         warn_divergence(config, QUERY_LENS)  # type: ignore[arg-type]
     assert [record.getMessage().split(" the drafter")[0] for record in caplog.records] == [
-        "speculation_control.full_cuda_graphs: as_is: at K = 0",
-        "speculation_control.full_cuda_graphs: as_is: at K = 1"]
+        "speculation_control.full_cuda_graphs: at K = 0",
+        "speculation_control.full_cuda_graphs: at K = 1"]
     assert "[3, 5, 6, 9," in caplog.records[0].getMessage()
 
 
