@@ -3,8 +3,9 @@
 Runs inside the rollout service process and talks HTTP (httpx) to one SGLang server,
 either one given by ``engine_url`` or one launched here as a subprocess (``launch``).
 The server owns its scheduler and TP worker processes; this process never imports
-SGLang except to build weight payloads (``payload``). What the server accepts is read
-from its schema (``features``); its answers become results in ``answers``, with the
+SGLang except to build weight payloads (``payload``). What it is (model, lengths,
+speculation, TP size) is read when connecting (``server_facts``), what it accepts from its
+schema (``features``); its answers become results in ``answers``, with the
 acceptance counts of each answer's ``meta_info`` (``stats``).
 
 Weight pushes go to ``/update_weights_from_tensor`` (``weight_methods``); for ``nccl``
@@ -29,7 +30,6 @@ import httpx
 
 from rollout_service.engines.base import (
     ChatTurn,
-    EngineInfo,
     EngineSpec,
     EngineUnavailableError,
     GenerationDelta,
@@ -45,11 +45,7 @@ from rollout_service.engines.sglang.answers import (
     streamed_answers,
     to_result,
 )
-from rollout_service.engines.sglang.features import (
-    INFO_TIMEOUT_S,
-    ServerFeatures,
-    detect_features,
-)
+from rollout_service.engines.sglang.features import INFO_TIMEOUT_S
 from rollout_service.engines.sglang.group_receiver import ServiceRank
 from rollout_service.engines.sglang.launch import (
     build_launch_command,
@@ -59,8 +55,9 @@ from rollout_service.engines.sglang.launch import (
 )
 from rollout_service.engines.sglang.payload import PayloadBuilder, build_payloads
 from rollout_service.engines.sglang.request import generate_body
+from rollout_service.engines.sglang.server_facts import ServerFacts, read_server
 from rollout_service.engines.sglang.weight_methods import SGLangWeights
-from rollout_service.engines.speculative import MTPSettings, load_checkpoint_config
+from rollout_service.engines.speculative import MTPSettings
 from rollout_service.protocol.messages import PauseMode
 
 logger = logging.getLogger(__name__)
@@ -102,21 +99,19 @@ class SGLangEngine(SGLangWeights, ServiceRank):
     inside the event loop that will serve it.
     """
 
-    def __init__(self, client: httpx.AsyncClient, info: EngineInfo, features: ServerFeatures, *,
-                 num_draft_tokens: int, num_tp_ranks: int, base_gpu_id: int = 0,
-                 is_text_streamed_as_delta: bool = False,
+    def __init__(self, client: httpx.AsyncClient, facts: ServerFacts, *,
                  payload_builder: PayloadBuilder | None = None,
                  process: asyncio.subprocess.Process | None = None) -> None:
-        self.info = info
-        self.features = features
+        self.info = facts.info
+        self.features = facts.features
         self._client = client
-        self._is_text_streamed_as_delta = is_text_streamed_as_delta
+        self._is_text_streamed_as_delta = facts.is_text_streamed_as_delta
         self._tokenizer: Any = None
         self._is_tokenizer_loaded = False
         self._tokenizer_loaded = asyncio.Lock()
-        self._num_draft_tokens = num_draft_tokens
-        self._num_tp_ranks = num_tp_ranks
-        self._rank_gpu = base_gpu_id
+        self._num_draft_tokens = facts.num_draft_tokens
+        self._num_tp_ranks = facts.num_tp_ranks
+        self._rank_gpu = facts.base_gpu_id
         self._build_payloads = payload_builder or build_payloads
         self._process = process
         self._resumed = asyncio.Event()
@@ -145,37 +140,15 @@ class SGLangEngine(SGLangWeights, ServiceRank):
         """
         client = client or httpx.AsyncClient(base_url=base_url, timeout=_TIMEOUT, limits=_LIMITS)
         try:
-            model_info = await _get_json(client, "/model_info", "/get_model_info")
-            server_info = await _get_json(client, "/server_info", "/get_server_info")
-            models = await _get_json(client, "/v1/models")
-            features = await detect_features(client)
-            model_path = model_path or model_info["model_path"]
-            checkpoint = load_checkpoint_config(model_path)
+            facts = await read_server(client, served_model_name=served_model_name,
+                                      model_path=model_path)
         except httpx.TransportError as exc:
             await client.aclose()
             raise EngineUnavailableError(f"SGLang server at {base_url} unreachable: {exc}") from exc
         except BaseException:
             await client.aclose()
             raise
-        vocab_size = checkpoint.get("vocab_size") or checkpoint["text_config"]["vocab_size"]
-        max_model_len = models["data"][0].get("max_model_len") or server_info["context_length"]
-        algorithm = server_info.get("speculative_algorithm")
-        is_spec = algorithm is not None
-        info = EngineInfo(
-            model=served_model_name, engine="sglang", model_path=model_path,
-            max_model_len=max_model_len, vocab_size=vocab_size,
-            # The longest acceptable chain: the accept-length and per-position range.
-            num_speculative_tokens=server_info["speculative_num_steps"] if is_spec else 0,
-            speculative_method=algorithm,
-            has_pushable_drafter=has_pushable_drafter(
-                server_info, {model_path, model_info.get("model_path")}),
-            world_size=(server_info.get("tp_size") or 1) * (server_info.get("pp_size") or 1))
-        return cls(client, info, features,
-                   num_draft_tokens=server_info["speculative_num_draft_tokens"] if is_spec else 0,
-                   num_tp_ranks=server_info.get("tp_size") or 1,
-                   base_gpu_id=server_info.get("base_gpu_id") or 0,
-                   is_text_streamed_as_delta=bool(server_info.get("incremental_streaming_output")),
-                   payload_builder=payload_builder)
+        return cls(client, facts, payload_builder=payload_builder)
 
     @classmethod
     async def launch(cls, model_path: str, engine_kwargs: Mapping[str, Any], mtp: MTPSettings, *,
@@ -372,28 +345,3 @@ class SGLangEngine(SGLangWeights, ServiceRank):
             raise RuntimeError(f"SGLang {path} failed: {result.get('message')}")
         return result
 
-
-def has_pushable_drafter(server_info: Mapping[str, Any], served: set[str | None]) -> bool:
-    """Whether the server drafts with the served checkpoint's own MTP layers (EAGLE or
-    NEXTN without a separate ``speculative_draft_model_path``; SGLang fills that path in
-    with the model's for an MTP checkpoint), the only drafter a push can load. EAGLE3
-    always drafts with a separate model.
-
-    Args:
-        server_info: the server's ``/server_info`` (its server arguments).
-        served: the served checkpoint's paths (ours and the server's).
-    """
-    algorithm = server_info.get("speculative_algorithm")
-    if algorithm is None or algorithm == "EAGLE3":
-        return False
-    return server_info.get("speculative_draft_model_path") in served | {None}
-
-
-async def _get_json(client: httpx.AsyncClient, path: str, fallback: str | None = None) -> Any:
-    """GET an info route; ``fallback`` is its older name (404 on the new one)."""
-    response = await client.get(path, timeout=INFO_TIMEOUT_S)
-    if response.status_code == 404 and fallback is not None:
-        response = await client.get(fallback, timeout=INFO_TIMEOUT_S)
-    if response.status_code != 200:
-        raise EngineUnavailableError(f"SGLang {path} answered {response.status_code}")
-    return response.json()

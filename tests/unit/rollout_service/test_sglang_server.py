@@ -18,8 +18,9 @@ import httpx
 import pytest
 
 from rollout_service.engines.base import EngineUnavailableError
-from rollout_service.engines.sglang.engine import SGLangEngine, has_pushable_drafter
+from rollout_service.engines.sglang.engine import SGLangEngine
 from rollout_service.engines.sglang.launch import build_launch_command
+from rollout_service.engines.sglang.server_facts import has_pushable_drafter
 from rollout_service.engines.speculative import MTPSettings
 from tests.support.sglang_on_fake import MTP, VERSIONS, connect, greedy, make_fake
 
