@@ -5,9 +5,10 @@ vLLM 0.32.0's own dispatch (``rollout_service/engines/vllm/graph_ladder.py``).
 Runs on any machine, no engine: the capture sizes are those vLLM 0.32.0 computes by
 default on an H100/H200 (its grid up to 512 tokens plus each tier's request-count grid
 times its query length, as ``vllm/config/vllm.py`` does; an H200 engine started with
-``full_cuda_graphs: as_is`` logs the batch sizes at risk for its own), or ``--sizes``. Each row: the batch sizes at which the drafter's prefill replays a FULL graph
-captured for more requests than the target ran, per K, with vLLM's sizes and with the
-service's aligned ones (``full_cuda_graphs: align``).
+``full_cuda_graphs: as_is`` logs the batch sizes at risk for its own), or ``--sizes``.
+Each row: the batch sizes at which the drafter's prefill replays a FULL graph captured for
+more requests than the target ran, per K, with vLLM's sizes and with the service's
+aligned ones (``full_cuda_graphs: align``).
 
     python -m bench.graph_divergence --k-max 3 --max-num-seqs 1024
 """

@@ -46,7 +46,6 @@ import contextlib
 import dataclasses
 import functools
 import os
-import statistics
 import tempfile
 import time
 from collections.abc import Awaitable, Callable
@@ -55,7 +54,6 @@ from typing import Any
 
 import numpy as np
 from rich.console import Console
-from rich.table import Table
 from safetensors.torch import load_file
 
 from bench.serving import (
@@ -63,11 +61,11 @@ from bench.serving import (
     Workload,
     add_device_arguments,
     resolve_device,
-    spread,
     start_http,
     start_profiler,
     stop_profiler,
 )
+from bench.speculation_report import mode_name, print_report
 from rollout_service.client import RolloutClient
 from rollout_service.config import (
     EMBEDDED_ENGINE_KWARGS,
@@ -81,8 +79,6 @@ from rollout_service.protocol import messages
 from trainer_client.push import WeightPusher
 
 WEIGHTS_TOKEN = "bench-speculation"
-CONTROLLER_OVER_OFF = 0.98
-CONTROLLER_OVER_BEST_STATIC = 1.10
 MOVED_POLICY_SEED = 1
 """Seed of the main model that makes a drafter stale (the checkpoints' own seed is 0)."""
 
@@ -284,46 +280,6 @@ async def run_drafter(opts: argparse.Namespace, noise: float, console: Console, 
     finally:
         for server in servers.values():
             await server.close()
-
-
-def mode_name(name: str, drafter_at_k0: str, all_values: list[str]) -> str:
-    """``k=0`` with one spec engine; ``k=0 skip`` when several ``drafter_at_k0`` run."""
-    return name if len(all_values) == 1 else f"{name} {drafter_at_k0}"
-
-
-def print_report(console: Console, drafter: str,
-                 results: dict[str, dict[str, list[float]]]) -> None:
-    table = Table("workload", "mode", "median tok/s", "range", title=drafter)
-    ratios = Table("workload", "ratio", "median", "range", "target", "met",
-                   title=f"{drafter}: ratios (per round)")
-
-    def ratio(label: str, name: str, num: list[float], den: list[float],
-              target: float | None) -> None:
-        per_round = [a / b for a, b in zip(num, den)]
-        median = statistics.median(per_round)
-        met = "" if target is None else "yes" if median >= target else "NO"
-        ratios.add_row(label, name, f"{median:.3f}", spread(per_round),
-                       "" if target is None else f">= {target}", met)
-
-    for label, rates in results.items():
-        for mode, values in rates.items():
-            table.add_row(label, mode, f"{statistics.median(values):.0f}", spread(values))
-        # One spec engine per drafter_at_k0: "controller" alone, or "controller run" ...
-        for controller in (m for m in rates if m.startswith("controller")):
-            suffix = controller.removeprefix("controller")
-            ratio(label, f"{controller} / spec-off", rates[controller], rates["spec-off"],
-                  CONTROLLER_OVER_OFF)
-            static = {m: v for m, v in rates.items() if m.startswith("k=") and
-                      m.endswith(suffix) and not m.startswith("k=0")}
-            if label.startswith("rollout") and static:
-                best = max(static, key=lambda m: statistics.median(static[m]))
-                ratio(label, f"{controller} / best static ({best})", rates[controller],
-                      static[best], CONTROLLER_OVER_BEST_STATIC)
-            if f"k=0{suffix}" in rates:  # the floor: what the drafter costs at K = 0
-                ratio(label, f"k=0{suffix} / spec-off (floor)", rates[f"k=0{suffix}"],
-                      rates["spec-off"], None)
-    console.print(table)
-    console.print(ratios)
 
 
 def main() -> None:
