@@ -55,10 +55,10 @@ def check_cuda_graphs(cudagraph_mode: CUDAGraphMode, *, is_cuda: bool,
             "with which vLLM 0.32.0 has died of an illegal memory access when the "
             "controller changed K under load (docs/speculation-control.md, the crash on "
             "the H200). Set engine_kwargs.enforce_eager: true (ran clean), or "
-            "engine_kwargs.compilation_config.cudagraph_mode: PIECEWISE or "
-            "FULL_DECODE_ONLY (no drafter/target divergence; not yet run under changes), "
-            f"or {FIELD}: align (capture sizes with no divergence; not yet run on a GPU), "
-            "or as_is to accept the risk")
+            "engine_kwargs.compilation_config.cudagraph_mode: PIECEWISE (no FULL graphs; "
+            f"not yet run under changes), or {FIELD}: align (capture sizes with which the "
+            "drafter replays the target's graph; not yet run on a GPU), or as_is to accept "
+            "the risk (with cudagraph_mode: FULL_DECODE_ONLY the drafter cannot diverge)")
 
 
 def apply_full_graph_policy(args: AsyncEngineArgs, cudagraph_mode: CUDAGraphMode, *,
