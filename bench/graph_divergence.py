@@ -8,7 +8,8 @@ times its query length, as ``vllm/config/vllm.py`` does; an H200 engine started 
 ``full_cuda_graphs: as_is`` logs the batch sizes at risk for its own), or ``--sizes``.
 Each row: the batch sizes at which the drafter's prefill replays a FULL graph captured for
 more requests than the target ran, per K, with vLLM's sizes and with the service's
-aligned ones (``full_cuda_graphs: align``).
+aligned ones (``full_cuda_graphs: align``): for the controller's engine every K at every
+batch size (a run-time schedule reaches them all), for a static schedule the K it runs.
 
     python -m bench.graph_divergence --k-max 3 --max-num-seqs 1024
 """
@@ -58,8 +59,17 @@ def ladder(sizes: list[int], schedule: ScheduleRanges, max_num_seqs: int) -> Gra
                        max_num_reqs=max_num_seqs, max_capture_size=max(sizes))
 
 
-def describe(sizes: list[int], schedule: ScheduleRanges, max_num_seqs: int) -> str:
-    found = divergent_batches(ladder(sizes, schedule, max_num_seqs))
+def query_len_at(schedule: ScheduleRanges, max_num_seqs: int, k_max: int) -> list[int]:
+    """A static schedule's query length per batch size (vLLM's own dense lookup)."""
+    from vllm.v1.spec_decode.dynamic.utils import build_dynamic_sd_schedule_lookup
+
+    return [k + 1 for k in build_dynamic_sd_schedule_lookup(
+        schedule, vllm_max_batch_size=max_num_seqs, vllm_num_speculative_tokens=k_max)]
+
+
+def describe(sizes: list[int], schedule: ScheduleRanges, max_num_seqs: int,
+             where_run: list[int] | None) -> str:
+    found = divergent_batches(ladder(sizes, schedule, max_num_seqs), where_run)
     parts = []
     for q in sorted({d.query_len for d in found}):
         batches = [d.num_reqs for d in found if d.query_len == q]
@@ -86,16 +96,18 @@ def main() -> None:
                         f"max_num_seqs {opts.max_num_seqs}")
     for column in ("schedule", "sizes", "divergent batch sizes per K"):
         table.add_column(column)
-    for name, schedule in schedules.items():
+    for i, (name, schedule) in enumerate(schedules.items()):
         sizes = ([int(s) for s in opts.sizes.split(",")] if opts.sizes
                  else default_sizes(schedule, opts.max_num_seqs))
+        # The controller's engine reaches every K at every batch size; a static one, its own.
+        where_run = None if i == 0 else query_len_at(schedule, opts.max_num_seqs, opts.k_max)
         query_lens = tuple(sorted({k + 1 for *_, k in schedule}))
         aligned = aligned_capture_sizes(sizes, query_lens,
                                         max_num_tokens=opts.max_num_batched_tokens)
         table.add_row(name, f"vLLM's: {len(sizes)} up to {max(sizes)}",
-                      describe(sizes, schedule, opts.max_num_seqs))
+                      describe(sizes, schedule, opts.max_num_seqs, where_run))
         table.add_row("", f"aligned: {len(aligned)} up to {max(aligned)}",
-                      describe(aligned, schedule, opts.max_num_seqs))
+                      describe(aligned, schedule, opts.max_num_seqs, where_run))
     Console(width=160).print(table)
 
 

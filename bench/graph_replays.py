@@ -32,6 +32,9 @@ class GraphKey:
     """Tokens of the graph (the step's tokens, padded up to a captured size)."""
     query_len: int
     """Tokens per request: drafts verified + 1 (1 without drafts; :data:`MIXED`)."""
+    is_uniform: bool = False
+    """A uniform decode: every request verified ``query_len - 1`` drafts and no other
+    token ran (prefills, requests without drafts). Unknown, so False, without drafts."""
 
     def __str__(self) -> str:
         query = "mixed" if self.query_len == MIXED else f"q={self.query_len}"
@@ -45,13 +48,16 @@ def graph_key(scheduler_stats: Any) -> GraphKey | None:
     if graph is None:
         return None
     spec = scheduler_stats.spec_decoding_stats
+    is_uniform = False
     if spec is None or spec.num_drafts == 0:
         query_len = 1
     else:
         k, rest = divmod(spec.num_draft_tokens, spec.num_drafts)
         query_len = MIXED if rest else k + 1
+        is_uniform = not rest and graph.num_unpadded_tokens == spec.num_drafts * query_len
     mode = str(graph.runtime_mode).removeprefix("CUDAGraphMode.")
-    return GraphKey(mode=mode, num_padded_tokens=graph.num_padded_tokens, query_len=query_len)
+    return GraphKey(mode=mode, num_padded_tokens=graph.num_padded_tokens, query_len=query_len,
+                    is_uniform=is_uniform)
 
 
 class GraphReplayMonitor(StepCostMonitor):
@@ -72,6 +78,13 @@ class GraphReplayMonitor(StepCostMonitor):
             self.counts[key] += 1
             self.last.append(key)
 
+    def shadowed_decodes(self) -> dict[GraphKey, int]:
+        """Uniform decodes that ran PIECEWISE: the nearest FULL size held other query
+        lengths only (vllm-project/vllm#56136), the setting in which the drafter replays a
+        FULL graph of more requests (``engines/vllm/graph_ladder.py``). None with the
+        service's aligned capture sizes, up to the largest."""
+        return {k: n for k, n in self.counts.items() if k.is_uniform and k.mode == "PIECEWISE"}
+
     def report(self, *, num_top: int = 12) -> list[str]:
         """Lines for a bench's output: the FULL graphs replayed at query lengths above 1
         (the suspects), the most frequent graphs, and the last steps'."""
@@ -81,6 +94,8 @@ class GraphReplayMonitor(StepCostMonitor):
                           key=lambda k: (k.query_len, k.num_padded_tokens))
         lines = [f"graphs: {sum(self.counts.values())} steps, {len(self.counts)} kinds"]
         lines += [f"  FULL q>1: {k}: {self.counts[k]} steps" for k in suspects]
+        lines += [f"  uniform decode run PIECEWISE: {k}: {n} steps"
+                  for k, n in sorted(self.shadowed_decodes().items())]
         lines += [f"  top: {k}: {n} steps" for k, n in self.counts.most_common(num_top)]
         lines.append("  last steps: " + "; ".join(str(k) for k in self.last))
         return lines

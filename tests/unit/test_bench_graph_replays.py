@@ -28,7 +28,10 @@ def step(mode: str, num_tokens: int, num_padded_tokens: int, drafts: list[int] |
 def test_the_graph_of_a_step() -> None:
     # The H200 crash's step: 229 requests verifying one draft each, padded to 232.
     assert graph_key(step("FULL", 458, 464, [1] * 229)) == GraphKey(
-        mode="FULL", num_padded_tokens=464, query_len=2)
+        mode="FULL", num_padded_tokens=464, query_len=2, is_uniform=True)
+    # The same drafts beside a prefill of 40 tokens: not a uniform decode.
+    assert not graph_key(step("PIECEWISE", 498, 512, [1] * 229)).is_uniform
+    assert not graph_key(step("FULL", 8, 8, None)).is_uniform  # no drafts: unknown
     assert graph_key(step("FULL", 8, 8, None)).query_len == 1  # no speculation
     assert graph_key(step("PIECEWISE", 40, 40, [])).query_len == 1  # K = 0
     assert graph_key(step("PIECEWISE", 40, 40, [1, 2])).query_len == MIXED
@@ -41,10 +44,23 @@ def test_the_monitor_counts_and_reports_the_suspects() -> None:
     for stats in [step("FULL", 458, 464, [1] * 229)] * 3 + [
             step("FULL", 232, 232, [0] * 232), step("PIECEWISE", 300, 304, [1, 2])]:
         monitor.record(stats, None)
-    assert monitor.counts[GraphKey(mode="FULL", num_padded_tokens=464, query_len=2)] == 3
+    assert monitor.counts[GraphKey(mode="FULL", num_padded_tokens=464, query_len=2,
+                                   is_uniform=True)] == 3
     assert sum(monitor.counts.values()) == 5
     report = monitor.report()
     assert report[0] == "graphs: 5 steps, 3 kinds"
     assert report[1] == "  FULL q>1: FULL 464 tokens q=2: 3 steps"  # the only suspect
     assert not any(line.startswith("  FULL q>1: FULL 232") for line in report)
     assert report[-1] == "  last steps: FULL 232 tokens q=1; PIECEWISE 304 tokens mixed"
+
+
+def test_uniform_decodes_run_piecewise_are_reported() -> None:
+    """A uniform decode whose FULL graph was shadowed ran PIECEWISE (33 requests at K = 1
+    padded to 72 tokens); a mixed step run PIECEWISE is not one."""
+    monitor = GraphReplayMonitor()
+    for stats in [step("PIECEWISE", 66, 72, [1] * 33)] * 2 + [
+            step("PIECEWISE", 100, 104, [1] * 33), step("FULL", 64, 64, [1] * 32)]:
+        monitor.record(stats, None)
+    shadowed = GraphKey(mode="PIECEWISE", num_padded_tokens=72, query_len=2, is_uniform=True)
+    assert monitor.shadowed_decodes() == {shadowed: 2}
+    assert "  uniform decode run PIECEWISE: PIECEWISE 72 tokens q=2: 2 steps" in monitor.report()

@@ -146,7 +146,7 @@ for s in "$@"; do
         --model embedded:1b --k-max 3 --concurrency 256 \
         --static '[[1,1,0],[2,2,2],[3,3,3],[4,1024,1]]' --requests 512 \
         --prompt-tokens 8,64 --max-tokens 128,256 ;;
-    churn-upstream)  # vLLM alone (no project code in its processes), K = 1 from 3 requests
+    churn-upstream)  # vLLM alone (no project code in its processes), K = 1 from 32 requests
       # on: 33 requests in flight, a batch whose drafter replays a FULL graph of 36 requests
       # on the target's metadata for 33 (strict xfail: vLLM dies there), then 32 (clean).
       # The upstream-only reproducer of docs/speculation-control.md

@@ -125,12 +125,21 @@ class Divergence:
     drafter: GraphChoice
 
 
-def divergent_batches(ladder: GraphLadder) -> list[Divergence]:
+def divergent_batches(ladder: GraphLadder,
+                      query_len_at: Sequence[int] | None = None) -> list[Divergence]:
     """Every (query length, batch size) at which the drafter's prefill replays another graph
-    than the target did, in order."""
+    than the target did, in order.
+
+    Args:
+        query_len_at: a static schedule's query length per batch size (index: the batch
+            size; vLLM's dense lookup plus 1): only the batches it runs. None: every query
+            length at every batch size, which a run-time schedule can reach.
+    """
     found = []
     for q in ladder.query_lens:
         for r in range(1, ladder.max_num_reqs + 1):
+            if query_len_at is not None and query_len_at[r] != q:
+                continue
             target = ladder.dispatch(r, r * q, q)
             drafter = ladder.dispatch(r, max(r * q, target.num_tokens), q)
             if drafter != target:

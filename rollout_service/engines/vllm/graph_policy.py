@@ -95,10 +95,29 @@ def with_user_schedule_graphs(args: AsyncEngineArgs,
     schedule = (args.speculative_config or {}).get("num_speculative_tokens_per_batch_size")
     if not schedule or not current_platform.is_cuda():
         return args
-    return apply_full_graph_policy(
-        args, resolve(args).compilation_config.cudagraph_mode, is_cuda=True,
-        policy="align" if policy == "align" else "as_is",
-        query_lens=tuple(sorted({k + 1 for *_, k in schedule})))
+    config = resolve(args)
+    query_lens = tuple(sorted({k + 1 for *_, k in schedule}))
+    if policy == "align":
+        return apply_full_graph_policy(args, config.compilation_config.cudagraph_mode,
+                                       is_cuda=True, policy="align", query_lens=query_lens)
+    from vllm.config.compilation import CUDAGraphMode
+
+    if config.compilation_config.cudagraph_mode == CUDAGraphMode.FULL_AND_PIECEWISE:
+        warn_divergence(config, query_lens, query_len_at=static_query_lens(config))
+    return args
+
+
+def static_query_lens(config: VllmConfig) -> list[int]:
+    """The query length K + 1 ``config``'s static schedule runs at each batch size (index),
+    from vLLM's own dense lookup."""
+    from vllm.v1.spec_decode.dynamic.utils import build_dynamic_sd_schedule_lookup
+
+    speculative = config.speculative_config
+    lookup = build_dynamic_sd_schedule_lookup(
+        speculative.num_speculative_tokens_per_batch_size,
+        vllm_max_batch_size=config.scheduler_config.max_num_seqs,
+        vllm_num_speculative_tokens=speculative.num_speculative_tokens)
+    return [k + 1 for k in lookup]
 
 
 def resolve(args: AsyncEngineArgs) -> VllmConfig:
@@ -108,10 +127,11 @@ def resolve(args: AsyncEngineArgs) -> VllmConfig:
     return dataclasses.replace(args).create_engine_config(serving_usage_context())
 
 
-def warn_divergence(config: VllmConfig, query_lens: tuple[int, ...]) -> None:
+def warn_divergence(config: VllmConfig, query_lens: tuple[int, ...],
+                    query_len_at: list[int] | None = None) -> None:
     """Log where ``config``'s drafter replays another graph than its target (``as_is``, and
-    a user's own schedule under ``refuse``)."""
-    found = divergent_batches(ladder_of(config, query_lens))
+    a user's own schedule under ``refuse``: only the batches it runs, ``query_len_at``)."""
+    found = divergent_batches(ladder_of(config, query_lens), query_len_at)
     for q in query_lens:
         sizes = [d.num_reqs for d in found if d.query_len == q]
         if sizes:

@@ -43,8 +43,8 @@ async def test_random_k_changes_under_load_never_fail_a_request(
     # The engine runs in this process, whose environment vLLM's CPU platform changes
     # (LD_PRELOAD): restored afterwards, for the services later tests start from here.
     monkeypatch.setenv("LD_PRELOAD", os.environ.get("LD_PRELOAD", ""))
-    if IS_CUDA:  # vLLM's defaults: compile and CUDA graphs, as served
-        model, kwargs = str(ensure_model("tiny")), {"dtype": "bfloat16",
+    if IS_CUDA:  # vLLM's defaults: compile and CUDA graphs, as served (and counted)
+        model, kwargs = str(ensure_model("tiny")), {"dtype": "bfloat16", "cudagraph_metrics": True,
                                                     "gpu_memory_utilization": 0.3}
     else:
         model, kwargs = "embedded:tiny", {}
@@ -62,4 +62,9 @@ async def test_random_k_changes_under_load_never_fail_a_request(
     assert report.num_finished == report.num_requests > CONFIG.concurrency
     # The load was real: the batch filled up while K changed under it.
     assert report.max_batch_size >= CONFIG.concurrency // 2, report.summary()
+    if IS_CUDA:  # the aligned sizes were in force: every graph a multiple of 12 tokens, and
+        # no uniform decode fell to PIECEWISE (where the drafter's graph diverges)
+        graphs = [key for key in steps.counts if key.mode != "NONE"]
+        assert graphs and all(key.num_padded_tokens % 12 == 0 for key in graphs), graphs
+        assert not steps.shadowed_decodes(), steps.report()
     print(report.summary())

@@ -14,6 +14,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from vllm.config.compilation import CUDAGraphMode
+from vllm.v1.spec_decode.dynamic.utils import build_dynamic_sd_schedule_lookup
 from vllm.v1.worker.gpu.cudagraph_utils import CudaGraphManager
 
 from bench.graph_divergence import default_sizes
@@ -156,3 +157,19 @@ def test_aligned_sizes_stay_within_the_batched_tokens() -> None:
                                  max_num_tokens=256) == [12, 108, 252]
     with pytest.raises(ValueError, match="max_num_batched_tokens"):
         aligned_capture_sizes([8], (3, 4), max_num_tokens=8)
+
+
+def test_a_static_schedule_diverges_only_where_it_runs_the_query_length() -> None:
+    """K = 1 from 32 requests on: its divergent batches at query length 2 start at 33, not
+    at 9 and 21 (K = 3 runs there); the lookup is vLLM's own."""
+    schedule = [[1, 1, 3], [2, 2, 2], [3, 31, 3], [32, 1024, 1]]
+    ladder = ladder_for(default_sizes(schedule, 1024), schedule, 1024,
+                        CUDAGraphMode.FULL_AND_PIECEWISE)
+    lookup = build_dynamic_sd_schedule_lookup(schedule, vllm_max_batch_size=1024,
+                                              vllm_num_speculative_tokens=K_MAX)
+    everywhere = [(d.query_len, d.num_reqs) for d in divergent_batches(ladder)]
+    where_run = [(d.query_len, d.num_reqs)
+                 for d in divergent_batches(ladder, [k + 1 for k in lookup])]
+    assert (2, 9) in everywhere and (2, 33) in everywhere
+    assert where_run == [(q, r) for q, r in everywhere if r >= 32 and q == 2]
+    assert where_run[0] == (2, 33)

@@ -131,7 +131,7 @@ def test_align_resolves_checks_and_returns_new_args(engine_args: AsyncEngineArgs
 
 # --- the CUDA path, with vLLM's resolution stood in (the CPU engine resolves no graphs) ---
 
-USER_SCHEDULE = [[1, 1, 3], [2, 2, 2], [3, 1024, 1]]
+USER_SCHEDULE = [[1, 1, 3], [2, 2, 2], [3, 31, 3], [32, 1024, 1]]  # K = 1 from 32 on
 
 
 @pytest.fixture
@@ -149,7 +149,9 @@ def on_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
             compilation_config=SimpleNamespace(
                 cudagraph_capture_sizes=sizes, max_cudagraph_capture_size=max(sizes),
                 cudagraph_mode=CUDAGraphMode.FULL_AND_PIECEWISE),
-            scheduler_config=SimpleNamespace(max_num_seqs=1024, max_num_batched_tokens=8192))
+            scheduler_config=SimpleNamespace(max_num_seqs=1024, max_num_batched_tokens=8192),
+            speculative_config=SimpleNamespace(num_speculative_tokens_per_batch_size=schedule,
+                                               num_speculative_tokens=3))
 
     monkeypatch.setattr(current_platform, "is_cuda", lambda: True)
     monkeypatch.setattr(graph_policy, "resolve", resolve)
@@ -175,8 +177,8 @@ def test_a_users_own_schedule_otherwise_starts_as_given_with_a_warning(
     args = with_schedule(engine_args, USER_SCHEDULE)
     with caplog.at_level(logging.WARNING):
         assert with_user_schedule_graphs(args, policy) is args  # type: ignore[arg-type]
-    (record,) = caplog.records
-    assert "at K = 1 " in record.getMessage() and "[9, 21, 33," in record.getMessage()
+    (record,) = caplog.records  # K = 1 diverges at 9 and 21 too, where this schedule runs K = 3
+    assert "at K = 1 " in record.getMessage() and ": [33, 45, 57," in record.getMessage()
 
 
 @pytest.mark.usefixtures("on_cuda")
