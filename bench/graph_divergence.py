@@ -27,6 +27,7 @@ from rollout_service.engines.vllm.graph_ladder import (
     aligned_capture_sizes,
     divergent_batches,
 )
+from rollout_service.engines.vllm.graph_policy import query_len_per_batch_size
 from rollout_service.engines.vllm.spec_schedule import ScheduleRanges, startup_ranges
 
 DEFAULT_GRID = (1, 2, 4, *range(8, 256, 8), *range(256, 513, 16))
@@ -53,18 +54,13 @@ def default_sizes(schedule: ScheduleRanges, max_num_seqs: int) -> list[int]:
     return sorted(set(DEFAULT_GRID) | tiers)
 
 
-def ladder(sizes: list[int], schedule: ScheduleRanges, max_num_seqs: int) -> GraphLadder:
+def ladder(sizes: list[int], schedule: ScheduleRanges, max_num_seqs: int, *,
+           has_piecewise: bool = True) -> GraphLadder:
+    """The graphs of ``sizes`` for every query length ``schedule`` holds."""
     return GraphLadder(capture_sizes=tuple(sizes),
                        query_lens=tuple(sorted({k + 1 for *_, k in schedule})),
-                       max_num_reqs=max_num_seqs, max_capture_size=max(sizes))
-
-
-def query_len_at(schedule: ScheduleRanges, max_num_seqs: int, k_max: int) -> list[int]:
-    """A static schedule's query length per batch size (vLLM's own dense lookup)."""
-    from vllm.v1.spec_decode.dynamic.utils import build_dynamic_sd_schedule_lookup
-
-    return [k + 1 for k in build_dynamic_sd_schedule_lookup(
-        schedule, vllm_max_batch_size=max_num_seqs, vllm_num_speculative_tokens=k_max)]
+                       max_num_reqs=max_num_seqs, max_capture_size=max(sizes),
+                       has_piecewise=has_piecewise)
 
 
 def describe(sizes: list[int], schedule: ScheduleRanges, max_num_seqs: int,
@@ -100,7 +96,8 @@ def main() -> None:
         sizes = ([int(s) for s in opts.sizes.split(",")] if opts.sizes
                  else default_sizes(schedule, opts.max_num_seqs))
         # The controller's engine reaches every K at every batch size; a static one, its own.
-        where_run = None if i == 0 else query_len_at(schedule, opts.max_num_seqs, opts.k_max)
+        where_run = None if i == 0 else query_len_per_batch_size(
+            schedule, max_num_seqs=opts.max_num_seqs, k_max=opts.k_max)
         query_lens = tuple(sorted({k + 1 for *_, k in schedule}))
         aligned = aligned_capture_sizes(sizes, query_lens,
                                         max_num_tokens=opts.max_num_batched_tokens)

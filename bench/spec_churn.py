@@ -208,18 +208,6 @@ async def churn(engine: VLLMEngine, steps: StepCostMonitor, config: ChurnConfig
     return report
 
 
-def warn_static_divergence(args: Any, static: list[list[int]]) -> None:
-    """Log the batch sizes at which vLLM alone, with ``static``, will replay a FULL draft
-    graph of more requests than its target ran (``graph_policy.warn_divergence``)."""
-    from vllm.config.compilation import CUDAGraphMode
-
-    from rollout_service.engines.vllm.graph_policy import resolve, warn_divergence
-
-    config = resolve(args)
-    if config.compilation_config.cudagraph_mode == CUDAGraphMode.FULL_AND_PIECEWISE:
-        warn_divergence(config, tuple(sorted({k + 1 for *_, k in static})))
-
-
 def start_engine(model: str, *, k_max: int, drafter_at_k0: str, engine_kwargs: dict[str, Any],
                  full_cuda_graphs: str = "as_is",
                  static: list[list[int]] | None = None
@@ -229,6 +217,7 @@ def start_engine(model: str, *, k_max: int, drafter_at_k0: str, engine_kwargs: d
     vLLM alone with that schedule."""
     from rollout_service.engines.vllm import drafter_at_k0 as skip_module
     from rollout_service.engines.vllm.engine_args import build_engine_args
+    from rollout_service.engines.vllm.graph_policy import with_user_schedule_graphs
     from rollout_service.engines.vllm.spec_schedule import with_startup_schedule
     from rollout_service.local import engine_spec
 
@@ -251,7 +240,8 @@ def start_engine(model: str, *, k_max: int, drafter_at_k0: str, engine_kwargs: d
                        "num_speculative_tokens_per_batch_size": static}
         args = dataclasses.replace(args, speculative_config=speculative,
                                    weight_transfer_config=None, worker_extension_cls="")
-        warn_static_divergence(args, static)
+        # The batch sizes at which vLLM alone will replay a diverging drafter graph, logged.
+        args = with_user_schedule_graphs(args, "as_is")
     monitor = GraphReplayMonitor()
     return VLLMEngine.start(args, served_model_name=spec.served_model_name,
                             step_costs=monitor), monitor

@@ -61,34 +61,37 @@ def check_cuda_graphs(cudagraph_mode: CUDAGraphMode, *, is_cuda: bool,
             "the risk (with cudagraph_mode: FULL_DECODE_ONLY the drafter cannot diverge)")
 
 
-def apply_full_graph_policy(args: AsyncEngineArgs, cudagraph_mode: CUDAGraphMode, *,
-                            is_cuda: bool, policy: FullGraphPolicy,
-                            query_lens: tuple[int, ...]) -> AsyncEngineArgs:
-    """``args`` (with the start-up schedule) as ``policy`` starts them: ``align``: aligned
-    capture sizes (:func:`align_full_graphs`); ``as_is``: unchanged, with a warning naming
-    the batch sizes at which the drafter will replay another graph than the target.
-
-    Only FULL_AND_PIECEWISE graphs on CUDA can diverge (FULL, FULL_DECODE_ONLY and
-    PIECEWISE cannot: ``test_vllm_graph_ladder.py`` checks it on vLLM's own dispatch), so
-    other starts are returned unchanged.
-    """
+def can_diverge(cudagraph_mode: CUDAGraphMode) -> bool:
+    """Only FULL_AND_PIECEWISE graphs can diverge (FULL, FULL_DECODE_ONLY and PIECEWISE
+    cannot: ``test_vllm_graph_ladder.py`` checks it on vLLM's own dispatch)."""
     from vllm.config.compilation import CUDAGraphMode
 
-    if not is_cuda or cudagraph_mode != CUDAGraphMode.FULL_AND_PIECEWISE:
+    return cudagraph_mode == CUDAGraphMode.FULL_AND_PIECEWISE
+
+
+def apply_full_graph_policy(args: AsyncEngineArgs, config: VllmConfig, *,
+                            policy: FullGraphPolicy, query_lens: tuple[int, ...],
+                            query_len_at: list[int] | None = None) -> AsyncEngineArgs:
+    """``args`` (with a K schedule; ``config``: vLLM's resolution of them, on CUDA) as
+    ``policy`` starts them: ``align``: aligned capture sizes (:func:`align_full_graphs`);
+    otherwise unchanged, with a warning naming the batch sizes at which the drafter will
+    replay another graph than the target (:func:`warn_divergence`; ``query_len_at``: a
+    static schedule's, to name only the batches it runs). Graphs that cannot diverge:
+    ``args`` unchanged."""
+    if not can_diverge(config.compilation_config.cudagraph_mode):
         return args
     if policy == "align":
-        return align_full_graphs(args, query_lens)
-    if policy == "as_is":
-        warn_divergence(resolve(args), query_lens)
+        return align_full_graphs(args, query_lens, config)
+    warn_divergence(config, query_lens, query_len_at)
     return args
 
 
 def with_user_schedule_graphs(args: AsyncEngineArgs,
                               policy: FullGraphPolicy) -> AsyncEngineArgs:
     """``args`` for a K schedule of the user's own (``engine_kwargs.speculative_config.
-    num_speculative_tokens_per_batch_size``, the controller off), which vLLM runs on the
-    same graphs: aligned under ``align``; under ``refuse`` and ``as_is`` unchanged, with the
-    warning of :func:`warn_divergence` (the user chose that schedule; vLLM may serve it
+    num_speculative_tokens_per_batch_size``, the controller off; a bench's static one),
+    which vLLM runs on the same graphs: aligned under ``align``; under ``refuse`` and
+    ``as_is`` unchanged, with the warning (the user chose that schedule; vLLM may serve it
     clean on another GPU or version). No schedule, or no CUDA: ``args`` unchanged."""
     from vllm.platforms import current_platform
 
@@ -96,28 +99,22 @@ def with_user_schedule_graphs(args: AsyncEngineArgs,
     if not schedule or not current_platform.is_cuda():
         return args
     config = resolve(args)
-    query_lens = tuple(sorted({k + 1 for *_, k in schedule}))
-    if policy == "align":
-        return apply_full_graph_policy(args, config.compilation_config.cudagraph_mode,
-                                       is_cuda=True, policy="align", query_lens=query_lens)
-    from vllm.config.compilation import CUDAGraphMode
-
-    if config.compilation_config.cudagraph_mode == CUDAGraphMode.FULL_AND_PIECEWISE:
-        warn_divergence(config, query_lens, query_len_at=static_query_lens(config))
-    return args
+    return apply_full_graph_policy(
+        args, config, policy="align" if policy == "align" else "as_is",
+        query_lens=tuple(sorted({k + 1 for *_, k in schedule})),
+        query_len_at=query_len_per_batch_size(
+            schedule, max_num_seqs=config.scheduler_config.max_num_seqs,
+            k_max=config.speculative_config.num_speculative_tokens))
 
 
-def static_query_lens(config: VllmConfig) -> list[int]:
-    """The query length K + 1 ``config``'s static schedule runs at each batch size (index),
-    from vLLM's own dense lookup."""
+def query_len_per_batch_size(schedule: list[list[int]], *, max_num_seqs: int,
+                             k_max: int) -> list[int]:
+    """The query length K + 1 a static ``schedule`` runs at each batch size (index), from
+    vLLM's own dense lookup."""
     from vllm.v1.spec_decode.dynamic.utils import build_dynamic_sd_schedule_lookup
 
-    speculative = config.speculative_config
-    lookup = build_dynamic_sd_schedule_lookup(
-        speculative.num_speculative_tokens_per_batch_size,
-        vllm_max_batch_size=config.scheduler_config.max_num_seqs,
-        vllm_num_speculative_tokens=speculative.num_speculative_tokens)
-    return [k + 1 for k in lookup]
+    return [k + 1 for k in build_dynamic_sd_schedule_lookup(
+        schedule, vllm_max_batch_size=max_num_seqs, vllm_num_speculative_tokens=k_max)]
 
 
 def resolve(args: AsyncEngineArgs) -> VllmConfig:
@@ -180,9 +177,11 @@ def check_no_divergence(ladder: GraphLadder) -> None:
             "leave engine_kwargs.compilation_config.cudagraph_capture_sizes to the service")
 
 
-def align_full_graphs(args: AsyncEngineArgs, query_lens: tuple[int, ...]) -> AsyncEngineArgs:
+def align_full_graphs(args: AsyncEngineArgs, query_lens: tuple[int, ...],
+                      config: VllmConfig | None = None) -> AsyncEngineArgs:
     """``args`` whose capture sizes (vLLM's own, or the user's) are rounded to multiples of
-    every query length, checked on the config vLLM resolves from them.
+    every query length, checked on the config vLLM resolves from them (``config``: vLLM's
+    resolution of ``args`` where the caller has it; None: resolved here).
 
     Raises:
         ValueError: naming the field: the multiple is above :data:`MAX_ALIGNMENT` (a decode
@@ -197,7 +196,7 @@ def align_full_graphs(args: AsyncEngineArgs, query_lens: tuple[int, ...]) -> Asy
             "tokens; set engine_kwargs.compilation_config.cudagraph_mode: FULL_DECODE_ONLY "
             "(its drafter cannot diverge) with full_cuda_graphs: as_is, or a smaller "
             "num_speculative_tokens")
-    before = resolve(args)
+    before = config or resolve(args)
     sizes = aligned_capture_sizes(
         before.compilation_config.cudagraph_capture_sizes or [1], query_lens,
         max_num_tokens=before.scheduler_config.max_num_batched_tokens)

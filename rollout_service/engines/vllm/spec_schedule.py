@@ -20,7 +20,12 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
 from rollout_service.engines.base import FullGraphPolicy
-from rollout_service.engines.vllm.graph_policy import apply_full_graph_policy, check_cuda_graphs
+from rollout_service.engines.vllm.graph_policy import (
+    apply_full_graph_policy,
+    can_diverge,
+    check_cuda_graphs,
+    resolve,
+)
 
 if TYPE_CHECKING:
     from vllm.engine.arg_utils import AsyncEngineArgs
@@ -139,7 +144,6 @@ def with_startup_schedule(args: AsyncEngineArgs, *,
     from vllm.platforms import current_platform
 
     from rollout_service.engines.vllm.patches import spec_schedule as schedule_rpc
-    from rollout_service.engines.vllm.usage_context import serving_usage_context
 
     field = "speculation_control.enabled"
     speculative = args.speculative_config
@@ -155,7 +159,7 @@ def with_startup_schedule(args: AsyncEngineArgs, *,
     if (args.data_parallel_size or 1) > 1:
         raise ValueError(f"{field}: vLLM drops a K schedule with data parallelism "
                          f"(engine_kwargs.data_parallel_size={args.data_parallel_size})")
-    config = dataclasses.replace(args).create_engine_config(serving_usage_context())
+    config = resolve(args)
     if current_platform.is_cuda() and not config.use_v2_model_runner:
         raise ValueError(f"{field}: vLLM's model runner V1 on CUDA turns a K schedule's "
                          "FULL CUDA graphs into PIECEWISE ones (vllm-project/vllm#49548); "
@@ -173,5 +177,7 @@ def with_startup_schedule(args: AsyncEngineArgs, *,
                                   speculative_config={
                                       **speculative,
                                       "num_speculative_tokens_per_batch_size": ranges})
-    return apply_full_graph_policy(startup, mode, is_cuda=is_cuda, policy=full_cuda_graphs,
+    if not (is_cuda and can_diverge(mode)):
+        return startup
+    return apply_full_graph_policy(startup, resolve(startup), policy=full_cuda_graphs,
                                    query_lens=tuple(sorted({k + 1 for _, _, k in ranges})))

@@ -17,7 +17,7 @@ from vllm.config.compilation import CUDAGraphMode
 from vllm.v1.spec_decode.dynamic.utils import build_dynamic_sd_schedule_lookup
 from vllm.v1.worker.gpu.cudagraph_utils import CudaGraphManager
 
-from bench.graph_divergence import default_sizes
+from bench.graph_divergence import default_sizes, ladder
 from rollout_service.engines.vllm.graph_ladder import (
     GraphChoice,
     GraphLadder,
@@ -54,10 +54,8 @@ def vllm_manager(sizes: list[int], schedule: ScheduleRanges, max_num_reqs: int,
 
 def ladder_for(sizes: list[int], schedule: ScheduleRanges, max_num_reqs: int,
                mode: CUDAGraphMode) -> GraphLadder:
-    return GraphLadder(capture_sizes=tuple(sizes),
-                       query_lens=tuple(sorted({k + 1 for _, _, k in schedule})),
-                       max_num_reqs=max_num_reqs, max_capture_size=max(sizes),
-                       has_piecewise=mode == CUDAGraphMode.FULL_AND_PIECEWISE)
+    return ladder(sizes, schedule, max_num_reqs,
+                  has_piecewise=mode == CUDAGraphMode.FULL_AND_PIECEWISE)
 
 
 def as_choice(desc: object) -> GraphChoice:

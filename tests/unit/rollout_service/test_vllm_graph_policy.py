@@ -16,16 +16,17 @@ import pytest
 from vllm.config.compilation import CUDAGraphMode
 from vllm.engine.arg_utils import AsyncEngineArgs
 
-from bench.graph_divergence import DEFAULT_GRID, default_sizes
+from bench.graph_divergence import DEFAULT_GRID, default_sizes, ladder
 from rollout_service.config import EMBEDDED_ENGINE_KWARGS
 from rollout_service.embedded import ensure_model
 from rollout_service.engines.speculative import MTPSettings, load_checkpoint_config
 from rollout_service.engines.vllm import graph_policy
 from rollout_service.engines.vllm.engine_args import build_engine_args
-from rollout_service.engines.vllm.graph_ladder import GraphLadder, aligned_capture_sizes
+from rollout_service.engines.vllm.graph_ladder import aligned_capture_sizes
 from rollout_service.engines.vllm.graph_policy import (
     align_full_graphs,
     apply_full_graph_policy,
+    can_diverge,
     check_cuda_graphs,
     check_no_divergence,
     warn_divergence,
@@ -37,6 +38,7 @@ from rollout_service.engines.vllm.spec_schedule import startup_ranges
 FULL_MODES = (CUDAGraphMode.FULL, CUDAGraphMode.FULL_DECODE_ONLY,
               CUDAGraphMode.FULL_AND_PIECEWISE)
 QUERY_LENS = (1, 2, 3, 4)
+STARTUP = startup_ranges(3, 1024)  # every K: the query lengths 1 to 4
 
 
 @pytest.fixture(scope="module")
@@ -65,22 +67,33 @@ def test_full_cuda_graphs_are_refused_on_cuda_under_refuse(mode: CUDAGraphMode,
 
 
 @pytest.mark.parametrize("mode", list(CUDAGraphMode))
-def test_only_full_and_piecewise_graphs_on_cuda_are_aligned(
+def test_only_full_and_piecewise_graphs_are_aligned(
         mode: CUDAGraphMode, engine_args: AsyncEngineArgs) -> None:
-    aligned = apply_full_graph_policy(engine_args, mode, is_cuda=True, policy="align",
+    assert can_diverge(mode) == (mode == CUDAGraphMode.FULL_AND_PIECEWISE)
+    config = h200_config(DEFAULT_GRID, mode=mode)
+    aligned = apply_full_graph_policy(engine_args, config, policy="align",  # type: ignore[arg-type]
                                       query_lens=QUERY_LENS)
     assert (aligned is not engine_args) == (mode == CUDAGraphMode.FULL_AND_PIECEWISE)
-    for policy, is_cuda in (("align", False), ("as_is", True), ("as_is", False)):
-        assert apply_full_graph_policy(engine_args, mode, is_cuda=is_cuda, policy=policy,
-                                       query_lens=QUERY_LENS) is engine_args
+    assert apply_full_graph_policy(engine_args, config, policy="as_is",  # type: ignore[arg-type]
+                                   query_lens=QUERY_LENS) is engine_args
+
+
+def h200_config(sizes: tuple[int, ...] | list[int], *,
+                mode: CUDAGraphMode = CUDAGraphMode.FULL_AND_PIECEWISE,
+                schedule: list[list[int]] | None = None) -> SimpleNamespace:
+    """What the graph policy reads of vLLM's resolution on an H200 (the CPU engine resolves
+    no graphs)."""
+    return SimpleNamespace(
+        compilation_config=SimpleNamespace(
+            cudagraph_capture_sizes=list(sizes), max_cudagraph_capture_size=max(sizes),
+            cudagraph_mode=mode),
+        scheduler_config=SimpleNamespace(max_num_seqs=1024, max_num_batched_tokens=8192),
+        speculative_config=SimpleNamespace(num_speculative_tokens_per_batch_size=schedule,
+                                           num_speculative_tokens=3))
 
 
 def test_as_is_warns_where_the_drafter_diverges(caplog: pytest.LogCaptureFixture) -> None:
-    config = SimpleNamespace(  # what ladder_of reads of a resolved VllmConfig
-        compilation_config=SimpleNamespace(
-            cudagraph_capture_sizes=list(DEFAULT_GRID), max_cudagraph_capture_size=512,
-            cudagraph_mode=CUDAGraphMode.FULL_AND_PIECEWISE),
-        scheduler_config=SimpleNamespace(max_num_seqs=1024))
+    config = h200_config(DEFAULT_GRID)
     with caplog.at_level(logging.WARNING):
         warn_divergence(config, QUERY_LENS)  # type: ignore[arg-type]
     assert [record.getMessage().split(" the drafter")[0] for record in caplog.records] == [
@@ -89,17 +102,12 @@ def test_as_is_warns_where_the_drafter_diverges(caplog: pytest.LogCaptureFixture
     assert "[3, 5, 6, 9," in caplog.records[0].getMessage()
 
 
-def ladder(sizes: tuple[int, ...]) -> GraphLadder:
-    return GraphLadder(capture_sizes=sizes, query_lens=QUERY_LENS, max_num_reqs=1024,
-                       max_capture_size=max(sizes))
-
-
 def test_sizes_whose_drafter_diverges_are_refused_naming_the_field() -> None:
     with pytest.raises(ValueError, match=r"^speculation_control\.full_cuda_graphs: .* at "
                                          r"\d+ batch sizes \(3 requests at query length 1"):
-        check_no_divergence(ladder(DEFAULT_GRID))
-    check_no_divergence(ladder(tuple(aligned_capture_sizes(DEFAULT_GRID, QUERY_LENS,
-                                                           max_num_tokens=8192))))
+        check_no_divergence(ladder(list(DEFAULT_GRID), STARTUP, 1024))
+    check_no_divergence(ladder(aligned_capture_sizes(DEFAULT_GRID, QUERY_LENS,
+                                                     max_num_tokens=8192), STARTUP, 1024))
 
 
 def test_the_sizes_travel_in_the_compilation_config(engine_args: AsyncEngineArgs) -> None:
@@ -145,13 +153,7 @@ def on_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
         schedule = args.speculative_config["num_speculative_tokens_per_batch_size"]
         sizes = (args.compilation_config.cudagraph_capture_sizes
                  or default_sizes(schedule, 1024))
-        return SimpleNamespace(
-            compilation_config=SimpleNamespace(
-                cudagraph_capture_sizes=sizes, max_cudagraph_capture_size=max(sizes),
-                cudagraph_mode=CUDAGraphMode.FULL_AND_PIECEWISE),
-            scheduler_config=SimpleNamespace(max_num_seqs=1024, max_num_batched_tokens=8192),
-            speculative_config=SimpleNamespace(num_speculative_tokens_per_batch_size=schedule,
-                                               num_speculative_tokens=3))
+        return h200_config(sizes, schedule=schedule)
 
     monkeypatch.setattr(current_platform, "is_cuda", lambda: True)
     monkeypatch.setattr(graph_policy, "resolve", resolve)
@@ -184,6 +186,11 @@ def test_a_users_own_schedule_otherwise_starts_as_given_with_a_warning(
 @pytest.mark.usefixtures("on_cuda")
 def test_no_schedule_of_the_users_is_left_alone(engine_args: AsyncEngineArgs) -> None:
     assert with_user_schedule_graphs(engine_args, "align") is engine_args
+
+
+def test_a_users_own_schedule_off_cuda_is_left_alone(engine_args: AsyncEngineArgs) -> None:
+    args = with_schedule(engine_args, USER_SCHEDULE)
+    assert with_user_schedule_graphs(args, "align") is args  # vLLM's CPU engine: no graphs
 
 
 @pytest.mark.usefixtures("on_cuda")
