@@ -104,6 +104,8 @@ class ChurnReport:
     max_batch_size: int = 0
     elapsed_s: float = 0.0
     errors: list[str] = dataclasses.field(default_factory=list)
+    engine_alive: bool = True
+    """The engine still answered its health check at the end (False: it died)."""
     last_changes: list[Change] = dataclasses.field(default_factory=list)
     """The last changes before the end (before a failure: the suspects)."""
 
@@ -204,6 +206,7 @@ async def churn(engine: VLLMEngine, steps: StepCostMonitor, config: ChurnConfig
     try:
         await engine.health()
     except EngineUnavailableError as exc:
+        report.engine_alive = False
         report.errors.append(f"engine: {exc}")
     return report
 

@@ -109,14 +109,15 @@ class SpeculationControlSettings(BaseModel):
         "nothing of the drafter runs (vLLM 0.32.0's model runner V2 on CUDA only); the "
         "positions generated at K = 0 leave the drafter's cache stale, which may lower "
         "its acceptance once K comes back (docs/speculation-control.md)."))
-    full_cuda_graphs: FullGraphPolicy = Field("refuse", description=(
+    full_cuda_graphs: FullGraphPolicy = Field("align", description=(
         "The controller on a CUDA engine whose CUDA graphs include FULL ones (vLLM's "
-        "default FULL_AND_PIECEWISE). vLLM 0.32.0's engine has died of an illegal memory "
-        "access with its default capture sizes when K changed under load "
-        "(docs/speculation-control.md, the crash on the H200). refuse: that start is "
-        "refused, naming this field (enforce_eager ran clean). align: the capture sizes are "
-        "rounded to multiples of every query length K + 1, with which the MTP drafter always "
-        "replays the target's graph, and checked at start-up (not yet run on a GPU). as_is: "
+        "default FULL_AND_PIECEWISE). With its default capture sizes vLLM 0.32.0 dies of an "
+        "illegal memory access at batch sizes where the MTP drafter replays a FULL graph "
+        "captured for more requests than the target ran (docs/speculation-control.md, the "
+        "crash on the H200). align (the default): the capture sizes are rounded to "
+        "multiples of every query length K + 1, with which the drafter always replays the "
+        "target's graph, and checked at start-up (H200: 1000 random K changes under 256 "
+        "requests, no error). refuse: that start is refused, naming this field. as_is: "
         "vLLM's sizes, accepting the risk (the benches that reproduce the crash), with a "
         "warning naming the batch sizes at risk. Also read with the controller off, for a "
         "K schedule of the user's own (engine_kwargs.speculative_config."

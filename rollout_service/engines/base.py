@@ -152,7 +152,7 @@ class EngineSpec:
     skip_drafter_at_k0: bool = False
     """vLLM: steps at K = 0 run nothing of the drafter
     (``speculation_control.drafter_at_k0: skip``; ``engines/vllm/drafter_at_k0.py``)."""
-    full_cuda_graphs: FullGraphPolicy = "refuse"
+    full_cuda_graphs: FullGraphPolicy = "align"
     """vLLM on CUDA: a run-time schedule's FULL CUDA graphs
     (``speculation_control.full_cuda_graphs``; ``engines/vllm/graph_policy.py``)."""
 

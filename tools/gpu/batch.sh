@@ -153,8 +153,9 @@ for s in "$@"; do
       STALL_S=100000 step churn-upstream 540 python3 -m pytest -q -p no:cacheprovider -m gpu \
         -rA tests/integration/rollout_service/test_vllm_graph_divergence.py ;;
     churn-align)  # the random churn with the service's aligned capture sizes
-      # (speculation_control.full_cuda_graphs: align): predicted clean
-      step churn-align 300 env CUDA_LAUNCH_BLOCKING="${BLOCKING:-1}" python3 -m bench.spec_churn \
+      # (speculation_control.full_cuda_graphs: align, the default), outside pytest
+      # (BLOCKING=1 launches kernels synchronously: 1000 changes then take over 300 s)
+      step churn-align 300 env CUDA_LAUNCH_BLOCKING="${BLOCKING:-0}" python3 -m bench.spec_churn \
         --model embedded:1b --k-max 3 --concurrency 256 --changes "${CHANGES:-1000}" \
         --full-cuda-graphs align ;;
     churn-tests) STALL_S=100000 step churn-tests 560 python3 -m pytest -q -p no:cacheprovider \

@@ -125,7 +125,7 @@ def _is_int(value: object) -> bool:
 
 
 def with_startup_schedule(args: AsyncEngineArgs, *,
-                          full_cuda_graphs: FullGraphPolicy = "refuse") -> AsyncEngineArgs:
+                          full_cuda_graphs: FullGraphPolicy = "align") -> AsyncEngineArgs:
     """``args`` with the K schedule a run-time schedule needs at start-up: every K in
     ``0..num_speculative_tokens`` at some batch size (:func:`startup_ranges`), over the
     batch sizes vLLM will allow (its ``max_num_seqs``, resolved here as vLLM resolves it

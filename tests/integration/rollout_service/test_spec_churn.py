@@ -10,6 +10,8 @@ among them, once with the drafter run at K = 0 and once with it skipped, with th
 capture sizes the service aligns (``speculation_control.full_cuda_graphs: align``). An
 H200 engine had died of an illegal memory access after K = 0 was pinned under load with
 vLLM's own sizes (docs/speculation-control.md; ``batch.sh churn`` reproduces that).
+H200, 2026-12-05: 2 passed (run: 1000 changes over 3345 steps, 7801/7801 requests; skip:
+1000 over 3300, 7749/7749).
 
     python -m pytest -q -m gpu tests/integration/rollout_service/test_spec_churn.py -rA
 """

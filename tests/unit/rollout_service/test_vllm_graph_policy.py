@@ -17,7 +17,7 @@ from vllm.config.compilation import CUDAGraphMode
 from vllm.engine.arg_utils import AsyncEngineArgs
 
 from bench.graph_divergence import DEFAULT_GRID, default_sizes, ladder
-from rollout_service.config import EMBEDDED_ENGINE_KWARGS
+from rollout_service.config import EMBEDDED_ENGINE_KWARGS, load_config
 from rollout_service.embedded import ensure_model
 from rollout_service.engines.speculative import MTPSettings, load_checkpoint_config
 from rollout_service.engines.vllm import graph_policy
@@ -34,6 +34,7 @@ from rollout_service.engines.vllm.graph_policy import (
     with_user_schedule_graphs,
 )
 from rollout_service.engines.vllm.spec_schedule import startup_ranges
+from rollout_service.local import engine_spec
 
 FULL_MODES = (CUDAGraphMode.FULL, CUDAGraphMode.FULL_DECODE_ONLY,
               CUDAGraphMode.FULL_AND_PIECEWISE)
@@ -170,6 +171,16 @@ def test_a_users_own_schedule_is_aligned_under_align(engine_args: AsyncEngineArg
     aligned = with_user_schedule_graphs(args, "align")
     sizes = aligned.compilation_config.cudagraph_capture_sizes
     assert sizes and all(size % 12 == 0 for size in sizes) and max(sizes) >= 512
+
+
+@pytest.mark.usefixtures("on_cuda")
+def test_a_service_on_its_defaults_aligns(engine_args: AsyncEngineArgs) -> None:
+    """The default policy (H200: 1000 random K changes ran clean with it) flows from the
+    service's config into the engine's start."""
+    spec = engine_spec(load_config(model="embedded:tiny"))
+    aligned = with_user_schedule_graphs(with_schedule(engine_args, USER_SCHEDULE),
+                                        spec.full_cuda_graphs)
+    assert all(size % 12 == 0 for size in aligned.compilation_config.cudagraph_capture_sizes)
 
 
 @pytest.mark.usefixtures("on_cuda")
