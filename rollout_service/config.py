@@ -56,11 +56,13 @@ class CalibrationSettings(BaseModel):
 
     enabled: bool = Field(True, description=(
         "Measure c(K, B) before serving; off, every bucket runs K = 0 ('no cost data') "
-        "until live steps have measured K = 0 and another K at its batch size, which K = 0 "
+        "until live steps have measured K = 0 and another K at some batch size, which K = 0 "
         "alone never does: leave it on unless a benchmark pins the schedule."))
     max_batch_size: int = Field(32, ge=1, description=(
         "Largest batch size measured; the grid is 1, 2, 4, ... up to it. Buckets above it "
-        "run K = 0 ('no cost data') until live steps reach them."))
+        "run K = 0 ('no cost data') until live steps at K = 0 reach them; then a K > 0 is "
+        "priced from its measured ratio to K = 0 at the largest batch size measured for "
+        "both ('step cost extrapolated') until its own steps there measure it."))
     prompt_tokens: int = Field(64, ge=1, description=(
         "Prompt length of the synthetic requests (a step's cost grows with context)."))
     num_steps: int = Field(16, ge=4, description=(

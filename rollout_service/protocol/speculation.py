@@ -65,7 +65,8 @@ class BucketStatus(BaseModel):
     k: int = Field(description="Draft tokens the engine runs at this batch size.")
     reason: str = Field(description=(
         "Why: the controller's reason ('best expected throughput', 'hysteresis hold', "
-        "'acceptance collapsed', 'no cost data', 'probing the drafter') or 'pinned'."))
+        "'acceptance collapsed', 'no cost data', 'step cost extrapolated', 'probing the "
+        "drafter') or 'pinned'."))
     controller_k: int = Field(description=(
         "The controller's K; differs from k while pinned or while a change is on its way "
         "to the engine."))

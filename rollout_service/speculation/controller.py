@@ -16,7 +16,8 @@ One decision per observation, in every bucket, in this order:
 1. collapsed (``decision.CollapseDetector``): K = 0, "acceptance collapsed";
 2. the cost table does not cover K = 0 at the bucket: K = 0, "no cost data";
 3. otherwise the throughput model with hysteresis (``decision.Hysteresis``): "best
-   expected throughput" or "hysteresis hold";
+   expected throughput" or "hysteresis hold"; "step cost extrapolated" where the K in
+   force is priced from another batch size (``cost.py``), until its steps measure it;
 4. while probing, buckets up to ``probe.max_batch_size`` run at least ``probe.k``:
    "probing the drafter".
 
@@ -259,6 +260,8 @@ class SpeculationController:
         else:
             reason = hysteresis.decide(throughput)
             k = hysteresis.k
+            if not self._costs.covers(k, batch_size):
+                reason = Reason.EXTRAPOLATED
             probe = self._config.probe
             if self._is_probing and batch_size <= probe.max_batch_size and k < probe.k:
                 k, reason = probe.k, Reason.PROBING

@@ -12,8 +12,18 @@ different sources comparable.
 Interpolation: for each K, piecewise linear in ``log B`` between the measured batch
 sizes. It never overshoots, so a monotone measured curve stays monotone, and a step's
 cost is roughly affine in B while batch sizes are measured on a geometric grid (1, 2, 4,
-...). Outside the measured range of a K nothing is guessed: :meth:`StepCostTable.step_s`
-raises, and the controller reports "no cost data" for that bucket.
+...). Outside the measured range of a K, :meth:`StepCostTable.step_s` raises.
+
+Extrapolation, for the decision only (:meth:`StepCostTable.estimate_s`): where K = 0 is
+measured at B but K is not, ``c(K, B)`` is ``c(0, B)`` times K's measured ratio
+``c(K, B') / c(0, B')`` at the nearest batch size B' measured for both. K = 0 runs
+wherever nothing better is known, so its live steps measure it at every batch size the
+load reaches, while a K > 0 is measured only where it runs: without this, a bucket
+beyond the calibration stays at K = 0 for good (on the H200 the controller ran K = 0 at
+64 requests, 0.87x no speculation, where K = 2 ran 0.96x). Above B' the held ratio is
+optimistic (drafting costs relatively more as a step becomes compute-bound), so a K that
+looks better is tried, and its live steps replace the guess: at most ``k_max`` tries per
+bucket.
 
 Verify cost: the table also prices a finished sequence's verify steps for the net
 speed-up (``protocol/acceptance.py``): :meth:`StepCostTable.verify_cost_ratio` is the mean
@@ -122,6 +132,23 @@ class StepCostTable:
         low, high = batch_sizes[at - 1], batch_sizes[at]
         t = math.log(batch_size / low) / math.log(high / low)
         return costs[at - 1] + t * (costs[at] - costs[at - 1])
+
+    def estimate_s(self, k: int, batch_size: int) -> float | None:
+        """``c(k, batch_size)`` for the decision: :meth:`step_s` where measured; otherwise,
+        where K = 0 is measured at ``batch_size``, extrapolated from K's ratio to K = 0 at
+        the nearest batch size measured for both (the module docstring says why). None:
+        K = 0 is not measured at ``batch_size``, or K and K = 0 share no measured range."""
+        if self.covers(k, batch_size):
+            return self.step_s(k, batch_size)
+        if not self.covers(0, batch_size) or k not in self._batch_sizes:
+            return None
+        k_sizes, plain_sizes = self._batch_sizes[k], self._batch_sizes[0]
+        low, high = max(k_sizes[0], plain_sizes[0]), min(k_sizes[-1], plain_sizes[-1])
+        if low > high:
+            return None
+        nearest = min(max(batch_size, low), high)
+        ratio = self.step_s(k, nearest) / self.step_s(0, nearest)
+        return self.step_s(0, batch_size) * ratio
 
     def verify_cost_ratio(self, drafts_per_k: Sequence[int], batch_size: int
                           ) -> float | None:

@@ -70,9 +70,11 @@ def expected_tokens(rates: Sequence[float], k: int) -> float:
 def throughputs(rates: Sequence[float], costs: StepCostTable, *, batch_size: int,
                 k_max: int) -> dict[int, float]:
     """Expected tokens per second, ``B * E(K) / c(K, B)``, for every ``K <= k_max`` that
-    the cost table covers at ``batch_size`` (no entry: no cost data)."""
-    return {k: batch_size * expected_tokens(rates, k) / costs.step_s(k, batch_size)
-            for k in costs.measured_ks() if k <= k_max and costs.covers(k, batch_size)}
+    the cost table measures or extrapolates at ``batch_size``
+    (:meth:`StepCostTable.estimate_s`; no entry: no cost data)."""
+    estimates = {k: costs.estimate_s(k, batch_size) for k in costs.measured_ks() if k <= k_max}
+    return {k: batch_size * expected_tokens(rates, k) / step_s
+            for k, step_s in estimates.items() if step_s is not None}
 
 
 def best_k(throughput: Mapping[int, float]) -> int:
@@ -87,6 +89,9 @@ class Reason(StrEnum):
     HOLD = "hysteresis hold"
     COLLAPSED = "acceptance collapsed"
     NO_COST_DATA = "no cost data"
+    EXTRAPOLATED = "step cost extrapolated"
+    """The model's K, priced from its cost at a smaller (or larger) batch size until its
+    own steps measure it here (``cost.py``, extrapolation)."""
     PROBING = "probing the drafter"
 
 

@@ -325,7 +325,7 @@ def speculation_k(scope: Scope) -> str:
 def speculation_reason(scope: Scope) -> str:
     """Why each batch-size ``bucket`` runs its K: one series per bucket and ``reason`` in
     force (best expected throughput, hysteresis hold, acceptance collapsed, no cost data,
-    probing the drafter, pinned, controller off)."""
+    step cost extrapolated, probing the drafter, pinned, controller off)."""
     reasons = aggregate("max", f"{SPECULATION_REASON}{selector(scope)}",
                          (*scope.by, "bucket", "reason"))
     return f"{reasons} == 1"

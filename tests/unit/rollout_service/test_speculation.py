@@ -246,6 +246,32 @@ def test_buckets_without_cost_data_run_without_speculation() -> None:
     assert ctl.k_for(64) > 0
 
 
+def test_a_bucket_beyond_the_calibration_tries_k_until_its_own_steps_price_it() -> None:
+    """Calibrated up to 32, then K = 0's live steps at 64: each K > 0 is priced from its
+    ratio to K = 0 at 32 ("step cost extrapolated") and the best one runs; once its own
+    steps at 64 cost more than it pays, the bucket moves on, and it settles on a measured
+    K. Without the extrapolation it stayed at K = 0 for good (H200: 0.87x spec-off)."""
+    costs = roofline_table(max_batch_size=32)
+    ctl = controller(costs)
+    for _ in range(20):  # the small buckets learn the drafter's acceptance
+        feed(ctl, GOOD)
+    assert bucket(ctl, 64).reason is Reason.NO_COST_DATA
+    costs.record(StepCostSample(k=0, batch_size=64, step_s=roofline_s(0, 64)))
+    assert observations_until(ctl, lambda c: c.k_for(64) > 0, GOOD,
+                              batch_size=64) == CONFIRMATIONS  # through the hysteresis
+    assert bucket(ctl, 64).reason is Reason.EXTRAPOLATED
+    tried = {0, ctl.k_for(64)}
+    for _ in range(K_MAX + 1):  # each K > 0 tried turns out four times as dear at 64
+        k = ctl.k_for(64)
+        if k == 0 or costs.covers(k, 64):
+            break
+        costs.record(StepCostSample(k=k, batch_size=64, step_s=4 * roofline_s(k, 64)))
+        feed(ctl, GOOD, batch_size=64)
+        tried.add(ctl.k_for(64))
+    assert bucket(ctl, 64).reason is Reason.BEST and ctl.k_for(64) == 0
+    assert tried == set(range(K_MAX + 1))  # every K > 0 was tried before K = 0 won
+
+
 def test_a_stale_drafter_is_switched_off_and_a_push_brings_speculation_back() -> None:
     ctl = controller()
     for _ in range(20):
@@ -320,22 +346,25 @@ stream = st.lists(st.tuples(st.integers(1, 300), st.lists(st.floats(0, 1), min_s
 
 
 @settings(max_examples=60, deadline=None)
-@given(grid_costs, stream)
+@given(grid_costs, stream, st.sampled_from((1, 4, 16, 64, 256)))
 def test_the_controller_is_never_slower_than_spec_off_beyond_the_margin(
-        step_s: list[float], observations: list[tuple[int, list[float], int, int]]) -> None:
+        step_s: list[float], observations: list[tuple[int, list[float], int, int]],
+        k_measured_up_to: int) -> None:
     """For any cost table and acceptance stream, a bucket decided by the model runs a K
-    within the margin of K = 0 (probing and collapse are the documented exceptions)."""
+    within the margin of K = 0 (probing and collapse are the documented exceptions), also
+    where its K > 0 are measured only up to ``k_measured_up_to`` (extrapolated beyond)."""
     grid = (1, 4, 16, 64, 256)
     costs = StepCostTable(CostConfig(), [
         StepCostSample(k=k, batch_size=b, step_s=s)
-        for (k, b), s in zip(itertools.product(range(K_MAX + 1), grid), step_s)])
+        for (k, b), s in zip(itertools.product(range(K_MAX + 1), grid), step_s)
+        if k == 0 or b <= k_measured_up_to])
     ctl = SpeculationController(ControllerConfig(k_max=K_MAX, batch_size_buckets=grid), costs)
     for drafts, rates, batch_size, draft_version in sorted(observations, key=lambda o: o[3]):
         feed(ctl, rates, draft_version=draft_version, batch_size=batch_size,
              num_drafts=drafts)
         for state in ctl.state().buckets:
             tokens_per_s = state.tokens_per_s
-            if state.reason in (Reason.BEST, Reason.HOLD):
+            if state.reason in (Reason.BEST, Reason.HOLD, Reason.EXTRAPOLATED):
                 assert tokens_per_s[state.k] * (1 + MARGIN) >= tokens_per_s[0]
             if state.reason is Reason.BEST:
                 assert tokens_per_s[state.k] == max(t for t in tokens_per_s if t is not None)

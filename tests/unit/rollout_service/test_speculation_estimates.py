@@ -214,6 +214,21 @@ def test_no_cost_is_guessed_outside_the_measurements() -> None:
     assert not costs.covers(0, 1) and costs.covers(0, 5)
 
 
+def test_beyond_its_measurements_a_k_is_priced_at_its_nearest_ratio_to_k0() -> None:
+    """Where K = 0 is measured and K is not, c(K, B) = c(0, B) * c(K, B') / c(0, B') at
+    the nearest batch size B' measured for both; nothing where K = 0 is not measured."""
+    costs = table((0, 1, 0.010), (0, 32, 0.020), (0, 64, 0.040),
+                  (2, 1, 0.012), (2, 32, 0.030), (3, 128, 0.1))
+    assert costs.estimate_s(2, 32) == costs.step_s(2, 32) == 0.030  # measured
+    assert costs.estimate_s(2, 64) == pytest.approx(0.040 * 0.030 / 0.020)  # held from 32
+    assert costs.estimate_s(0, 64) == 0.040
+    assert costs.estimate_s(2, 128) is None  # K = 0 not measured there
+    assert costs.estimate_s(3, 64) is None  # K = 3 and K = 0 share no measured range
+    assert costs.estimate_s(1, 32) is None  # K = 1 never measured
+    with pytest.raises(ValueError, match="outside"):
+        costs.step_s(2, 64)  # the table itself still guesses nothing
+
+
 def test_a_sequences_verify_steps_are_priced_at_the_k_each_ran() -> None:
     """c(K, B) / c(0, B) per verify step, at the K vLLM's per-step counts say it ran;
     nothing is guessed where the table has no measurement."""
