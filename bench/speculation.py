@@ -1,8 +1,10 @@
 """The speculation control against static K and no speculation: does it ever slow rollout?
 
-Runs in the caller's terminal process. Per drafter (one generated checkpoint per
-``--draft-noise``: the embedded generator's knob for the drafter's accuracy), services
-run at once as child processes (``rollout-service serve``):
+Runs in the caller's terminal process. One set of services for the whole run, at once,
+as child processes (``rollout-service serve``), started on the first ``--draft-noise``'s
+checkpoint (the embedded generator's knob for the drafter's accuracy); each later
+noise's drafter arrives as a drafter push, as from a trainer (the controller starts a new
+acceptance epoch and probes it; the main model is the same for every noise):
 
 - ``off``: the same checkpoint with ``mtp.enabled: false``, an engine without a drafter;
 - ``spec``: ``--k-max`` draft tokens with the speculation control on, calibrated at
@@ -25,9 +27,10 @@ when the pin call returns):
   ``--rollout-max-tokens``, so concurrency decays from all prompts to one; the wall time
   to finish all, as tokens/s.
 
-A stale drafter (``--stale-drafter``): one more run on the first ``--draft-noise``'s
-checkpoint after a ``main`` push of another seed's model to every service (the drafter
-stays), as when a trainer stops syncing it: the controller must keep spec-off's speed.
+A stale drafter (``--stale-drafter``): one more run with the first ``--draft-noise``'s
+drafter (pushed back) after a ``main`` push of another seed's model to every service
+(the drafter stays), as when a trainer stops syncing it: the controller must keep
+spec-off's speed.
 
 Ratios printed: the controller over spec-off (target >= 0.98 at every concurrency), and on
 the decaying rollout the controller over the best static K of that run (target >= 1.10).
@@ -185,100 +188,144 @@ async def interleaved(rounds: dict[str, Round], num_rounds: int, label: str,
     return rates
 
 
-def move_the_policy(urls: list[str], size: str, noise: float) -> None:
-    """Push another seed's main model to every service at ``urls``, drafter untouched."""
-    moved = ensure_model(size, init=WeightInit(seed=MOVED_POLICY_SEED, draft_noise=noise))
-    tensors = load_file(str(moved / "model.safetensors"))
+def push_checkpoint(urls: list[str], checkpoint: Path, *, version: int, target: str) -> None:
+    """Push ``checkpoint``'s tensors to every service at ``urls`` as ``target``."""
+    tensors = load_file(str(checkpoint / "model.safetensors"))
     for url in urls:
         with WeightPusher(url, WEIGHTS_TOKEN) as pusher:
-            pusher.push(tensors.items(), version=1, target="main")
+            pusher.push(tensors.items(), version=version, target=target)
 
 
-async def run_drafter(opts: argparse.Namespace, noise: float, console: Console, *,
-                      stale: bool = False) -> dict[str, dict[str, list[float]]]:
-    """Every workload on one drafter: ``{workload label: {mode: tokens/s per round}}``;
-    ``stale``: after the main model moved away from it (:func:`move_the_policy`)."""
+@dataclasses.dataclass(kw_only=True, slots=True)
+class Services:
+    """The services of one run: ``off`` and a ``spec`` one per ``drafter_at_k0`` value."""
+
+    off: HttpMode
+    specs: dict[str, HttpMode]
+    buckets: list[int]
+    """The controller's batch-size buckets (a static K is pinned at each)."""
+
+    def urls(self, *, specs_only: bool = False) -> list[str]:
+        return [*([] if specs_only else [self.off.url]), *(s.url for s in self.specs.values())]
+
+
+async def start_services(opts: argparse.Namespace, model: Path, workload: Workload,
+                         scratch: Path, max_level: int, console: Console) -> Services:
+    """Start ``off`` and the ``spec`` services on ``model`` (each healthy on return)."""
+    started: dict[str, HttpMode] = {}
+    try:
+        for name, drafter_at_k0 in (("off", None),
+                                    *((f"spec-{d}", d) for d in opts.drafter_at_k0)):
+            console.print(f"starting the {name} service ...")
+            (scratch / name).mkdir(parents=True, exist_ok=True)
+            started[name] = await start_http(
+                "service", service_config(opts, model, drafter_at_k0=drafter_at_k0),
+                workload, scratch / name, max_level)
+    except BaseException:
+        for server in started.values():
+            await server.close()
+        raise
+    buckets = service_config(opts, model, drafter_at_k0="run"
+                             ).speculation_control.batch_size_buckets
+    return Services(off=started["off"], buckets=list(buckets),
+                    specs={d: started[f"spec-{d}"] for d in opts.drafter_at_k0})
+
+
+async def measure(opts: argparse.Namespace, services: Services, label: str,
+                  prompts: tuple[str, ...], console: Console
+                  ) -> dict[str, dict[str, list[float]]]:
+    """Every workload on the services' current weights: ``{workload: {mode: tok/s per
+    round}}``."""
+    off, specs = services.off, services.specs
+    schedules: dict[str, dict[int, int] | None] = {
+        f"k={k}": dict.fromkeys(services.buckets, k) for k in opts.static_k}
+    schedules["controller"] = None
+    async with contextlib.AsyncExitStack() as stack:
+        clients = {d: await stack.enter_async_context(
+            RolloutClient(s.url, weights_token=WEIGHTS_TOKEN)) for d, s in specs.items()}
+
+        def modes(on_off: Round, on_spec: Callable[[HttpMode], Round],
+                  level: str) -> dict[str, Round]:
+            chosen = {"spec-off": on_off}
+            for d, spec in specs.items():
+                for name, schedule in schedules.items():
+                    chosen[mode_name(name, d, opts.drafter_at_k0)] = with_pin(
+                        clients[d], schedule, on_spec(spec))
+            for name in opts.profile_modes:  # checked against the modes in main()
+                pid = (off if name == "spec-off" else specs[opts.drafter_at_k0[0]]).server.pid
+                chosen[name] = profiled(chosen[name], pid, Path(opts.profile_dir),
+                                        f"{label}-{level}-{name}".replace(" ", "-"))
+            return chosen
+
+        async def show_controller(after: str) -> None:
+            """What each controller has chosen so far, and why (printed after every
+            workload, so a later failure does not lose it)."""
+            for d, client in clients.items():
+                await client.pin_schedule(None)
+                control = (await client.health()).speculation_control
+                if control is not None:
+                    console.print(f"  {label} after {after}: controller ({d}) K "
+                                  + ", ".join(f"B<={b.batch_size}: {b.k} ({b.reason})"
+                                              for b in control.buckets)
+                                  + f"; first-position acceptance {control.acceptance[:1]}")
+
+        results: dict[str, dict[str, list[float]]] = {}
+        for c in (int(c) for c in opts.concurrency.split(",")):
+            results[f"c={c}"] = await interleaved(
+                modes(functools.partial(off.run_round, c, c),  # one wave of c
+                      lambda spec, c=c: functools.partial(spec.run_round, c, c), f"c{c}"),
+                opts.rounds, f"{label} c={c}", console)
+            await show_controller(f"c={c}")
+        if opts.rollout_prompts:
+            rollout = Rollout(prompts=prompts[:opts.rollout_prompts],
+                              lengths=rollout_lengths(opts.rollout_prompts,
+                                                      opts.rollout_max_tokens))
+            results[f"rollout {opts.rollout_prompts}"] = await interleaved(
+                modes(rollout_round(off, rollout, opts.temperature),
+                      lambda spec: rollout_round(spec, rollout, opts.temperature), "rollout"),
+                opts.rounds, f"{label} rollout", console)
+            await show_controller("the rollout")
+    return results
+
+
+async def run(opts: argparse.Namespace, noises: list[float], console: Console) -> None:
+    """One set of services for the whole run: started on the first noise's checkpoint;
+    each later drafter arrives as a drafter push (as from a trainer: the controller starts
+    a new acceptance epoch and probes it), the main model unchanged (the embedded
+    generator draws it from the seed alone). The stale case: the first drafter pushed
+    back, then another seed's main model (:data:`MOVED_POLICY_SEED`) to every service."""
     size = opts.model.removeprefix("embedded:")
-    label = f"noise {noise:g}{' stale' if stale else ''}"
-    model = ensure_model(size, init=WeightInit(draft_noise=noise))
+    checkpoints = [ensure_model(size, init=WeightInit(draft_noise=n)) for n in noises]
     levels = [int(c) for c in opts.concurrency.split(",")]
     max_level = max([*levels, opts.rollout_prompts])
     prompts = tuple(p for p, _ in arithmetic_prompts(max_level))
     workload = Workload(prompts=prompts, max_tokens=opts.max_tokens,
                         temperature=opts.temperature)
-    scratch = (Path(opts.logs or tempfile.mkdtemp(prefix="bench-speculation-"))
-               / label.replace(" ", "-"))
-    scratch.mkdir(parents=True, exist_ok=True)
-    buckets = service_config(opts, model, drafter_at_k0="run"
-                             ).speculation_control.batch_size_buckets
-    servers: dict[str, HttpMode] = {}
+    scratch = Path(opts.logs or tempfile.mkdtemp(prefix="bench-speculation-"))
+    services = await start_services(opts, checkpoints[0], workload, scratch, max_level,
+                                    console)
     try:
-        for name, drafter_at_k0 in (("off", None),
-                                    *((f"spec-{d}", d) for d in opts.drafter_at_k0)):
-            console.print(f"{label}: starting the {name} service ...")
-            (scratch / name).mkdir(exist_ok=True)
-            servers[name] = await start_http(
-                "service", service_config(opts, model, drafter_at_k0=drafter_at_k0),
-                workload, scratch / name, max_level)
-        off = servers["off"]
-        specs = {d: servers[f"spec-{d}"] for d in opts.drafter_at_k0}
-        if stale:
-            console.print(f"{label}: moving the policy away from the drafter ...")
-            await asyncio.to_thread(move_the_policy, [s.url for s in servers.values()],
-                                    size, noise)
-        schedules: dict[str, dict[int, int] | None] = {
-            f"k={k}": dict.fromkeys(buckets, k) for k in opts.static_k}
-        schedules["controller"] = None
-        async with contextlib.AsyncExitStack() as stack:
-            clients = {d: await stack.enter_async_context(
-                RolloutClient(s.url, weights_token=WEIGHTS_TOKEN)) for d, s in specs.items()}
-
-            def modes(on_off: Round, on_spec: Callable[[HttpMode], Round],
-                      level: str) -> dict[str, Round]:
-                chosen = {"spec-off": on_off}
-                for d, spec in specs.items():
-                    for name, schedule in schedules.items():
-                        chosen[mode_name(name, d, opts.drafter_at_k0)] = with_pin(
-                            clients[d], schedule, on_spec(spec))
-                for name in opts.profile_modes:  # checked against the modes in main()
-                    pid = (off if name == "spec-off" else specs[opts.drafter_at_k0[0]]
-                           ).server.pid
-                    chosen[name] = profiled(chosen[name], pid, Path(opts.profile_dir),
-                                            f"{label}-{level}-{name}".replace(" ", "-"))
-                return chosen
-
-            async def show_controller(after: str) -> None:
-                """What each controller has chosen so far, and why (printed after every
-                workload, so a later failure does not lose it)."""
-                for d, client in clients.items():
-                    await client.pin_schedule(None)
-                    control = (await client.health()).speculation_control
-                    if control is not None:
-                        console.print(f"  {label} after {after}: controller ({d}) K "
-                                      + ", ".join(f"B<={b.batch_size}: {b.k} ({b.reason})"
-                                                  for b in control.buckets)
-                                      + f"; first-position acceptance {control.acceptance[:1]}")
-
-            results: dict[str, dict[str, list[float]]] = {}
-            for c in levels:
-                results[f"c={c}"] = await interleaved(
-                    modes(functools.partial(off.run_round, c, c),  # one wave of c
-                          lambda spec, c=c: functools.partial(spec.run_round, c, c), f"c{c}"),
-                    opts.rounds, f"{label} c={c}", console)
-                await show_controller(f"c={c}")
-            if opts.rollout_prompts:
-                rollout = Rollout(prompts=prompts[:opts.rollout_prompts],
-                                  lengths=rollout_lengths(opts.rollout_prompts,
-                                                          opts.rollout_max_tokens))
-                results[f"rollout {opts.rollout_prompts}"] = await interleaved(
-                    modes(rollout_round(off, rollout, opts.temperature),
-                          lambda spec: rollout_round(spec, rollout, opts.temperature),
-                          "rollout"),
-                    opts.rounds, f"{label} rollout", console)
-                await show_controller("the rollout")
-        return results
+        for version, (noise, checkpoint) in enumerate(zip(noises, checkpoints, strict=True)):
+            if version:
+                console.print(f"pushing the drafter of noise {noise:g} (version {version})")
+                await asyncio.to_thread(push_checkpoint, services.urls(specs_only=True),
+                                        checkpoint, version=version, target="draft")
+            print_report(console, f"draft_noise {noise:g}",
+                         await measure(opts, services, f"noise {noise:g}", prompts, console))
+        if opts.stale_drafter:
+            if len(noises) > 1:
+                await asyncio.to_thread(push_checkpoint, services.urls(specs_only=True),
+                                        checkpoints[0], version=len(noises), target="draft")
+            console.print(f"moving the policy away from the drafter of noise {noises[0]:g}")
+            moved = ensure_model(size, init=WeightInit(seed=MOVED_POLICY_SEED,
+                                                       draft_noise=noises[0]))
+            await asyncio.to_thread(push_checkpoint, services.urls(), moved, version=1,
+                                    target="main")
+            print_report(console, f"draft_noise {noises[0]:g}, stale (main pushed from seed "
+                         f"{MOVED_POLICY_SEED})", await measure(
+                             opts, services, f"noise {noises[0]:g} stale", prompts, console))
     finally:
-        for server in servers.values():
+        for server in (services.off, *services.specs.values()):
             await server.close()
 
 
@@ -342,14 +389,7 @@ def main() -> None:
     resolve_device(opts)
     # The services read it from the environment (a config file would carry it masked).
     os.environ[WEIGHTS_TOKEN_ENV] = WEIGHTS_TOKEN
-    console = Console()
-    for noise in noises:
-        print_report(console, f"draft_noise {noise:g}",
-                     asyncio.run(run_drafter(opts, noise, console)))
-    if opts.stale_drafter:
-        print_report(console, f"draft_noise {noises[0]:g}, stale (main pushed from seed "
-                     f"{MOVED_POLICY_SEED})",
-                     asyncio.run(run_drafter(opts, noises[0], console, stale=True)))
+    asyncio.run(run(opts, noises, Console()))
 
 
 if __name__ == "__main__":

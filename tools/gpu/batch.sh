@@ -22,6 +22,7 @@
 #   bash tools/gpu/batch.sh churn-align         # ~5 min: the churn with aligned sizes
 #   bash tools/gpu/batch.sh churn-tests         # ~5 min: test_spec_churn.py, run and skip
 #   bash tools/gpu/batch.sh spec-ab             # ~9 min: drafter_at_k0 run vs skip at K = 0
+#   NOISE=0.6 bash tools/gpu/batch.sh spec-bench # ~9 min: the benchmark, one drafter
 #   bash tools/gpu/batch.sh load starts trainer # ~4 + 5 + 5 min
 #   bash tools/gpu/batch.sh sync7b              # ~6-9 min: the 7B shape (15 GB per push)
 #
@@ -164,6 +165,12 @@ for s in "$@"; do
       step spec-ab 570 python3 -m bench.speculation --model embedded:1b --draft-noise 0.1 \
         --k-max 3 --static-k 0 --concurrency 16,64 --max-tokens 256 --rounds 5 \
         --rollout-prompts 0 --drafter-at-k0 run,skip --logs "$out/spec-ab-logs" ;;
+    spec-bench)  # the benchmark, one drafter a call (NOISE, default 0.1; STALE=1
+      # adds the stale run after it): c = 1, 16, 64, 256 and the decaying rollout
+      step "spec-bench-${NOISE:-0.1}" 570 python3 -m bench.speculation --model embedded:1b \
+        --draft-noise "${NOISE:-0.1}" --k-max 3 --concurrency 1,16,64,256 --max-tokens 256 \
+        --rounds 3 --rollout-prompts 512 --rollout-max-tokens 1024 ${STALE:+--stale-drafter} \
+        --logs "$out/spec-bench-logs" ;;
     spec-profile) step spec-profile 420 python3 -m bench.speculation --model embedded:1b \
             --draft-noise 0.1 --k-max 3 --static-k 0,1 --concurrency 16 --max-tokens 256 \
             --rounds 2 --rollout-prompts 0 --profile-modes spec-off,k=0 \
@@ -211,7 +218,7 @@ for s in "$@"; do
     spec-full) step spec-full 540 python3 -m bench.speculation --model embedded:1b \
             --draft-noise 0.1,0.6 --k-max 3 --concurrency 1,16,256 --max-tokens 256 \
             --rounds 2 --rollout-prompts 512 --stale-drafter --logs "$out/spec-logs" ;;
-    *) echo "unknown step: $s (tests spec-tests trainer starts serving serving-dialects sync sync7b load spec spec-skip spec-profile spec-full spec-repro spec-repro-eager churn churn-modes churn-pin churn-pin-static churn-upstream churn-align churn-tests spec-ab sglang-smoke sglang-tests sglang-ipc-tests sglang-serving sglang-sync rayserve rayserve-load)" >&2; exit 2 ;;
+    *) echo "unknown step: $s (tests spec-tests trainer starts serving serving-dialects sync sync7b load spec spec-skip spec-profile spec-full spec-repro spec-repro-eager churn churn-modes churn-pin churn-pin-static churn-upstream churn-align churn-tests spec-ab spec-bench sglang-smoke sglang-tests sglang-ipc-tests sglang-serving sglang-sync rayserve rayserve-load)" >&2; exit 2 ;;
   esac
 done
 clean
