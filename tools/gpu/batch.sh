@@ -151,7 +151,8 @@ for s in "$@"; do
       # on: 33 requests in flight, a batch whose drafter replays a FULL graph of 36 requests
       # on the target's metadata for 33 (strict xfail: vLLM dies there), then 32 (clean).
       # The upstream-only reproducer of docs/speculation-control.md
-      STALL_S=100000 step churn-upstream 540 python3 -m pytest -q -p no:cacheprovider -m gpu \
+      # (-s: pytest prints nothing of an xfailed test, and its report says how it failed)
+      STALL_S=100000 step churn-upstream 540 python3 -m pytest -q -s -p no:cacheprovider -m gpu \
         -rA tests/integration/rollout_service/test_vllm_graph_divergence.py ;;
     churn-align)  # the random churn with the service's aligned capture sizes
       # (speculation_control.full_cuda_graphs: align, the default), outside pytest
