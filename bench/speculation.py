@@ -312,10 +312,9 @@ async def run(opts: argparse.Namespace, noises: list[float], console: Console) -
                                         checkpoint, version=version, target="draft")
             print_report(console, f"draft_noise {noise:g}",
                          await measure(opts, services, f"noise {noise:g}", prompts, console))
-        if opts.stale_drafter:
-            if len(noises) > 1:
-                await asyncio.to_thread(push_checkpoint, services.urls(specs_only=True),
-                                        checkpoints[0], version=len(noises), target="draft")
+        if opts.stale_drafter:  # the first drafter again, a new epoch as for every noise
+            await asyncio.to_thread(push_checkpoint, services.urls(specs_only=True),
+                                    checkpoints[0], version=len(noises), target="draft")
             console.print(f"moving the policy away from the drafter of noise {noises[0]:g}")
             moved = ensure_model(size, init=WeightInit(seed=MOVED_POLICY_SEED,
                                                        draft_noise=noises[0]))

@@ -113,17 +113,19 @@ class SpeculationControlSettings(BaseModel):
         "its acceptance once K comes back (docs/speculation-control.md)."))
     full_cuda_graphs: FullGraphPolicy = Field("align", description=(
         "The controller on a CUDA engine whose CUDA graphs include FULL ones (vLLM's "
-        "default FULL_AND_PIECEWISE). With its default capture sizes vLLM 0.32.0 dies of an "
-        "illegal memory access at batch sizes where the MTP drafter replays a FULL graph "
-        "captured for more requests than the target ran (docs/speculation-control.md, the "
-        "crash on the H200). align (the default): the capture sizes are rounded to "
+        "default FULL_AND_PIECEWISE). With its default capture sizes vLLM 0.32.0 died of an "
+        "illegal memory access when K changed under load, by our reading at batch sizes "
+        "where the MTP drafter replays a FULL graph captured for more requests than the "
+        "target ran (docs/speculation-control.md, the crash on the H200). align (the "
+        "default): the capture sizes are rounded to "
         "multiples of every query length K + 1, with which the drafter always replays the "
         "target's graph, and checked at start-up (H200: 1000 random K changes under 256 "
         "requests, no error). refuse: that start is refused, naming this field. as_is: "
         "vLLM's sizes, accepting the risk (the benches that reproduce the crash), with a "
         "warning naming the batch sizes at risk. Also read with the controller off, for a "
         "K schedule of the user's own (engine_kwargs.speculative_config."
-        "num_speculative_tokens_per_batch_size): align aligns, refuse and as_is warn."))
+        "num_speculative_tokens_per_batch_size): align aligns it (small batches pad to the "
+        "multiple) and refuses one whose multiple passes 60; refuse and as_is warn."))
 
     @field_validator("batch_size_buckets")
     @classmethod

@@ -62,15 +62,11 @@ from rollout_service.speculation.decision import (
     CollapseConfig,
     HysteresisConfig,
     ProbeConfig,
-    Reason,
 )
 from rollout_service.telemetry.speculation import CONTROLLER_OFF, PINNED, SpeculationMetrics
 from rollout_service.weights.manager import WeightPushManager
 
 logger = logging.getLogger(__name__)
-
-REASONS = (*(r.value for r in Reason), PINNED, CONTROLLER_OFF)
-"""Every reason a bucket can show (the ``reason`` label's values)."""
 
 
 def controller_config(settings: SpeculationControlSettings, k_max: int) -> ControllerConfig:

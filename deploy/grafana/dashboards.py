@@ -38,6 +38,7 @@ from grafana_foundation_sdk.models.dashboard import (
 from grafana_foundation_sdk.models.prometheus import PromQueryFormat
 
 from rollout_service.telemetry import alerts, queries
+from rollout_service.telemetry.speculation import REASONS
 
 OUTPUT = Path(__file__).parent / "dashboards" / "rollout.json"
 UID = "mtp-rollout"
@@ -213,9 +214,7 @@ def _speculation_panels() -> list[Builder[Panel]]:
                                "B <= {{bucket}} {{instance}}"),
                     ], width=8).decimals(0),
         _timeseries(32, "Why each bucket runs its K",
-                    "1 for the reason in force per bucket: best expected throughput, "
-                    "hysteresis hold, acceptance collapsed, no cost data, probing the drafter, "
-                    "pinned, controller off.", "none", [
+                    f"1 for the reason in force per bucket: {', '.join(REASONS)}.", "none", [
                         _query("A", queries.speculation_reason(replace(SCOPE, by=())),
                                "B <= {{bucket}}: {{reason}}"),
                     ], width=8).decimals(0),

@@ -17,7 +17,8 @@ One decision per observation, in every bucket, in this order:
 2. the cost table does not cover K = 0 at the bucket: K = 0, "no cost data";
 3. otherwise the throughput model with hysteresis (``decision.Hysteresis``): "best
    expected throughput" or "hysteresis hold"; "step cost extrapolated" where the K in
-   force is priced from another batch size (``cost.py``), until its steps measure it;
+   force is priced from another batch size (``cost.py``: from the bucket below at the
+   farthest), until its steps measure it;
 4. while probing, buckets up to ``probe.max_batch_size`` run at least ``probe.k``:
    "probing the drafter".
 
@@ -246,13 +247,17 @@ class SpeculationController:
         if self._acceptance.num_epoch_drafts >= self._config.probe.num_drafts:
             self._is_probing = False
         rates = self._acceptance.rates()
-        self._buckets = tuple(self._decide_bucket(bucket, hysteresis, rates)
-                              for bucket, hysteresis in self._hysteresis.items())
+        edges = (0, 0, *self._config.batch_size_buckets)
+        self._buckets = tuple(
+            self._decide_bucket(bucket, hysteresis, rates, reach_from=edges[i] + 1)
+            for i, (bucket, hysteresis) in enumerate(self._hysteresis.items()))
 
     def _decide_bucket(self, batch_size: int, hysteresis: Hysteresis,
-                       rates: tuple[float, ...]) -> BucketState:
+                       rates: tuple[float, ...], *, reach_from: int) -> BucketState:
+        """One bucket's K; ``reach_from``: the first batch size of the bucket below, the
+        nearest a K's measured cost may be extrapolated from (``cost.py``)."""
         throughput = throughputs(rates, self._costs, batch_size=batch_size,
-                                 k_max=self._config.k_max)
+                                 k_max=self._config.k_max, reach_from=reach_from)
         if self._collapse.is_collapsed:
             k, reason = 0, Reason.COLLAPSED
         elif 0 not in throughput:

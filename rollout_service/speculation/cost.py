@@ -16,14 +16,15 @@ cost is roughly affine in B while batch sizes are measured on a geometric grid (
 
 Extrapolation, for the decision only (:meth:`StepCostTable.estimate_s`): where K = 0 is
 measured at B but K is not, ``c(K, B)`` is ``c(0, B)`` times K's measured ratio
-``c(K, B') / c(0, B')`` at the nearest batch size B' measured for both. K = 0 runs
+``c(K, B') / c(0, B')`` at the nearest batch size B' measured for both, as long as B' is
+at least ``reach_from`` (the caller's: the controller allows the bucket below). K = 0 runs
 wherever nothing better is known, so its live steps measure it at every batch size the
-load reaches, while a K > 0 is measured only where it runs: without this, a bucket
-beyond the calibration stays at K = 0 for good (on the H200 the controller ran K = 0 at
-64 requests, 0.87x no speculation, where K = 2 ran 0.96x). Above B' the held ratio is
-optimistic (drafting costs relatively more as a step becomes compute-bound), so a K that
-looks better is tried, and its live steps replace the guess: at most ``k_max`` tries per
-bucket.
+load reaches, while a K > 0 is measured only where it runs: without this, a bucket beyond
+the calibration would stay at K = 0 for good unless something pinned a K > 0 there. Above
+B' the held ratio is optimistic (drafting costs relatively more as a step becomes
+compute-bound), so a K that looks better is tried, and its own steps in the bucket then
+price it. With ``reach_from`` the trial spreads one bucket at a time: a K is tried in a
+bucket only once it has run in the one below.
 
 Verify cost: the table also prices a finished sequence's verify steps for the net
 speed-up (``protocol/acceptance.py``): :meth:`StepCostTable.verify_cost_ratio` is the mean
@@ -133,11 +134,12 @@ class StepCostTable:
         t = math.log(batch_size / low) / math.log(high / low)
         return costs[at - 1] + t * (costs[at] - costs[at - 1])
 
-    def estimate_s(self, k: int, batch_size: int) -> float | None:
+    def estimate_s(self, k: int, batch_size: int, *, reach_from: int = 1) -> float | None:
         """``c(k, batch_size)`` for the decision: :meth:`step_s` where measured; otherwise,
         where K = 0 is measured at ``batch_size``, extrapolated from K's ratio to K = 0 at
         the nearest batch size measured for both (the module docstring says why). None:
-        K = 0 is not measured at ``batch_size``, or K and K = 0 share no measured range."""
+        K = 0 is not measured at ``batch_size``, K and K = 0 share no measured range, or
+        that nearest batch size lies below ``reach_from``."""
         if self.covers(k, batch_size):
             return self.step_s(k, batch_size)
         if not self.covers(0, batch_size) or k not in self._batch_sizes:
@@ -147,6 +149,8 @@ class StepCostTable:
         if low > high:
             return None
         nearest = min(max(batch_size, low), high)
+        if nearest < reach_from:
+            return None
         ratio = self.step_s(k, nearest) / self.step_s(0, nearest)
         return self.step_s(0, batch_size) * ratio
 

@@ -68,11 +68,12 @@ def expected_tokens(rates: Sequence[float], k: int) -> float:
 
 
 def throughputs(rates: Sequence[float], costs: StepCostTable, *, batch_size: int,
-                k_max: int) -> dict[int, float]:
+                k_max: int, reach_from: int = 1) -> dict[int, float]:
     """Expected tokens per second, ``B * E(K) / c(K, B)``, for every ``K <= k_max`` that
-    the cost table measures or extrapolates at ``batch_size``
+    the cost table measures or extrapolates (from ``reach_from`` up) at ``batch_size``
     (:meth:`StepCostTable.estimate_s`; no entry: no cost data)."""
-    estimates = {k: costs.estimate_s(k, batch_size) for k in costs.measured_ks() if k <= k_max}
+    estimates = {k: costs.estimate_s(k, batch_size, reach_from=reach_from)
+                 for k in costs.measured_ks() if k <= k_max}
     return {k: batch_size * expected_tokens(rates, k) / step_s
             for k, step_s in estimates.items() if step_s is not None}
 

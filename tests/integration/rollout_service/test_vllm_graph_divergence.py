@@ -15,7 +15,7 @@ diverges, so the control meets no divergent batch on its way down.
 The first test is a strict ``xfail`` on the engine's death only: it passes while vLLM
 dies there, fails once vLLM serves it clean (when ``speculation_control.full_cuda_graphs``
 need no longer align by default), and fails too if the batch fails in any other way.
-H200, 2026-12-05: 1 passed, 1 xfailed.
+H200, 2026-12-05: 1 passed, 1 xfailed (before ``raises=EngineDied``: any failure counted).
 
     python -m pytest -q -m gpu -rA tests/integration/rollout_service/test_vllm_graph_divergence.py
 """

@@ -247,19 +247,22 @@ def test_buckets_without_cost_data_run_without_speculation() -> None:
 
 
 def test_a_bucket_beyond_the_calibration_tries_k_until_its_own_steps_price_it() -> None:
-    """Calibrated up to 32, then K = 0's live steps at 64: each K > 0 is priced from its
-    ratio to K = 0 at 32 ("step cost extrapolated") and the best one runs; once its own
-    steps at 64 cost more than it pays, the bucket moves on, and it settles on a measured
-    K. Without the extrapolation it stayed at K = 0 for good (H200: 0.87x spec-off)."""
+    """Calibrated up to 32, then K = 0's live steps at 64 and 128: at 64 each K > 0 is
+    priced from its ratio to K = 0 at 32 ("step cost extrapolated") and the best one runs;
+    once its own steps at 64 cost more than it pays, the bucket moves on, and it settles on
+    a measured K. 128 extrapolates only from the bucket below (33..64): nothing until a
+    K > 0 has run there. Without the extrapolation 64 stayed at K = 0 for good."""
     costs = roofline_table(max_batch_size=32)
     ctl = controller(costs)
     for _ in range(20):  # the small buckets learn the drafter's acceptance
         feed(ctl, GOOD)
     assert bucket(ctl, 64).reason is Reason.NO_COST_DATA
-    costs.record(StepCostSample(k=0, batch_size=64, step_s=roofline_s(0, 64)))
+    for b in (64, 128):
+        costs.record(StepCostSample(k=0, batch_size=b, step_s=roofline_s(0, b)))
     assert observations_until(ctl, lambda c: c.k_for(64) > 0, GOOD,
                               batch_size=64) == CONFIRMATIONS  # through the hysteresis
     assert bucket(ctl, 64).reason is Reason.EXTRAPOLATED
+    assert bucket(ctl, 128).tokens_per_s[1:] == (None,) * K_MAX  # not from 32
     tried = {0, ctl.k_for(64)}
     for _ in range(K_MAX + 1):  # each K > 0 tried turns out four times as dear at 64
         k = ctl.k_for(64)
@@ -270,6 +273,7 @@ def test_a_bucket_beyond_the_calibration_tries_k_until_its_own_steps_price_it() 
         tried.add(ctl.k_for(64))
     assert bucket(ctl, 64).reason is Reason.BEST and ctl.k_for(64) == 0
     assert tried == set(range(K_MAX + 1))  # every K > 0 was tried before K = 0 won
+    assert None not in bucket(ctl, 128).tokens_per_s  # each K > 0 has run at 64 now
 
 
 def test_a_stale_drafter_is_switched_off_and_a_push_brings_speculation_back() -> None:

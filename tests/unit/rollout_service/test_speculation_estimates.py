@@ -225,6 +225,8 @@ def test_beyond_its_measurements_a_k_is_priced_at_its_nearest_ratio_to_k0() -> N
     assert costs.estimate_s(2, 128) is None  # K = 0 not measured there
     assert costs.estimate_s(3, 64) is None  # K = 3 and K = 0 share no measured range
     assert costs.estimate_s(1, 32) is None  # K = 1 never measured
+    assert costs.estimate_s(2, 64, reach_from=32) == costs.estimate_s(2, 64)
+    assert costs.estimate_s(2, 64, reach_from=33) is None  # 32 is too far below
     with pytest.raises(ValueError, match="outside"):
         costs.step_s(2, 64)  # the table itself still guesses nothing
 
