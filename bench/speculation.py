@@ -204,6 +204,8 @@ class Services:
     specs: dict[str, HttpMode]
     buckets: list[int]
     """The controller's batch-size buckets (a static K is pinned at each)."""
+    logs: Path
+    """Where the services' logs and the controllers' states go."""
 
     def urls(self, *, specs_only: bool = False) -> list[str]:
         return [*([] if specs_only else [self.off.url]), *(s.url for s in self.specs.values())]
@@ -227,7 +229,7 @@ async def start_services(opts: argparse.Namespace, model: Path, workload: Worklo
         raise
     buckets = service_config(opts, model, drafter_at_k0="run"
                              ).speculation_control.batch_size_buckets
-    return Services(off=started["off"], buckets=list(buckets),
+    return Services(off=started["off"], buckets=list(buckets), logs=scratch,
                     specs={d: started[f"spec-{d}"] for d in opts.drafter_at_k0})
 
 
@@ -259,7 +261,8 @@ async def measure(opts: argparse.Namespace, services: Services, label: str,
 
         async def show_controller(after: str) -> None:
             """What each controller has chosen so far, and why (printed after every
-            workload, so a later failure does not lose it)."""
+            workload, so a later failure does not lose it); its whole state (the expected
+            tokens/s per K and bucket, the cost table, the acceptance) into ``logs``."""
             for d, client in clients.items():
                 await client.pin_schedule(None)
                 control = (await client.health()).speculation_control
@@ -268,6 +271,8 @@ async def measure(opts: argparse.Namespace, services: Services, label: str,
                                   + ", ".join(f"B<={b.batch_size}: {b.k} ({b.reason})"
                                               for b in control.buckets)
                                   + f"; first-position acceptance {control.acceptance[:1]}")
+                    name = f"controller-{label}-{d}-after-{after}".replace(" ", "-")
+                    (services.logs / f"{name}.json").write_text(control.model_dump_json())
 
         results: dict[str, dict[str, list[float]]] = {}
         for c in (int(c) for c in opts.concurrency.split(",")):
