@@ -30,7 +30,7 @@ when the pin call returns):
 A stale drafter (``--stale-drafter``): one more run with the first ``--draft-noise``'s
 drafter (pushed back) after a ``main`` push of another seed's model to every service
 (the drafter stays), as when a trainer stops syncing it: the controller must keep
-spec-off's speed.
+spec-off's speed. ``--stale-only``: that run alone.
 
 Ratios printed: the controller over spec-off (target >= 0.98 at every concurrency), and on
 the decaying rollout the controller over the best static K of that run (target >= 1.10).
@@ -50,12 +50,10 @@ import dataclasses
 import functools
 import os
 import tempfile
-import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 from rich.console import Console
 from safetensors.torch import load_file
 
@@ -65,10 +63,17 @@ from bench.serving import (
     add_device_arguments,
     resolve_device,
     start_http,
-    start_profiler,
-    stop_profiler,
 )
 from bench.speculation_report import mode_name, print_report
+from bench.speculation_rounds import (
+    Rollout,
+    Round,
+    interleaved,
+    profiled,
+    rollout_lengths,
+    rollout_round,
+    with_pin,
+)
 from rollout_service.client import RolloutClient
 from rollout_service.config import (
     EMBEDDED_ENGINE_KWARGS,
@@ -78,29 +83,11 @@ from rollout_service.config import (
 )
 from rollout_service.embedded.corpus import arithmetic_prompts
 from rollout_service.embedded.tiny_mimo import WeightInit, ensure_model
-from rollout_service.protocol import messages
 from trainer_client.push import WeightPusher
 
 WEIGHTS_TOKEN = "bench-speculation"
 MOVED_POLICY_SEED = 1
 """Seed of the main model that makes a drafter stale (the checkpoints' own seed is 0)."""
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
-class Rollout:
-    """The decaying rollout: one request per prompt, each with its own length."""
-
-    prompts: tuple[str, ...]
-    lengths: tuple[int, ...]
-
-
-def rollout_lengths(num: int, max_tokens: int, *, seed: int = 0, shape: float = 1.2,
-                    min_tokens: int = 8) -> tuple[int, ...]:
-    """Long-tailed response lengths: ``min_tokens * (1 + Pareto(shape))``, capped at
-    ``max_tokens`` (most responses short, a few long: concurrency decays to 1)."""
-    rng = np.random.default_rng(seed)
-    raw = min_tokens * (1.0 + rng.pareto(shape, size=num))
-    return tuple(int(min(max_tokens, max(1, round(x)))) for x in raw)
 
 
 def service_config(opts: argparse.Namespace, model: Path, *,
@@ -122,70 +109,6 @@ def service_config(opts: argparse.Namespace, model: Path, *,
     else:  # what "embedded:<size>" would get; the checkpoint here is a generated directory
         overrides["engine_kwargs"] = dict(EMBEDDED_ENGINE_KWARGS)
     return load_config(model=str(model), **overrides)
-
-
-Round = Callable[[], Awaitable[int]]
-"""One timed unit of work: ``await round() -> tokens generated``."""
-
-
-def with_pin(client: RolloutClient, schedule: dict[int, int] | None, run: Round) -> Round:
-    """``run`` with ``schedule`` pinned first (None: the controller decides)."""
-
-    async def pinned_run() -> int:
-        await client.pin_schedule(schedule)
-        return await run()
-
-    return pinned_run
-
-
-def profiled(run: Round, pid: int, out_dir: Path, label: str) -> Round:
-    """``run`` under py-spy, the service ``pid`` and its engine core, one profile per call
-    (``<label>-<n>.collapsed.txt``). Attaching and writing take seconds and sampling slows
-    the process: a profiled mode's rates are for the profile, not for the table."""
-    calls = 0
-
-    async def profiled_run() -> int:
-        nonlocal calls
-        calls += 1
-        profiler = start_profiler(pid, out_dir, f"{label}-{calls}", subprocesses=True)
-        try:
-            return await run()
-        finally:
-            await asyncio.to_thread(stop_profiler, profiler)
-
-    return profiled_run
-
-
-def rollout_round(http: HttpMode, rollout: Rollout, temperature: float) -> Round:
-    """Every prompt of ``rollout`` at once, each to its own length."""
-
-    def body(i: int) -> dict[str, Any]:
-        return messages.GenerateRequest(
-            prompt=rollout.prompts[i], max_tokens=rollout.lengths[i], temperature=temperature,
-            seed=i, ignore_eos=True).model_dump(exclude_none=True)
-
-    async def run() -> int:
-        return sum(await asyncio.gather(*(http.send(body(i))
-                                          for i in range(len(rollout.prompts)))))
-
-    return run
-
-
-async def interleaved(rounds: dict[str, Round], num_rounds: int, label: str,
-                      console: Console) -> dict[str, list[float]]:
-    """One warm-up per mode, then ``num_rounds`` rotated rounds; tokens/s per round."""
-    modes = list(rounds)
-    for mode in modes:
-        await rounds[mode]()
-    rates: dict[str, list[float]] = {m: [] for m in modes}
-    for r in range(num_rounds):
-        for mode in modes[r % len(modes):] + modes[:r % len(modes)]:
-            start = time.perf_counter()
-            tokens = await rounds[mode]()
-            rates[mode].append(tokens / (time.perf_counter() - start))
-        console.print(f"  {label} round {r + 1}: " + ", ".join(
-            f"{m} {rates[m][-1]:.0f}" for m in modes) + " tok/s")
-    return rates
 
 
 def push_checkpoint(urls: list[str], checkpoint: Path, *, version: int, target: str) -> None:
@@ -311,13 +234,15 @@ async def run(opts: argparse.Namespace, noises: list[float], console: Console) -
                                     console)
     try:
         for version, (noise, checkpoint) in enumerate(zip(noises, checkpoints, strict=True)):
+            if opts.stale_only:
+                break
             if version:
                 console.print(f"pushing the drafter of noise {noise:g} (version {version})")
                 await asyncio.to_thread(push_checkpoint, services.urls(specs_only=True),
                                         checkpoint, version=version, target="draft")
             print_report(console, f"draft_noise {noise:g}",
                          await measure(opts, services, f"noise {noise:g}", prompts, console))
-        if opts.stale_drafter:  # the first drafter again, a new epoch as for every noise
+        if opts.stale_drafter or opts.stale_only:  # the first drafter again, a new epoch
             await asyncio.to_thread(push_checkpoint, services.urls(specs_only=True),
                                     checkpoints[0], version=len(noises), target="draft")
             console.print(f"moving the policy away from the drafter of noise {noises[0]:g}")
@@ -355,6 +280,8 @@ def main() -> None:
                         "--profile-modes writes (read with bench.profile_summary)")
     parser.add_argument("--stale-drafter", action="store_true", help="one more run: the first "
                         "noise's drafter after a main push of another seed's model")
+    parser.add_argument("--stale-only", action="store_true", help="the stale run alone "
+                        "(the first noise's services, no fresh run before it)")
     parser.add_argument("--concurrency", default="1,4,16,64", help="comma-separated levels")
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--rollout-prompts", type=int, default=512,

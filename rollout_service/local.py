@@ -27,6 +27,7 @@ from rollout_service.pausing import PauseGate
 from rollout_service.protocol.tensors import checkpoint_tensors
 from rollout_service.service import RolloutService
 from rollout_service.spec_control import (
+    REASONS,
     SpeculationControl,
     served_versions,
     show_fixed_k,
@@ -34,7 +35,7 @@ from rollout_service.spec_control import (
 from rollout_service.telemetry.acceptance import SpecDecodeMetrics
 from rollout_service.telemetry.config import CategoryLabels
 from rollout_service.telemetry.drafter import DrafterHealth
-from rollout_service.telemetry.speculation import REASONS, SpeculationMetrics
+from rollout_service.telemetry.speculation import SpeculationMetrics
 from rollout_service.telemetry.weights import WeightMetrics
 from rollout_service.weights.group import WeightGroups
 from rollout_service.weights.manager import WeightPushManager

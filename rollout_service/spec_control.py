@@ -62,11 +62,15 @@ from rollout_service.speculation.decision import (
     CollapseConfig,
     HysteresisConfig,
     ProbeConfig,
+    Reason,
 )
 from rollout_service.telemetry.speculation import CONTROLLER_OFF, PINNED, SpeculationMetrics
 from rollout_service.weights.manager import WeightPushManager
 
 logger = logging.getLogger(__name__)
+
+REASONS = (*(r.value for r in Reason), PINNED, CONTROLLER_OFF)
+"""Every reason a bucket can show (the ``reason`` label's values, the dashboard's list)."""
 
 
 def controller_config(settings: SpeculationControlSettings, k_max: int) -> ControllerConfig:

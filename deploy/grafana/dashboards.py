@@ -37,8 +37,8 @@ from grafana_foundation_sdk.models.dashboard import (
 )
 from grafana_foundation_sdk.models.prometheus import PromQueryFormat
 
+from rollout_service.spec_control import REASONS
 from rollout_service.telemetry import alerts, queries
-from rollout_service.telemetry.speculation import REASONS
 
 OUTPUT = Path(__file__).parent / "dashboards" / "rollout.json"
 UID = "mtp-rollout"

@@ -17,14 +17,10 @@ from collections.abc import Mapping, Sequence
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
-from rollout_service.speculation.decision import Reason
-
 CONTROLLER_OFF = "controller off"
 """Reason of every bucket when the service runs no controller (vLLM's fixed K)."""
 PINNED = "pinned"
 """Reason of every bucket while an operator's schedule is pinned."""
-REASONS = (*(r.value for r in Reason), PINNED, CONTROLLER_OFF)
-"""Every reason a bucket can show (the ``reason`` label's values)."""
 APPLY_OUTCOMES = ("applied", "refused")
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import statistics
 
-from bench.speculation import rollout_lengths
+from bench.speculation_rounds import rollout_lengths
 
 
 def test_rollout_lengths_decay_from_many_short_to_a_few_long() -> None:

@@ -25,6 +25,7 @@ from rollout_service.engines.base import (
 )
 from rollout_service.protocol.acceptance import SpecDecodeStats
 from rollout_service.spec_control import (
+    REASONS,
     SpeculationControl,
     calibration_batch_sizes,
     show_fixed_k,
@@ -32,7 +33,7 @@ from rollout_service.spec_control import (
 )
 from rollout_service.speculation.acceptance import WeightVersions
 from rollout_service.speculation.cost import StepCostSample
-from rollout_service.telemetry.speculation import REASONS, SpeculationMetrics
+from rollout_service.telemetry.speculation import SpeculationMetrics
 from tests.support.spec_stats import vllm_chain, vllm_stats
 
 K_MAX = 2
