@@ -26,6 +26,7 @@ from rollout_service.engines.vllm.graph_ladder import (
     GraphLadder,
     aligned_capture_sizes,
     divergent_batches,
+    query_lens_of,
 )
 from rollout_service.engines.vllm.graph_policy import query_len_per_batch_size
 from rollout_service.engines.vllm.spec_schedule import ScheduleRanges, startup_ranges
@@ -58,7 +59,7 @@ def ladder(sizes: list[int], schedule: ScheduleRanges, max_num_seqs: int, *,
            has_piecewise: bool = True) -> GraphLadder:
     """The graphs of ``sizes`` for every query length ``schedule`` holds."""
     return GraphLadder(capture_sizes=tuple(sizes),
-                       query_lens=tuple(sorted({k + 1 for *_, k in schedule})),
+                       query_lens=query_lens_of(schedule),
                        max_num_reqs=max_num_seqs, max_capture_size=max(sizes),
                        has_piecewise=has_piecewise)
 
@@ -98,8 +99,7 @@ def main() -> None:
         # The controller's engine reaches every K at every batch size; a static one, its own.
         where_run = None if i == 0 else query_len_per_batch_size(
             schedule, max_num_seqs=opts.max_num_seqs, k_max=opts.k_max)
-        query_lens = tuple(sorted({k + 1 for *_, k in schedule}))
-        aligned = aligned_capture_sizes(sizes, query_lens,
+        aligned = aligned_capture_sizes(sizes, query_lens_of(schedule),
                                         max_num_tokens=opts.max_num_batched_tokens)
         table.add_row(name, f"vLLM's: {len(sizes)} up to {max(sizes)}",
                       describe(sizes, schedule, opts.max_num_seqs, where_run))

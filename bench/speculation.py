@@ -130,8 +130,11 @@ class Services:
     logs: Path
     """Where the services' logs and the controllers' states go."""
 
+    def all(self) -> list[HttpMode]:
+        return [self.off, *self.specs.values()]
+
     def urls(self, *, specs_only: bool = False) -> list[str]:
-        return [*([] if specs_only else [self.off.url]), *(s.url for s in self.specs.values())]
+        return [s.url for s in (self.specs.values() if specs_only else self.all())]
 
 
 async def start_services(opts: argparse.Namespace, model: Path, workload: Workload,
@@ -233,9 +236,8 @@ async def run(opts: argparse.Namespace, noises: list[float], console: Console) -
     services = await start_services(opts, checkpoints[0], workload, scratch, max_level,
                                     console)
     try:
-        for version, (noise, checkpoint) in enumerate(zip(noises, checkpoints, strict=True)):
-            if opts.stale_only:
-                break
+        fresh = [] if opts.stale_only else list(zip(noises, checkpoints, strict=True))
+        for version, (noise, checkpoint) in enumerate(fresh):
             if version:
                 console.print(f"pushing the drafter of noise {noise:g} (version {version})")
                 await asyncio.to_thread(push_checkpoint, services.urls(specs_only=True),
@@ -254,7 +256,7 @@ async def run(opts: argparse.Namespace, noises: list[float], console: Console) -
                          f"{MOVED_POLICY_SEED})", await measure(
                              opts, services, f"noise {noises[0]:g} stale", prompts, console))
     finally:
-        for server in (services.off, *services.specs.values()):
+        for server in services.all():
             await server.close()
 
 

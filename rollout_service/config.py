@@ -61,8 +61,9 @@ class CalibrationSettings(BaseModel):
     max_batch_size: int = Field(32, ge=1, description=(
         "Largest batch size measured; the grid is 1, 2, 4, ... up to it. Buckets above it "
         "run K = 0 ('no cost data') until live steps at K = 0 reach them; then a K > 0 is "
-        "priced from its measured ratio to K = 0 at the largest batch size measured for "
-        "both ('step cost extrapolated') until its own steps there measure it."))
+        "priced from its measured ratio to K = 0 at the nearest batch size measured for "
+        "both, in the bucket below at the farthest ('step cost extrapolated'), until its "
+        "own steps there measure it."))
     prompt_tokens: int = Field(64, ge=1, description=(
         "Prompt length of the synthetic requests (a step's cost grows with context)."))
     num_steps: int = Field(16, ge=4, description=(

@@ -150,6 +150,10 @@ class SpeculationController:
         self._acceptance = AcceptanceEstimator(config.acceptance, num_positions=config.k_max)
         self._collapse = CollapseDetector(config.collapse)
         self._hysteresis = {b: Hysteresis(config.hysteresis) for b in config.batch_size_buckets}
+        edges = (0, 0, *config.batch_size_buckets)
+        self._reach_from = {b: edges[i] + 1 for i, b in enumerate(config.batch_size_buckets)}
+        """Per bucket, the first batch size of the bucket below: the nearest a K's measured
+        cost may be extrapolated from (``cost.py``)."""
         self._is_probing = True
         self._collapsed_at_s: float | None = None
         self._versions: WeightVersions | None = None
@@ -247,17 +251,14 @@ class SpeculationController:
         if self._acceptance.num_epoch_drafts >= self._config.probe.num_drafts:
             self._is_probing = False
         rates = self._acceptance.rates()
-        edges = (0, 0, *self._config.batch_size_buckets)
-        self._buckets = tuple(
-            self._decide_bucket(bucket, hysteresis, rates, reach_from=edges[i] + 1)
-            for i, (bucket, hysteresis) in enumerate(self._hysteresis.items()))
+        self._buckets = tuple(self._decide_bucket(bucket, hysteresis, rates)
+                              for bucket, hysteresis in self._hysteresis.items())
 
     def _decide_bucket(self, batch_size: int, hysteresis: Hysteresis,
-                       rates: tuple[float, ...], *, reach_from: int) -> BucketState:
-        """One bucket's K; ``reach_from``: the first batch size of the bucket below, the
-        nearest a K's measured cost may be extrapolated from (``cost.py``)."""
+                       rates: tuple[float, ...]) -> BucketState:
         throughput = throughputs(rates, self._costs, batch_size=batch_size,
-                                 k_max=self._config.k_max, reach_from=reach_from)
+                                 k_max=self._config.k_max,
+                                 reach_from=self._reach_from[batch_size])
         if self._collapse.is_collapsed:
             k, reason = 0, Reason.COLLAPSED
         elif 0 not in throughput:

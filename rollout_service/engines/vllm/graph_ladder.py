@@ -125,6 +125,12 @@ class Divergence:
     drafter: GraphChoice
 
 
+def query_lens_of(schedule: Iterable[Sequence[int]]) -> tuple[int, ...]:
+    """The query lengths K + 1 a K schedule (``[first, last, K]`` ranges, vLLM's
+    ``num_speculative_tokens_per_batch_size``) captures graphs for, ascending."""
+    return tuple(sorted({k + 1 for *_, k in schedule}))
+
+
 def divergent_batches(ladder: GraphLadder,
                       query_len_at: Sequence[int] | None = None) -> list[Divergence]:
     """Every (query length, batch size) at which the drafter's prefill replays another graph

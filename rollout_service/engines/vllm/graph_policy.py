@@ -28,6 +28,7 @@ from rollout_service.engines.vllm.graph_ladder import (
     GraphLadder,
     aligned_capture_sizes,
     divergent_batches,
+    query_lens_of,
 )
 
 if TYPE_CHECKING:
@@ -104,7 +105,7 @@ def with_user_schedule_graphs(args: AsyncEngineArgs,
     config = resolve(args)
     return apply_full_graph_policy(
         args, config, policy="align" if policy == "align" else "as_is",
-        query_lens=tuple(sorted({k + 1 for *_, k in schedule})),
+        query_lens=query_lens_of(schedule),
         query_len_at=query_len_per_batch_size(
             schedule, max_num_seqs=config.scheduler_config.max_num_seqs,
             k_max=config.speculative_config.num_speculative_tokens))

@@ -20,6 +20,7 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
 from rollout_service.engines.base import FullGraphPolicy
+from rollout_service.engines.vllm.graph_ladder import query_lens_of
 from rollout_service.engines.vllm.graph_policy import (
     apply_full_graph_policy,
     can_diverge,
@@ -180,4 +181,4 @@ def with_startup_schedule(args: AsyncEngineArgs, *,
     if not (is_cuda and can_diverge(mode)):
         return startup
     return apply_full_graph_policy(startup, resolve(startup), policy=full_cuda_graphs,
-                                   query_lens=tuple(sorted({k + 1 for _, _, k in ranges})))
+                                   query_lens=query_lens_of(ranges))

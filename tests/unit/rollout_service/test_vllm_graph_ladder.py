@@ -23,6 +23,7 @@ from rollout_service.engines.vllm.graph_ladder import (
     GraphLadder,
     aligned_capture_sizes,
     divergent_batches,
+    query_lens_of,
 )
 from rollout_service.engines.vllm.spec_schedule import ScheduleRanges, startup_ranges
 
@@ -116,7 +117,7 @@ def test_only_full_and_piecewise_graphs_diverge_in_vllm(case: str, mode: CUDAGra
     modes' drafter always replays the target's graph (or none), in vLLM's own dispatch."""
     schedule, max_num_reqs = CASES[case]
     manager = vllm_manager(default_sizes(schedule, max_num_reqs), schedule, max_num_reqs, mode)
-    query_lens = tuple(sorted({k + 1 for _, _, k in schedule}))
+    query_lens = query_lens_of(schedule)
     assert vllm_divergences(manager, query_lens, max_num_reqs) == []
 
 
@@ -142,7 +143,7 @@ def test_the_start_up_schedule_diverges_at_the_sizes_the_h200_crashed_near() -> 
 def test_aligned_sizes_never_diverge_in_vllm(sizes: list[int], schedule: str) -> None:
     """Checked with vLLM's own dispatch, not the model's."""
     ranges, max_num_reqs = CASES[schedule]
-    query_lens = tuple(sorted({k + 1 for _, _, k in ranges}))
+    query_lens = query_lens_of(ranges)
     aligned = aligned_capture_sizes(sizes, query_lens, max_num_tokens=8192)
     assert all(size % q == 0 for size in aligned for q in query_lens)
     assert max(aligned) >= min(max(sizes), 8192)
