@@ -64,7 +64,7 @@ from bench.serving import (
     resolve_device,
     start_http,
 )
-from bench.speculation_report import mode_name, print_report
+from bench.speculation_report import mode_name, model_check, print_report
 from bench.speculation_rounds import (
     Rollout,
     Round,
@@ -185,10 +185,11 @@ async def measure(opts: argparse.Namespace, services: Services, label: str,
                                         f"{label}-{level}-{name}".replace(" ", "-"))
             return chosen
 
-        async def show_controller(after: str) -> None:
+        async def show_controller(after: str, concurrency: int | None = None) -> None:
             """What each controller has chosen so far, and why (printed after every
             workload, so a later failure does not lose it); its whole state (the expected
-            tokens/s per K and bucket, the cost table, the acceptance) into ``logs``."""
+            tokens/s per K and bucket, the cost table, the acceptance) into ``logs``;
+            after a fixed ``concurrency``, its model against the pinned modes."""
             for d, client in clients.items():
                 await client.pin_schedule(None)
                 control = (await client.health()).speculation_control
@@ -199,6 +200,11 @@ async def measure(opts: argparse.Namespace, services: Services, label: str,
                                   + f"; first-position acceptance {control.acceptance[:1]}")
                     name = f"controller-{label}-{d}-after-{after}".replace(" ", "-")
                     (services.logs / f"{name}.json").write_text(control.model_dump_json())
+                    if concurrency is not None:
+                        suffix = mode_name("", d, opts.drafter_at_k0)
+                        console.print(model_check(f"{label} c={concurrency} ({d})",
+                                                  concurrency, control,
+                                                  results[f"c={concurrency}"], suffix))
 
         results: dict[str, dict[str, list[float]]] = {}
         for c in (int(c) for c in opts.concurrency.split(",")):
@@ -206,7 +212,7 @@ async def measure(opts: argparse.Namespace, services: Services, label: str,
                 modes(functools.partial(off.run_round, c, c),  # one wave of c
                       lambda spec, c=c: functools.partial(spec.run_round, c, c), f"c{c}"),
                 opts.rounds, f"{label} c={c}", console)
-            await show_controller(f"c={c}")
+            await show_controller(f"c={c}", c)
         if opts.rollout_prompts:
             rollout = Rollout(prompts=prompts[:opts.rollout_prompts],
                               lengths=rollout_lengths(opts.rollout_prompts,

@@ -1,17 +1,21 @@
 """The tables ``bench/speculation.py`` prints per drafter: tokens per second per workload
 and mode (median and spread over rounds), and the ratios the issue targets, per round:
 the controller over spec-off (>= 0.98), the controller over the best static K on the
-decaying rollout (>= 1.10), and K = 0 over spec-off (the drafter's floor, no target).
+decaying rollout (>= 1.10), and K = 0 over spec-off (the drafter's floor, no target);
+and per fixed concurrency, the controller's model against the pinned modes
+(:func:`model_check`).
 """
 
 from __future__ import annotations
 
+import bisect
 import statistics
 
 from rich.console import Console
 from rich.table import Table
 
 from bench.serving import spread
+from rollout_service.protocol.speculation import SpeculationControlStatus
 
 CONTROLLER_OVER_OFF = 0.98
 CONTROLLER_OVER_BEST_STATIC = 1.10
@@ -55,3 +59,31 @@ def print_report(console: Console, drafter: str,
                       rates["spec-off"], None)
     console.print(table)
     console.print(ratios)
+
+
+def model_check(label: str, concurrency: int, control: SpeculationControlStatus,
+                rates: dict[str, list[float]], suffix: str = "") -> Table:
+    """The controller's expected tokens/s per K at the bucket that holds ``concurrency``
+    (its upper edge) beside the pinned modes' measured medians, each also over its own
+    K = 0: where the two orders of K disagree, the model (its cost table or its
+    acceptance, both in the state JSON) is what misled the controller. Absolute figures
+    differ (the model counts decode steps only, the rounds also prefill and the front
+    end); the ratios are what to compare."""
+    edges = [b.batch_size for b in control.buckets]
+    bucket = control.buckets[min(bisect.bisect_left(edges, concurrency), len(edges) - 1)]
+    table = Table("K", "model tok/s", "model / K=0", "pinned tok/s", "pinned / K=0",
+                  title=f"{label}: the controller's model at B={bucket.batch_size} "
+                        f"(chose K={bucket.controller_k}, {bucket.reason}) vs the pinned modes")
+    expected = bucket.tokens_per_s
+    pinned = {k: statistics.median(rates[f"k={k}{suffix}"]) for k in range(len(expected))
+              if f"k={k}{suffix}" in rates}
+
+    def over_k0(values: dict[int, float], k: int) -> str:
+        return f"{values[k] / values[0]:.2f}" if k in values and values.get(0) else "-"
+
+    model = {k: v for k, v in enumerate(expected) if v is not None}
+    for k in range(len(expected)):
+        table.add_row(str(k), f"{model[k]:.0f}" if k in model else "no cost data",
+                      over_k0(model, k), f"{pinned[k]:.0f}" if k in pinned else "-",
+                      over_k0(pinned, k))
+    return table

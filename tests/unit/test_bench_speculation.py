@@ -1,10 +1,15 @@
-"""The decaying rollout of ``bench/speculation.py``: long-tailed, capped, reproducible."""
+"""``bench/speculation.py``'s pieces: the decaying rollout (long-tailed, capped,
+reproducible) and the check of the controller's model against the pinned modes."""
 
 from __future__ import annotations
 
 import statistics
 
+from rich.table import Table
+
+from bench.speculation_report import model_check
 from bench.speculation_rounds import rollout_lengths
+from rollout_service.protocol.speculation import BucketStatus, SpeculationControlStatus
 
 
 def test_rollout_lengths_decay_from_many_short_to_a_few_long() -> None:
@@ -14,3 +19,34 @@ def test_rollout_lengths_decay_from_many_short_to_a_few_long() -> None:
     assert max(lengths) >= 512, "a few are long: concurrency decays down to one request"
     assert rollout_lengths(512, 1024, seed=0) == lengths
     assert rollout_lengths(512, 1024, seed=1) != lengths
+
+
+def status(tokens_per_s: dict[int, list[float | None]]) -> SpeculationControlStatus:
+    """A controller state with these expected tokens/s per bucket edge and K."""
+    return SpeculationControlStatus(
+        k_max=2, buckets=[BucketStatus(batch_size=b, k=0, reason="best expected throughput",
+                                       controller_k=0, tokens_per_s=v)
+                          for b, v in tokens_per_s.items()],
+        is_collapsed=False, is_probing=False, collapse_rate=None, acceptance=[0.9, 0.8],
+        draft_version=0, num_observations=1, last_batch_size=64, pinned=None,
+        engine_schedule=None, cost_table=[], calibration_s=None, num_applied=1,
+        num_refused=0, last_error=None)
+
+
+def rows(table: Table) -> list[list[str]]:
+    return [list(r) for r in zip(*(list(c.cells) for c in table.columns), strict=True)]
+
+
+def test_model_check_reads_the_bucket_holding_the_concurrency_and_each_over_k0() -> None:
+    control = status({16: [100.0, 150.0, 90.0], 64: [400.0, 300.0, None]})
+    rates = {"spec-off": [500.0], "k=0": [200.0, 220.0], "k=1": [330.0], "k=2": [110.0],
+             "k=0 skip": [1.0]}
+    # 17..64 is the bucket of 64: the model there, not at 16.
+    assert rows(model_check("c=40", 40, control, rates)) == [
+        ["0", "400", "1.00", "210", "1.00"],
+        ["1", "300", "0.75", "330", "1.57"],
+        ["2", "no cost data", "-", "110", "0.52"]]
+    # Past the last edge: the last bucket; a suffix picks one spec engine's pinned modes.
+    assert rows(model_check("c=512", 512, control, rates, " skip"))[0] == [
+        "0", "400", "1.00", "1", "1.00"]
+    assert rows(model_check("c=1", 1, control, {}))[1] == ["1", "150", "1.50", "-", "-"]
