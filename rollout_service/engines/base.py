@@ -321,8 +321,9 @@ class BroadcastEngine(Protocol):
         ...
 
     @property
-    def group_backend(self) -> Backend:
-        """``nccl`` for workers on CUDA, ``gloo`` on the CPU."""
+    def group_backends(self) -> tuple[Backend, ...]:
+        """The backends the workers can join a group on, the one a group gets when its
+        trainer names none first: ``nccl`` for workers on CUDA, ``gloo`` on the CPU."""
         ...
 
     async def join_group(self, spec: GroupSpec) -> None:

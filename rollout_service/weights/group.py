@@ -84,9 +84,10 @@ class WeightGroups:
         """The push whose buckets came last."""
 
     def state(self) -> messages.WeightGroupState:
+        backend = (self.current.backend if self.current is not None
+                   else self._engine.group_backends[0])
         return messages.WeightGroupState(num_ranks=self._engine.num_workers,
-                                         backend=self._engine.group_backend,
-                                         current=self.current)
+                                         backend=backend, current=self.current)
 
     async def create(self, req: messages.WeightGroupRequest) -> messages.WeightGroupResponse:
         """Join the trainer's group at ``req.rank_offset``; the workers start now.
@@ -102,13 +103,14 @@ class WeightGroups:
                                  f"{self.current.lease_s:g} s without a call); one group "
                                  "at a time")
         timeout_s, lease_s, bucket_bytes, num_buckets = self._defaults
-        num_ranks, backend = self._engine.num_workers, self._engine.group_backend
+        num_ranks, backends = self._engine.num_workers, self._engine.group_backends
+        backend = backends[0] if req.backend is None else req.backend
         if req.rank_offset + num_ranks > req.world_size:
             raise PushError(400, f"world_size: {req.world_size} cannot hold this service's "
                                  f"{num_ranks} ranks from rank_offset {req.rank_offset}")
-        if req.backend is not None and req.backend != backend:
-            raise PushError(400, f"backend: {req.backend!r} cannot run on this engine's "
-                                 f"workers ({backend!r})")
+        if backend not in backends:
+            raise PushError(400, f"backend: {backend!r} cannot run on this engine's "
+                                 f"workers (they run {' or '.join(map(repr, backends))})")
         spec = GroupSpec(group_id=req.group_id, master_address=req.master_address,
                          master_port=req.master_port, world_size=req.world_size,
                          rank_offset=req.rank_offset, backend=backend,

@@ -20,7 +20,8 @@ for replicas that restart) at the cost of one pass through host memory.
 The rank's buffers: on a machine where this process sees CUDA the group is ``nccl`` on
 SGLang's first GPU, the ``base_gpu_id`` its ``/server_info`` reports (the ring's slots,
 ``weights_num_buckets`` x the largest bucket, are GPU memory outside SGLang's
-``mem_fraction_static``); elsewhere ``gloo`` on the CPU. Why SGLang's GPU and not this
+``mem_fraction_static``); elsewhere, or where the trainer asks for it, ``gloo`` on the
+CPU. Why SGLang's GPU and not this
 process's current one: NCCL puts no two ranks of one group on one GPU, and a trainer
 colocated on the node (ranks on GPUs 0-3, SGLang on ``base_gpu_id: 4``) owns GPU 0.
 """
@@ -64,10 +65,13 @@ class ServiceRank:
         return 1
 
     @property
-    def group_backend(self) -> Backend:
+    def group_backends(self) -> tuple[Backend, ...]:
+        """``nccl`` first where this process sees CUDA; ``gloo`` always, received on the
+        CPU: SGLang's ``/init_weights_update_group`` takes the trainer's ``backend``, and a
+        trainer sharing the server's only GPU cannot be a second NCCL rank on it."""
         import torch
 
-        return "nccl" if torch.cuda.is_available() else "gloo"
+        return ("nccl", "gloo") if torch.cuda.is_available() else ("gloo",)
 
     @property
     def receive_device(self) -> torch.device:

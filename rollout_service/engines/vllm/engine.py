@@ -318,10 +318,10 @@ class VLLMEngine(SpecScheduleMethods):
         return int(self._llm.vllm_config.parallel_config.world_size)
 
     @property
-    def group_backend(self) -> Backend:
+    def group_backends(self) -> tuple[Backend, ...]:
         from vllm.platforms import current_platform
 
-        return "nccl" if current_platform.is_cuda() else "gloo"
+        return ("nccl",) if current_platform.is_cuda() else ("gloo",)
 
     async def join_group(self, spec: GroupSpec) -> None:
         """Have every worker start joining ``spec``'s group (returns at once)."""

@@ -44,7 +44,8 @@ class WeightGroupRequest(BaseModel):
         "num_ranks consecutive ranks from here (GET /weights/group/state says how many)."))
     backend: GroupBackend | None = Field(None, description=(
         "torch.distributed backend: nccl for engines on CUDA, gloo on the CPU (how CI tests "
-        "the same protocol); default: the engine's."))
+        "the same protocol; an SGLang server's rank also takes gloo on CUDA, receiving on "
+        "the CPU); default: the engine's (GET /weights/group/state)."))
     timeout_s: float | None = Field(None, gt=0, le=MAX_GROUP_TIMEOUT_S, description=(
         "How long a rank waits for the others in the join and in each bucket's broadcast; "
         "default: the service's weights_group_timeout_s."))

@@ -34,7 +34,7 @@ class FakeWorkers:
     receive_bucket``); it records when its workers' bucket states were asked."""
 
     num_workers = 2
-    group_backend = "gloo"
+    group_backends = ("gloo",)
 
     def __init__(self, receive_s: float = 0.0) -> None:
         self.receive_s = receive_s
@@ -141,11 +141,28 @@ async def test_ranks_must_fit_the_world_and_the_store_must_answer(
     with pytest.raises(PushError, match="world_size: 2 cannot hold this service's 2 ranks "
                                         "from rank_offset 1"):
         await groups.create(group_request(rendezvous, world_size=2))
-    with pytest.raises(PushError, match="backend: 'nccl' cannot run on this engine's workers"):
+    with pytest.raises(PushError, match="backend: 'nccl' cannot run on this engine's workers "
+                                        r"\(they run 'gloo'\)"):
         await groups.create(group_request(rendezvous, backend="nccl"))
     with pytest.raises(PushError, match="master_address: the trainer's store at "):
         await groups.create(group_request(rendezvous, master_port=1, timeout_s=1.0))
     assert groups.current is None
+
+
+async def test_a_trainer_picks_among_the_engines_backends(rendezvous: Rendezvous,
+                                                          tmp_path: Path) -> None:
+    """An SGLang server's rank on CUDA joins ``nccl`` unless the trainer asks for ``gloo``
+    (a trainer on the server's only GPU): the group, its answer and its state say which."""
+    workers = FakeWorkers()
+    workers.group_backends = ("nccl", "gloo")  # type: ignore[misc]
+    groups = groups_of(workers, tmp_path)
+    assert groups.state().backend == "nccl"
+    answer = await groups.create(group_request(rendezvous, backend="gloo"))
+    assert answer.backend == "gloo" and workers._spec is not None
+    assert workers._spec.backend == "gloo" and groups.state().backend == "gloo"
+    await groups.release(answer.group_id)
+    answer = await groups.create(group_request(rendezvous))
+    assert answer.backend == "nccl" and workers._spec.backend == "nccl"
 
 
 def test_the_group_request_states_its_bounds() -> None:

@@ -107,7 +107,7 @@ async def test_nccl_rank_receives_on_sglangs_first_gpu(
     fake.base_gpu_id = base_gpu_id
     engine = await connect(fake)
     assert str(engine.receive_device) == expected
-    assert engine.group_backend == ("nccl" if num_gpus else "gloo")
+    assert engine.group_backends == (("nccl", "gloo") if num_gpus else ("gloo",))
 
 
 # --- health ---
