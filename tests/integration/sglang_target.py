@@ -17,11 +17,11 @@ RUN_ON_SGLANG = (f"{_DIR}test_api.py", f"{_DIR}test_weights.py", f"{_DIR}test_we
                  f"{_DIR}test_openai.py",
                  f"{_DIR}test_no_speculation.py", f"{_DIR}test_engine_start.py",
                  f"{_DIR}test_sglang_live.py", f"{_DIR}test_sglang_cuda_ipc_live.py",
-                 f"{_DIR}test_sglang_service.py")
+                 f"{_DIR}test_sglang_service.py", f"{_DIR}test_dialect_weights.py")
 """The integration test files that apply to an SGLang service (less :data:`NOT_ON_SGLANG`).
 The others test vLLM itself (its patches, its engine core's K schedule, its CUDA IPC and
 NCCL transports), Ray Serve's vLLM replicas, the docs' vLLM samples, the trainer's parity
-with vLLM, or the dialects (not run on SGLang yet)."""
+with vLLM, or the dialects' generation routes (not run on SGLang yet)."""
 
 _SEEDS = ("seeded sampling: SGLang honours sampling_seed only on a server started with "
           "--enable-deterministic-inference (sglang/srt/sampling/sampling_batch_info.py), "
@@ -60,6 +60,11 @@ NOT_ON_SGLANG = {
         f"{_SEEDS}; test_sglang_live.py::test_greedy_streams_and_chat_are_the_whole_answers",
     f"{_DIR}test_openai.py::test_a_client_gone_mid_stream_leaves_nothing_running":
         f"{_VLLM_GAUGES}; test_sglang_live.py::test_a_client_gone_mid_stream_aborts_in_sglang",
+    f"{_DIR}test_dialect_weights.py::test_a_skyrl_sync_loads_main_then_drafter":
+        "SkyRL's trainer is vLLM's NCCLTrainerWeightTransferEngine and HTTP client, and the "
+        "sglang bundle has no vLLM; the vLLM dialect's routes on an SGLang service are "
+        "the same layer over the same pushes (test_a_second_trainer_is_refused_until_the_"
+        "first_lets_go calls them there)",
     f"{_DIR}test_openai.py::test_seeded_choices_survive_a_chunked_prefill":
         f"{_SEEDS}; and it tests a vLLM CPU fix",
 }

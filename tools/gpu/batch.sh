@@ -37,6 +37,7 @@
 #                                               #   SGLang alone, the service launching it
 #   bash tools/gpu/batch.sh sglang-tests        # ~5-9 min: ROLLOUT_TEST_TARGET=sglang
 #   bash tools/gpu/batch.sh sglang-ipc-tests    # ~2-4 min: cuda_ipc pushes into a live SGLang
+#   bash tools/gpu/batch.sh sglang-dialect-tests  # ~2-4 min: slime's gloo sync into SGLang
 #   bash tools/gpu/batch.sh sglang-serving      # ~6-9 min: service vs SGLang's own server
 #   bash tools/gpu/batch.sh sglang-sync         # ~4-6 min: 1b shm and cuda_ipc pushes vs disk
 set -uo pipefail
@@ -199,6 +200,13 @@ for s in "$@"; do
         -q -p no:cacheprovider -rfEs --basetemp "$out/sglang-ipc-tests-tmp" \
         --junitxml "$out/sglang-ipc-tests.xml" \
         tests/integration/rollout_service/test_sglang_cuda_ipc_live.py ;;
+    sglang-dialect-tests)  # test_dialect_weights.py: slime's sync (SGLang's
+      # /init_weights_update_group + /update_weights_from_distributed over gloo) into a
+      # service-launched SGLang: loads, refusals, a second trainer, a trainer that dies
+      STALL_S=100000 step sglang-dialect-tests 420 env ROLLOUT_TEST_TARGET=sglang python3 -m \
+        pytest -q -p no:cacheprovider -rfEs --basetemp "$out/sglang-dialect-tests-tmp" \
+        --junitxml "$out/sglang-dialect-tests.xml" \
+        tests/integration/rollout_service/test_dialect_weights.py ;;
     sglang-sync) step sglang-sync 420 python3 -m bench.weight_sync_sglang --size 1b \
         --rounds 5 ;;
     rayserve)  # the Ray Serve ingress, 2 engine replicas on the one GPU (num_gpus 0.5, half of
@@ -219,7 +227,7 @@ for s in "$@"; do
     spec-full) step spec-full 540 python3 -m bench.speculation --model embedded:1b \
             --draft-noise 0.1,0.6 --k-max 3 --concurrency 1,16,256 --max-tokens 256 \
             --rounds 2 --rollout-prompts 512 --stale-drafter --logs "$out/spec-logs" ;;
-    *) echo "unknown step: $s (tests spec-tests trainer starts serving serving-dialects sync sync7b load spec spec-skip spec-profile spec-full spec-repro spec-repro-eager churn churn-modes churn-pin churn-pin-static churn-upstream churn-align churn-tests spec-ab spec-bench sglang-smoke sglang-tests sglang-ipc-tests sglang-serving sglang-sync rayserve rayserve-load)" >&2; exit 2 ;;
+    *) echo "unknown step: $s (tests spec-tests trainer starts serving serving-dialects sync sync7b load spec spec-skip spec-profile spec-full spec-repro spec-repro-eager churn churn-modes churn-pin churn-pin-static churn-upstream churn-align churn-tests spec-ab spec-bench sglang-smoke sglang-tests sglang-ipc-tests sglang-dialect-tests sglang-serving sglang-sync rayserve rayserve-load)" >&2; exit 2 ;;
   esac
 done
 clean

@@ -1,11 +1,14 @@
 """The frameworks' weight sync, in SGLang's and vLLM's dialects, into the real service.
 
-One service for the module (the vLLM CPU engine, MTP on, ``weights_transport: nccl``,
-gloo); the trainers are this test process or a spawned one, each calling the routes as
-its framework does (``framework_trainers.py`` cites the upstream code): slime's and
-AReaL's syncs over a torch group, vLLM's ``NCCLTrainerWeightTransferEngine`` (SkyRL) over
-the CPU stand-in of PyNccl, through vLLM's own HTTP client with the weights token in the
-server URL (HTTP Basic auth, as ``requests`` sends it).
+One service for the module, ``weights_transport: nccl`` over gloo: on the ``cpu`` target
+the vLLM CPU engine (MTP on); on the ``sglang`` target (GPU) a live SGLang server the
+service launches, the service's rank receiving on the CPU (a trainer on the server's only
+GPU cannot be a second NCCL rank there) and loading SGLang from its received copy. The
+trainers are this test process or a spawned one, each calling the routes as its framework
+does (``framework_trainers.py`` cites the upstream code): slime's and AReaL's syncs over a
+torch group, vLLM's ``NCCLTrainerWeightTransferEngine`` (SkyRL) over the CPU stand-in of
+PyNccl, through vLLM's own HTTP client with the weights token in the server URL (HTTP
+Basic auth, as ``requests`` sends it; vLLM's, so not on the ``sglang`` target).
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from rollout_service.tools.launch import ServiceProcess
 from tests.integration.conftest import (
     API_KEY,
     TARGET,
+    TARGETS,
     WEIGHTS_TOKEN,
     run_service,
     wait_for,
@@ -42,8 +46,9 @@ from tests.integration.rollout_service.framework_trainers import (
 )
 from tests.support.shm_usage import new_shm_files, process_tree
 
-pytestmark = pytest.mark.skipif(TARGET.transport != "shm" or TARGET.tensor_device != "cpu",
-                                reason="the CPU engine's gloo group (the CPU target only)")
+pytestmark = pytest.mark.skipif(
+    TARGET not in (TARGETS["cpu"], TARGETS["sglang"]),
+    reason="a gloo group: the CPU target, or SGLang's rank (vLLM's CUDA workers join nccl)")
 
 MAIN_PARAM = "lm_head.weight"
 DRAFT_PARAMS = ("model.mtp_layers.0.input_proj.weight",)
@@ -112,7 +117,8 @@ def test_a_slime_sync_loads_main_and_drafter_and_restores_them(
     assert answer.status_code == 200, answer.text
     assert checksums(service) == baseline
     assert trainer.destroy().json()["success"] is True
-    assert not shm_usage.new, shm_usage.new
+    if TARGET.engine == "vllm":  # SGLang's TP workers map the copy the service received
+        assert not shm_usage.new, shm_usage.new  # from torch's shm file (sglang/payload.py)
 
 
 def test_a_refused_sglang_update_loads_nothing(
