@@ -17,8 +17,9 @@ reach: with ``drafter_at_k0: run`` vLLM still runs the MTP drafter at K = 0; the
 static K of a rollout is taken over K >= 1); ``controller``, the ``spec`` service unpinned.
 
 Two workloads, each measured round by round with the modes' order rotated (drift of the
-machine hits every mode alike; a pin is applied before its mode's round and is in force
-when the pin call returns):
+machine hits every mode alike; a pin is applied before its mode's round, untimed, and is
+in force when the pin call returns; a round starts once the servers are idle,
+``bench/quiet.py``):
 
 - fixed concurrency (``--concurrency``): c requests in flight, each exactly
   ``--max-tokens`` tokens (``ignore_eos``); tokens/s;
@@ -66,6 +67,7 @@ from bench.serving import (
 )
 from bench.speculation_report import mode_name, model_check, print_report
 from bench.speculation_rounds import (
+    Mode,
     Rollout,
     Round,
     interleaved,
@@ -173,8 +175,8 @@ async def measure(opts: argparse.Namespace, services: Services, label: str,
             RolloutClient(s.url, weights_token=WEIGHTS_TOKEN)) for d, s in specs.items()}
 
         def modes(on_off: Round, on_spec: Callable[[HttpMode], Round],
-                  level: str) -> dict[str, Round]:
-            chosen = {"spec-off": on_off}
+                  level: str) -> dict[str, Mode]:
+            chosen = {"spec-off": Mode(run=on_off)}
             for d, spec in specs.items():
                 for name, schedule in schedules.items():
                     chosen[mode_name(name, d, opts.drafter_at_k0)] = with_pin(

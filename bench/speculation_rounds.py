@@ -1,5 +1,5 @@
 """The timed rounds of ``bench/speculation.py``: the decaying rollout's workload, the
-wrappers a mode's round runs in (a pin first, a profiler around it) and the interleaved
+modes (a round, with a pin before it or a profiler around it) and the interleaved
 schedule that times every mode round by round.
 
 Runs in the bench's process; the services are its children (``bench/serving_http.py``).
@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 from rich.console import Console
 
+from bench.quiet import until_quiet
 from bench.serving import HttpMode, start_profiler, stop_profiler
 from rollout_service.client import RolloutClient
 from rollout_service.protocol import messages
@@ -43,17 +44,22 @@ Round = Callable[[], Awaitable[int]]
 """One timed unit of work: ``await round() -> tokens generated``."""
 
 
-def with_pin(client: RolloutClient, schedule: dict[int, int] | None, run: Round) -> Round:
-    """``run`` with ``schedule`` pinned first (None: the controller decides)."""
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class Mode:
+    """One mode of :func:`interleaved`: ``setup`` before each of its rounds, untimed, then
+    ``run``, timed."""
 
-    async def pinned_run() -> int:
-        await client.pin_schedule(schedule)
-        return await run()
-
-    return pinned_run
+    run: Round
+    setup: Callable[[], Awaitable[object]] | None = None
 
 
-def profiled(run: Round, pid: int, out_dir: Path, label: str) -> Round:
+def with_pin(client: RolloutClient, schedule: dict[int, int] | None, run: Round) -> Mode:
+    """``run`` with ``schedule`` pinned before it (None: the controller decides); the pin
+    is in force when its call returns, and its time is not the round's."""
+    return Mode(run=run, setup=lambda: client.pin_schedule(schedule))
+
+
+def profiled(mode: Mode, pid: int, out_dir: Path, label: str) -> Mode:
     """``run`` under py-spy, the service ``pid`` and its engine core, one profile per call
     (``<label>-<n>.collapsed.txt``). Attaching and writing take seconds and sampling slows
     the process: a profiled mode's rates are for the profile, not for the table."""
@@ -64,11 +70,11 @@ def profiled(run: Round, pid: int, out_dir: Path, label: str) -> Round:
         calls += 1
         profiler = start_profiler(pid, out_dir, f"{label}-{calls}", subprocesses=True)
         try:
-            return await run()
+            return await mode.run()
         finally:
             await asyncio.to_thread(stop_profiler, profiler)
 
-    return profiled_run
+    return Mode(run=profiled_run, setup=mode.setup)
 
 
 def rollout_round(http: HttpMode, rollout: Rollout, temperature: float) -> Round:
@@ -86,18 +92,27 @@ def rollout_round(http: HttpMode, rollout: Rollout, temperature: float) -> Round
     return run
 
 
-async def interleaved(rounds: dict[str, Round], num_rounds: int, label: str,
+async def interleaved(modes: dict[str, Mode], num_rounds: int, label: str,
                       console: Console) -> dict[str, list[float]]:
-    """One warm-up per mode, then ``num_rounds`` rotated rounds; tokens/s per round."""
-    modes = list(rounds)
-    for mode in modes:
-        await rounds[mode]()
-    rates: dict[str, list[float]] = {m: [] for m in modes}
+    """One warm-up per mode, then ``num_rounds`` rotated rounds; tokens/s per round. Each
+    timed round starts once the mode's setup is done and the bench's servers are idle
+    (``bench/quiet.py``: the server of the round before may still be busy)."""
+    names = list(modes)
+    for mode in modes.values():
+        if mode.setup is not None:
+            await mode.setup()
+        await mode.run()
+    rates: dict[str, list[float]] = {m: [] for m in names}
     for r in range(num_rounds):
-        for mode in modes[r % len(modes):] + modes[:r % len(modes)]:
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            if modes[name].setup is not None:
+                await modes[name].setup()
+            if not (quiet := await until_quiet()).is_quiet:
+                console.print(f"  {label} round {r + 1}, {name}: started with the servers "
+                              f"still at {quiet.cores:.2f} cores after {quiet.waited_s:.0f} s")
             start = time.perf_counter()
-            tokens = await rounds[mode]()
-            rates[mode].append(tokens / (time.perf_counter() - start))
+            tokens = await modes[name].run()
+            rates[name].append(tokens / (time.perf_counter() - start))
         console.print(f"  {label} round {r + 1}: " + ", ".join(
-            f"{m} {rates[m][-1]:.0f}" for m in modes) + " tok/s")
+            f"{m} {rates[m][-1]:.0f}" for m in names) + " tok/s")
     return rates
