@@ -71,7 +71,7 @@ import psutil
 from rich.console import Console
 from rich.table import Table
 
-from bench.quiet import until_quiet
+from bench.quiet import before_round, rest_level
 from bench.serving_http import (  # noqa: F401 - re-exported for bench.speculation, tests
     HttpMode,
     Workload,
@@ -164,7 +164,7 @@ async def measure(rounds: dict[str, RoundFn], front_ends: dict[str, tuple[int, .
                   num_requests: int, num_rounds: int, console: Console) -> Rates:
     """A warm-up round per mode, then ``num_rounds`` rounds with the modes' order rotated;
     each round ``num_requests`` requests, ``concurrency`` in flight, started once the
-    servers are idle (``bench/quiet.py``).
+    servers are back at rest (``bench/quiet.py``).
 
     ``front_ends`` names each mode's front-end processes (the ones that run vLLM's output
     handler and the HTTP server: this process for ``asyncllm``, the server's otherwise,
@@ -175,14 +175,13 @@ async def measure(rounds: dict[str, RoundFn], front_ends: dict[str, tuple[int, .
     me = psutil.Process()
     processes = {mode: [psutil.Process(pid) for pid in pids]
                  for mode, pids in front_ends.items()}
+    at_rest = await rest_level()
     rates = Rates()
     for r in range(num_rounds):
         order = modes[r % len(modes):] + modes[:r % len(modes)]
         for mode in order:
-            if not (quiet := await until_quiet()).is_quiet:
-                console.print(f"  c={concurrency} round {r + 1}, {mode}: started with the "
-                              f"servers still at {quiet.cores:.2f} cores after "
-                              f"{quiet.waited_s:.0f} s")
+            if (busy := await before_round(at_rest)) is not None:
+                console.print(f"  c={concurrency} round {r + 1}, {mode}: {busy}")
             client, front = cpu_seconds(me), [cpu_seconds(p) for p in processes[mode]]
             start = time.perf_counter()
             tokens = await rounds[mode](concurrency, num_requests)

@@ -18,7 +18,7 @@ static K of a rollout is taken over K >= 1); ``controller``, the ``spec`` servic
 
 Two workloads, each measured round by round with the modes' order rotated (drift of the
 machine hits every mode alike; a pin is applied before its mode's round, untimed, and is
-in force when the pin call returns; a round starts once the servers are idle,
+in force when the pin call returns; a round starts once the servers are back at rest,
 ``bench/quiet.py``):
 
 - fixed concurrency (``--concurrency``): c requests in flight, each exactly

@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 from rich.console import Console
 
-from bench.quiet import until_quiet
+from bench.quiet import before_round, rest_level
 from bench.serving import HttpMode, start_profiler, stop_profiler
 from rollout_service.client import RolloutClient
 from rollout_service.protocol import messages
@@ -60,9 +60,10 @@ def with_pin(client: RolloutClient, schedule: dict[int, int] | None, run: Round)
 
 
 def profiled(mode: Mode, pid: int, out_dir: Path, label: str) -> Mode:
-    """``run`` under py-spy, the service ``pid`` and its engine core, one profile per call
-    (``<label>-<n>.collapsed.txt``). Attaching and writing take seconds and sampling slows
-    the process: a profiled mode's rates are for the profile, not for the table."""
+    """``mode`` with its run under py-spy, the service ``pid`` and its engine core, one
+    profile per run (``<label>-<n>.collapsed.txt``). Attaching and writing take seconds and
+    sampling slows the process: a profiled mode's rates are for the profile, not for the
+    table."""
     calls = 0
 
     async def profiled_run() -> int:
@@ -95,21 +96,21 @@ def rollout_round(http: HttpMode, rollout: Rollout, temperature: float) -> Round
 async def interleaved(modes: dict[str, Mode], num_rounds: int, label: str,
                       console: Console) -> dict[str, list[float]]:
     """One warm-up per mode, then ``num_rounds`` rotated rounds; tokens/s per round. Each
-    timed round starts once the mode's setup is done and the bench's servers are idle
-    (``bench/quiet.py``: the server of the round before may still be busy)."""
+    timed round starts once the mode's setup is done and the bench's servers are back at
+    rest (``bench/quiet.py``: the server of the round before may still be busy)."""
     names = list(modes)
     for mode in modes.values():
         if mode.setup is not None:
             await mode.setup()
         await mode.run()
+    at_rest = await rest_level()
     rates: dict[str, list[float]] = {m: [] for m in names}
     for r in range(num_rounds):
         for name in names[r % len(names):] + names[:r % len(names)]:
             if modes[name].setup is not None:
                 await modes[name].setup()
-            if not (quiet := await until_quiet()).is_quiet:
-                console.print(f"  {label} round {r + 1}, {name}: started with the servers "
-                              f"still at {quiet.cores:.2f} cores after {quiet.waited_s:.0f} s")
+            if (busy := await before_round(at_rest)) is not None:
+                console.print(f"  {label} round {r + 1}, {name}: {busy}")
             start = time.perf_counter()
             tokens = await modes[name].run()
             rates[name].append(tokens / (time.perf_counter() - start))

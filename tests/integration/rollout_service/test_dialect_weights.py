@@ -91,7 +91,8 @@ def test_a_slime_sync_loads_main_and_drafter_and_restores_them(
         service: ServiceProcess, original: dict[str, torch.Tensor]) -> None:
     """slime's sync (pause, buckets with weight_version, continue) loads main and drafter
     at /continue_generation, visible in every dialect's version; the next sync restores
-    the original bit for bit; no process of the push touched /dev/shm."""
+    the original bit for bit; on vLLM no process of the push touched /dev/shm (SGLang's
+    TP workers map the copy the service received from torch's shm file)."""
     baseline = checksums(service)
     version = status(service).newest_version + 1
     trainer = slime(service)
