@@ -13,8 +13,9 @@ the modes' order rotated, that penalty lands on whichever mode follows the other
 so with fewer rounds than modes it biases the ratios instead of averaging out.
 
 At rest is relative: an SGLang scheduler started without ``--sleep-on-idle`` spins a core
-for good, so the caller measures the tree's level at rest once (:func:`rest_level`) and
-waits for that level plus :data:`MARGIN_CORES`.
+for good (sgl-project/sglang issues #1730 and #9863), so the caller measures the tree's
+level at rest once (:func:`rest_level`) and waits for that level plus
+:data:`MARGIN_CORES`.
 """
 
 from __future__ import annotations
