@@ -14,10 +14,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 from pathlib import Path
 from typing import Any
 
-from bench.serving_http import HttpMode, Workload
+from bench.serving_http import SERVER_KEEP_ALIVE_S, HttpMode, Workload
 from rollout_service.config import ServiceConfig, load_config
 from rollout_service.engines.sglang.launch import build_launch_command, free_port_below_ephemeral
 from rollout_service.local import engine_spec
@@ -59,7 +60,10 @@ async def start_sglang_server(cfg: ServiceConfig, workload: Workload, scratch: P
     """SGLang's own server on a free port, healthy; its requests are ``service-sglang``'s."""
     port = free_port_below_ephemeral()
     url = f"http://127.0.0.1:{port}"
-    server = ChildProcess(launch_command(cfg, port), scratch / "sglang-server.log")
+    # idle connections kept as long as by the service (SGLang's default is 5 s, less than
+    # the other modes' rounds: a request on a connection it was closing reset an H100 run)
+    env = {**os.environ, "SGLANG_TIMEOUT_KEEP_ALIVE": str(SERVER_KEEP_ALIVE_S)}
+    server = ChildProcess(launch_command(cfg, port), scratch / "sglang-server.log", env=env)
     try:
         await asyncio.to_thread(wait_http_ok, f"{url}/health", server, STARTUP_TIMEOUT_S)
     except BaseException:

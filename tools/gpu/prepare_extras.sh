@@ -13,7 +13,7 @@ python3 -m pip download -q --only-binary=:all: --python-version 3.12 \
   --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
   --platform manylinux_2_28_x86_64 -d .gpuextra \
   pytest pytest-asyncio pytest-timeout hypothesis openai typer rich httpx py-spy uvloop \
-  psutil pyyaml aiohttp
+  psutil pyyaml aiohttp httpx-aiohttp
 command -v prometheus >/dev/null || { echo "install Debian's prometheus first" >&2; exit 1; }
 xz -T0 -c "$(command -v prometheus)" > .gpuextra/prometheus.xz
 du -sh .gpuextra

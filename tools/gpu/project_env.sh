@@ -14,7 +14,7 @@ python3 -m pip install -q --no-build-isolation --no-deps --no-index --target /tm
 if [ ! -d /tmp/extrasite ] && [ -d .gpuextra ]; then
   python3 -m pip install -q --no-index --find-links .gpuextra --target /tmp/extrasite \
     pytest pytest-asyncio pytest-timeout hypothesis openai typer rich httpx py-spy uvloop \
-    psutil pyyaml aiohttp || return 1
+    psutil pyyaml aiohttp httpx-aiohttp || return 1
 fi
 mkdir -p /tmp/bin
 if [ ! -x /tmp/bin/prometheus ] && [ -f .gpuextra/prometheus.xz ]; then

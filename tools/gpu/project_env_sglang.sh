@@ -31,7 +31,7 @@ if [ ! -d "$_extra" ] && [ -d .gpuextra ]; then
   # openai, pydantic and the like come along as requirements; the bundle's copies win below.
   PYTHONPATH= "$_py" -m pip install -q --no-index --find-links .gpuextra --target "$_extra" \
     pytest pytest-asyncio pytest-timeout hypothesis openai typer rich httpx py-spy uvloop \
-    psutil pyyaml aiohttp || return 1
+    psutil pyyaml aiohttp httpx-aiohttp || return 1
 fi
 mkdir -p "$_bin"
 if [ ! -x "$_bin/prometheus" ] && [ -f .gpuextra/prometheus.xz ]; then

@@ -1,6 +1,6 @@
 """SGLang engine: an SGLang HTTP server behind the engine protocol.
 
-Runs inside the rollout service process and talks HTTP (httpx) to one SGLang server,
+Runs inside the rollout service process and talks HTTP (``http_client``) to one SGLang server,
 either one given by ``engine_url`` or one launched here as a subprocess (``launch``).
 The server owns its scheduler and TP worker processes; this process never imports
 SGLang except to build weight payloads (``payload``). What it is (model, lengths,
@@ -47,6 +47,7 @@ from rollout_service.engines.sglang.answers import (
 )
 from rollout_service.engines.sglang.features import INFO_TIMEOUT_S
 from rollout_service.engines.sglang.group_receiver import ServiceRank
+from rollout_service.engines.sglang.http_client import server_client
 from rollout_service.engines.sglang.launch import (
     build_launch_command,
     free_port_below_ephemeral,
@@ -81,15 +82,6 @@ async def start(spec: EngineSpec) -> SGLangEngine:
                                           model_path=spec.model_path)
     return await SGLangEngine.launch(spec.model_path, spec.engine_kwargs, spec.mtp,
                                      served_model_name=spec.served_model_name)
-
-
-_TIMEOUT = httpx.Timeout(None, connect=10.0)
-"""Generation and weight loads take as long as they take; connecting does not."""
-_LIMITS = httpx.Limits(max_connections=None, max_keepalive_connections=None)
-"""No pool cap: each request in flight holds one connection, and SGLang itself queues what
-it cannot run (``--max-running-requests``). httpx's default cap of 100 connections held the
-service at 100 running requests on the H200 (0.45x SGLang's own server at 128 concurrent
-requests, 0.20x at 512)."""
 
 
 class SGLangEngine(SGLangWeights, ServiceRank):
@@ -138,7 +130,7 @@ class SGLangEngine(SGLangWeights, ServiceRank):
             EngineUnavailableError: the server cannot be reached.
             ValueError: the checkpoint's config.json cannot be read.
         """
-        client = client or httpx.AsyncClient(base_url=base_url, timeout=_TIMEOUT, limits=_LIMITS)
+        client = client or server_client(base_url)
         try:
             facts = await read_server(client, served_model_name=served_model_name,
                                       model_path=model_path)
