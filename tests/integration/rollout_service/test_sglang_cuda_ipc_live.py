@@ -42,6 +42,7 @@ from tests.integration.rollout_service.sglang_live import (
     own_sglang,
     service_on,
 )
+from tests.support.waiting import until
 from trainer_client.push import WeightPusher
 
 pytestmark = LIVE_SGLANG
@@ -131,11 +132,23 @@ async def test_a_push_of_main_and_drafter_moves_both(
     tensors = changed(original, seed=version)
     report = pushing.pusher.push(tensors.items(), version=version, target="both")
     del tensors
-    gc.collect()
-    torch.cuda.ipc_collect()
     # the staged pusher keeps its buffer (64-byte aligned tensors) for the next push
     staging = report.num_bytes + 64 * report.num_tensors if pushing.is_staged else 0
-    assert torch.cuda.memory_allocated() <= allocated + staging + 1024**2
+
+    async def trainer_memory() -> int:
+        """What the trainer holds once torch has freed every export SGLang let go of.
+        In place, the H100 run of 2026-12-05 still held every pushed tensor right after
+        the push (4.86 MB, the whole tiny checkpoint), so SGLang's scheduler may drop its
+        rebuilt tensors later: a request between probes lets it run."""
+        gc.collect()
+        torch.cuda.ipc_collect()
+        held = torch.cuda.memory_allocated()
+        if held > allocated + staging + 1024**2:
+            await one_by_one(client)
+        return held
+
+    await until(trainer_memory, lambda held: held <= allocated + staging + 1024**2,
+                timeout_s=60.0, interval_s=1.0)
     after = own_checksums(sglang)
     assert after["target"][MAIN_ONLY_PARAM] != before["target"][MAIN_ONLY_PARAM]
     assert after["draft"] != before["draft"]
