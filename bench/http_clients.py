@@ -38,6 +38,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
+from bench.serving_http import closed_loop
 from rollout_service.engines.sglang.http_client import server_client
 from rollout_service.tools.launch import ChildProcess, free_port, wait_http_ok
 
@@ -63,7 +64,8 @@ app = Starlette(routes=[Route("/generate", _generate, methods=["POST"]),
                         Route("/health", _health)])
 """The stand-in server (``uvicorn bench.http_clients:app``)."""
 
-Send = Callable[[], Awaitable[None]]
+Send = Callable[[int], Awaitable[int]]
+"""One request (its index unused); 1 when it was answered, for ``closed_loop``'s count."""
 
 
 def open_client(name: str, url: str) -> tuple[Send, Callable[[], Awaitable[None]]]:
@@ -71,26 +73,19 @@ def open_client(name: str, url: str) -> tuple[Send, Callable[[], Awaitable[None]
     if name == "aiohttp":
         session = aiohttp.ClientSession(url, connector=aiohttp.TCPConnector(limit=0))
 
-        async def send_aiohttp() -> None:
+        async def send_aiohttp(_: int) -> int:
             async with session.post("/generate", json=BODY) as response:
                 await response.json()
+            return 1
         return send_aiohttp, session.close
     client = server_client(url) if name == "service" else httpx.AsyncClient(
         base_url=url, timeout=None,
         limits=httpx.Limits(max_connections=None, max_keepalive_connections=None))
 
-    async def send_httpx() -> None:
+    async def send_httpx(_: int) -> int:
         (await client.post("/generate", json=BODY)).json()
+        return 1
     return send_httpx, client.aclose
-
-
-async def closed_loop(send: Send, concurrency: int, num_requests: int) -> None:
-    remaining = iter(range(num_requests))
-
-    async def worker() -> None:
-        for _ in remaining:
-            await send()
-    await asyncio.gather(*(worker() for _ in range(concurrency)))
 
 
 async def measure(url: str, concurrency: int, num_requests: int, num_rounds: int,
