@@ -33,9 +33,8 @@ def server_client(base_url: str) -> httpx.AsyncClient:
     """A client of the server at ``base_url`` with no cap on connections.
 
     Each request in flight holds one connection and SGLang queues what it cannot run
-    (``--max-running-requests``): httpx's default cap of 100 connections held the service
-    at 100 running requests on the H200 (0.45x SGLang's own server at 128 concurrent
-    requests, 0.20x at 512).
+    (``--max-running-requests``); a cap of 100 connections (httpx's and aiohttp's default)
+    would hold the service at 100 running requests.
     """
 
     def session() -> aiohttp.ClientSession:  # made on first use, inside the serving loop

@@ -137,9 +137,9 @@ async def test_a_push_of_main_and_drafter_moves_both(
 
     async def trainer_memory() -> int:
         """What the trainer holds once torch has freed every export SGLang let go of.
-        In place, the H100 run of 2026-12-05 still held every pushed tensor right after
-        the push (4.86 MB, the whole tiny checkpoint), so SGLang's scheduler may drop its
-        rebuilt tensors later: a request between probes lets it run."""
+        In place, SGLang may drop the tensors it rebuilt from the trainer's handles only
+        after the push has returned (seen on an H100: 4.86 MB still held right after it),
+        so a request between probes lets its scheduler run."""
         gc.collect()
         torch.cuda.ipc_collect()
         held = torch.cuda.memory_allocated()
