@@ -19,6 +19,16 @@ import typer
 
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
+
+def configure_logging() -> None:
+    """INFO logs of the service, without httpx's line per HTTP call: the SGLang engine makes
+    one per generation request, which doubled the service's log (the access log already
+    has a line per request) and took about a seventh of its CPU time per request (py-spy,
+    the service on the FAKE SGLang at 128 in flight). Failed calls still show, as the
+    caller's errors."""
+    logging.basicConfig(level=logging.INFO, format=LOG_FORMAT)
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="RL rollout service with MTP speculative decoding.")
 
@@ -38,7 +48,7 @@ def serve(
     from rollout_service.api.app import create_app
     from rollout_service.config import load_config
 
-    logging.basicConfig(level=logging.INFO, format=LOG_FORMAT)
+    configure_logging()
     try:
         cfg = load_config(config, host=host, port=port, model=model)
         app_ = create_app(cfg)
@@ -93,7 +103,7 @@ def serve_ray(
     """Serve the HTTP API on Ray Serve: N engine replicas, pushes reach every one."""
     from rollout_service.serve.config import load_serve_config
 
-    logging.basicConfig(level=logging.INFO, format=LOG_FORMAT)
+    configure_logging()
     try:
         cfg = load_serve_config(config, host=host, port=port, model=model, num_replicas=replicas)
         cfg.resolved_weights_token()
