@@ -23,9 +23,8 @@ LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 def configure_logging() -> None:
     """INFO logs of the service, without httpx's line per HTTP call: the SGLang engine makes
     one per generation request, which doubled the service's log (the access log already
-    has a line per request) and took about a seventh of its CPU time per request (py-spy,
-    the service on the FAKE SGLang at 128 in flight). Failed calls still show, as the
-    caller's errors."""
+    has a line per request) and put a formatted write on the event loop for each. Failed
+    calls still show, as the caller's errors."""
     logging.basicConfig(level=logging.INFO, format=LOG_FORMAT)
     logging.getLogger("httpx").setLevel(logging.WARNING)
 
