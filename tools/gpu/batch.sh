@@ -39,6 +39,7 @@
 #   bash tools/gpu/batch.sh sglang-ipc-tests    # ~2-4 min: cuda_ipc pushes into a live SGLang
 #   bash tools/gpu/batch.sh sglang-dialect-tests  # ~2-4 min: slime's gloo sync into SGLang
 #   bash tools/gpu/batch.sh sglang-serving      # ~6-9 min: service vs SGLang's own server
+#   bash tools/gpu/batch.sh sglang-serving-long # ~5-7 min: 128 in flight, 8 waves, py-spy
 #   bash tools/gpu/batch.sh sglang-sync         # ~4-6 min: 1b shm and cuda_ipc pushes vs disk
 set -uo pipefail
 out="${OUT:-/tmp/gpu-batch}"; mkdir -p "$out"; export OUT="$out"
@@ -196,6 +197,11 @@ for s in "$@"; do
     sglang-serving) step sglang-serving 540 python3 -m bench.serving --engine sglang \
         --model embedded:small --concurrency 128,512 --max-tokens 256 --rounds 3 --waves 2 \
         --logs "$out/sglang-serving-logs" ;;
+    sglang-serving-long)  # the 128 gap of sglang-serving with rounds 4x as long (8 waves:
+      # is it the rounds' ramp and tail?) and the service's process under py-spy
+      step sglang-serving-long 540 python3 -m bench.serving --engine sglang \
+        --model embedded:small --concurrency 128 --max-tokens 256 --rounds 3 --waves 8 \
+        --profile-service "$out/sglang-serving-profile" --logs "$out/sglang-serving-logs" ;;
     sglang-ipc-tests)  # test_sglang_cuda_ipc_live.py: its own SGLang server (tiny) and a
       # cuda_ipc service on it; staged and in-place pushes of main + drafter, a refused one
       STALL_S=100000 step sglang-ipc-tests 360 env ROLLOUT_TEST_TARGET=sglang python3 -m pytest \
