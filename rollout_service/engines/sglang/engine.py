@@ -97,6 +97,7 @@ class SGLangEngine(SGLangWeights, ServiceRank):
         self.info = facts.info
         self.features = facts.features
         self._client = client
+        self._urls: dict[str, httpx.URL] = {}
         self._is_text_streamed_as_delta = facts.is_text_streamed_as_delta
         self._tokenizer: Any = None
         self._is_tokenizer_loaded = False
@@ -314,7 +315,7 @@ class SGLangEngine(SGLangWeights, ServiceRank):
                        timeout: float | None = None) -> httpx.Response:
         """Send; unreachable or a 5xx is EngineUnavailableError."""
         try:
-            response = await self._client.request(method, path, json=body,
+            response = await self._client.request(method, self._url(path), json=body,
                                                   timeout=timeout or httpx.USE_CLIENT_DEFAULT)
         except httpx.TransportError as exc:
             raise EngineUnavailableError(
@@ -323,6 +324,15 @@ class SGLangEngine(SGLangWeights, ServiceRank):
             raise EngineUnavailableError(f"SGLang {path} answered {response.status_code}: "
                                          f"{error_message(response)}")
         return response
+
+    def _url(self, path: str) -> httpx.URL:
+        """``path`` under the client's base URL, parsed once: httpx parses a relative URL
+        again for every request, which showed in py-spy's samples of the service under
+        ``python -m bench.front_end``."""
+        url = self._urls.get(path)
+        if url is None:
+            url = self._urls[path] = httpx.URL(str(self._client.base_url).rstrip("/") + path)
+        return url
 
     async def _control(self, path: str, body: Any) -> Any:
         """POST a control call; a refusal (non-200 or ``success: false``) is RuntimeError."""
