@@ -309,14 +309,14 @@ class FakeSGLang:
         return meta
 
     def _spec_meta_info(self, num_completion: int) -> dict[str, Any]:
-        """SGLang's per-request keys: the first token comes from prefill, then each verify
-        step emits its accepted drafts plus one bonus token."""
+        """SGLang's per-request keys: the prefill's token, then each verify step's accepted
+        drafts plus one; a last run cut at ``max_new_tokens`` counts whole (live 0.5.23)."""
         num_steps = self.speculative["speculative_num_steps"]
         verify_ct = accepted = 0
         histogram: list[int] = []
         remaining = num_completion - 1
         while remaining > 0:
-            step_accepted = min(self.accept_per_step, num_steps, remaining - 1)
+            step_accepted = min(self.accept_per_step, num_steps)
             histogram += [0] * (step_accepted + 1 - len(histogram))
             histogram[step_accepted] += 1
             verify_ct += 1
