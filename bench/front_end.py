@@ -40,6 +40,7 @@ from rich.console import Console
 from rich.table import Table
 
 from bench.serving_http import closed_loop
+from bench.spread import median_spread
 from rollout_service.embedded import ensure_model
 from rollout_service.tools.launch import ChildProcess, free_port, wait_http_ok
 
@@ -106,18 +107,14 @@ def report(console: Console, rounds: list[dict[str, tuple[float, float]]],
         latency = [1e3 * r[mode][0] for r in rounds]
         added = [1e3 * (r[mode][0] - r["direct"][0]) for r in rounds]
         cpu = [1e3 * r[mode][1] for r in rounds]
-        table.add_row(mode, _spread(latency), _spread(added) if mode != "direct" else "-",
-                      _spread(cpu, "{:.3f}"))
+        table.add_row(mode, median_spread(latency, "{:.2f}"),
+                      median_spread(added, "{:.2f}") if mode != "direct" else "-",
+                      median_spread(cpu))
     console.print(f"FAKE SGLang (tiny, 64 prompt + {MAX_TOKENS} tokens a request); "
                   f"{opts.rounds} rounds, modes in rotating order; {opts.serial} requests one "
                   f"at a time, then {opts.requests} at {opts.concurrency} in flight")
     console.print(table)
     console.print("(direct's CPU column: what the idle service spends meanwhile)")
-
-
-def _spread(values: list[float], fmt: str = "{:.2f}") -> str:
-    return (f"{fmt.format(statistics.median(values))} "
-            f"({fmt.format(min(values))} - {fmt.format(max(values))})")
 
 
 async def run(opts: argparse.Namespace, console: Console

@@ -39,6 +39,7 @@ from rich.console import Console
 from rich.table import Table
 from safetensors.torch import load_file
 
+from bench.spread import median_spread
 from rollout_service.embedded import ensure_model
 from rollout_service.serve.config import parse_serve_config
 from rollout_service.tools.ray_cluster import SimulatedCluster, simulated_cluster
@@ -125,10 +126,6 @@ def _specs(tensors: dict[str, torch.Tensor]) -> list:
     return [param_spec(name, t) for name, t in tensors.items()]
 
 
-def spread(values: list[float]) -> str:
-    return f"{statistics.median(values):.3f} ({min(values):.3f} - {max(values):.3f})"
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--size", default="small", choices=["tiny", "small"])
@@ -162,8 +159,9 @@ def main() -> None:
         table.add_column(column)
     for n in sorted(results):
         runs = results[n]
-        table.add_row(str(n), str(len(runs)), spread([p.total_s for p in runs]),
-                      spread([p.updates_s for p in runs]), spread([p.load_s for p in runs]),
+        table.add_row(str(n), str(len(runs)), median_spread([p.total_s for p in runs]),
+                      median_spread([p.updates_s for p in runs]),
+                      median_spread([p.load_s for p in runs]),
                       f"{statistics.median(p.sent_per_byte for p in runs):.2f}",
                       f"{max(p.peak_per_bucket for p in runs):.2f}",
                       f"{statistics.median(p.total_s for p in runs) / one:.2f}")

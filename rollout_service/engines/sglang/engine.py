@@ -224,7 +224,8 @@ class SGLangEngine(SGLangWeights, ServiceRank):
             try:
                 # Leaving this block (the consumer closed us) closes the connection; SGLang
                 # aborts the request when its client goes away.
-                async with self._client.stream("POST", "/generate", json=body) as response:
+                async with self._client.stream("POST", self._url("/generate"),
+                                               json=body) as response:
                     async for out in streamed_answers(response):
                         text, token_ids, logprobs = merged.add(out)
                         is_finished = out["meta_info"].get("finish_reason") is not None

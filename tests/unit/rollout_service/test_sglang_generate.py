@@ -16,7 +16,10 @@ from __future__ import annotations
 import asyncio
 from dataclasses import replace
 
+import httpx
 import pytest
+from starlette.applications import Starlette
+from starlette.routing import Mount
 
 from rollout_service.embedded import ensure_model
 from rollout_service.engines.base import ChatTurn, InvalidRequestError, SamplingOptions
@@ -201,3 +204,20 @@ async def test_chat_prompt_is_the_checkpoints_template(checkpoint: str) -> None:
     without = await connect(make_fake("0.5.23", checkpoint))  # config.json alone
     with pytest.raises(InvalidRequestError, match="^messages: .*no chat template"):
         await without.chat_prompt([ChatTurn(role="user", content="hi")])
+
+
+async def test_a_server_under_a_path_prefix_is_reached_under_it(checkpoint: str) -> None:
+    """An ``engine_url`` behind a proxy's path (``http://host/sglang``): start-up calls
+    and generation, plain and streamed, all go to ``/sglang/...``."""
+    fake = make_fake("0.5.23", checkpoint)
+    proxy = Starlette(routes=[Mount("/sglang", app=fake.app)])
+    client = httpx.AsyncClient(transport=httpx.ASGITransport(app=proxy),
+                               base_url="http://proxy/sglang")
+    engine = await SGLangEngine.connect("http://proxy/sglang", served_model_name="tiny",
+                                        client=client)
+    result = await engine.generate([1, 2], greedy(4), "prefixed")
+    deltas = [d async for d in engine.stream([1, 2], greedy(4), "prefixed-stream")]
+    assert deltas[-1].result is not None
+    assert deltas[-1].result.token_ids == result.token_ids and len(result.token_ids) == 4
+    assert len(sent(fake, "/sglang/generate")) == 2  # the fake sees the whole path
+    await engine.shutdown()

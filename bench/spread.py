@@ -1,0 +1,12 @@
+"""How a benchmark's tables print a per-round value: its median, then its range."""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Sequence
+
+
+def median_spread(values: Sequence[float], fmt: str = "{:.3f}") -> str:
+    """``median (min - max)`` of ``values``, each number written with ``fmt``."""
+    return (f"{fmt.format(statistics.median(values))} "
+            f"({fmt.format(min(values))} - {fmt.format(max(values))})")
