@@ -25,7 +25,9 @@ machine (clocks, other load) hits every mode alike:
 
 Workload: ``--concurrency`` requests in flight at once (each level measured on
 its own), prompts from the embedded corpus, n=1, ``ignore_eos`` so every request
-yields exactly ``--max-tokens`` tokens, temperature 1.0 with seed i for request i.
+yields exactly ``--max-tokens`` tokens (``--length-spread S``: request i its own count,
+uniform in ``max-tokens * (1 +- S)``, the same in every mode), temperature 1.0 with
+seed i for request i.
 A round sends ``--waves`` x concurrency requests in a closed loop: each request
 that finishes is replaced at once by the next, so the engine runs at the level's
 batch size from the first request to the last few (vLLM's own benchmark does the
@@ -79,6 +81,7 @@ from bench.serving_http import (  # noqa: F401 - re-exported for bench.speculati
     engine_args,
     non_default_engine_args,
     on_same_server,
+    spread_lengths,
     start_http,
 )
 from bench.serving_ray import RAY_MODE, start_ray_serve
@@ -118,7 +121,7 @@ async def start_asyncllm(cfg: ServiceConfig, workload: Workload) -> tuple[RoundF
     calls = 0
 
     async def one(i: int, request_id: str) -> int:
-        params = SamplingParams(n=1, max_tokens=workload.max_tokens,
+        params = SamplingParams(n=1, max_tokens=workload.tokens_of(i),
                                 temperature=workload.temperature, seed=i, ignore_eos=True,
                                 output_kind=RequestOutputKind.FINAL_ONLY)
         final = None
@@ -199,8 +202,10 @@ def spread(values: list[float]) -> str:
 
 
 def print_report(console: Console, results: dict[int, Rates], workload: Workload,
-                 num_rounds: int, waves: int) -> None:
-    console.print(f"workload: {workload.max_tokens} tokens per request, n=1, ignore_eos, "
+                 num_rounds: int, waves: int, length_spread: float) -> None:
+    tokens = (f"{workload.max_tokens} +- {length_spread:.0%}" if length_spread
+              else str(workload.max_tokens))
+    console.print(f"workload: {tokens} tokens per request, n=1, ignore_eos, "
                   f"temperature {workload.temperature}; rounds of {waves} x concurrency "
                   f"requests in a closed loop; 1 warm-up + {num_rounds} timed rounds per "
                   "mode, modes interleaved")
@@ -244,7 +249,8 @@ async def run(opts: argparse.Namespace, console: Console) -> dict[int, Rates]:
     cfg = build_config(opts, max(levels))
     prompts = tuple(p for p, _ in arithmetic_prompts(max(levels) * opts.waves))
     workload = Workload(prompts=prompts, max_tokens=opts.max_tokens,
-                        temperature=opts.temperature)
+                        temperature=opts.temperature,
+                        lengths=spread_lengths(len(prompts), opts.max_tokens, opts.length_spread))
     scratch = Path(opts.logs or tempfile.mkdtemp(prefix="bench-serving-"))
     scratch.mkdir(parents=True, exist_ok=True)
     if opts.engine == "sglang":
@@ -350,6 +356,9 @@ def main() -> None:
     parser.add_argument("--concurrency", default="64",
                         help="comma-separated levels of requests in flight")
     parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--length-spread", type=float, default=0.0, help=(
+        "each request's tokens uniform in max-tokens * (1 +- this), the same per request "
+        "in every mode; 0: all alike, so a closed loop's requests end in one engine step"))
     parser.add_argument("--rounds", type=int, default=3, help="timed rounds per mode")
     parser.add_argument("--waves", type=int, default=2,
                         help="requests per round, in multiples of the concurrency (closed loop)")
@@ -373,6 +382,8 @@ def main() -> None:
     if unknown or opts.rounds < 1 or opts.waves < 1 or opts.ray_replicas < 1:
         parser.error(f"bad --modes {unknown} for --engine {opts.engine}" if unknown
                      else "--rounds, --waves and --ray-replicas must be >= 1")
+    if not 0 <= opts.length_spread < 1:
+        parser.error(f"--length-spread {opts.length_spread}: must be in [0, 1)")
     if is_sglang:
         opts.device = "cuda"  # SGLang serves on GPUs only; nothing here imports vLLM
     else:
@@ -381,7 +392,7 @@ def main() -> None:
     results = asyncio.run(run(opts, console))
     print_report(console, results, Workload(prompts=(), max_tokens=opts.max_tokens,
                                             temperature=opts.temperature), opts.rounds,
-                 opts.waves)
+                 opts.waves, opts.length_spread)
 
 
 if __name__ == "__main__":

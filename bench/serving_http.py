@@ -13,6 +13,7 @@ import asyncio
 import dataclasses
 import json
 import os
+import random
 import sys
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -54,7 +55,34 @@ class Workload:
     prompts: tuple[str, ...]
     """One prompt per request of a round; a round of n requests sends the first n."""
     max_tokens: int
+    """The tokens every request generates (``ignore_eos``), or their mean with ``lengths``."""
     temperature: float
+    lengths: tuple[int, ...] = ()
+    """Request i's own token count (``--length-spread``), the same in every mode; empty:
+    ``max_tokens`` each."""
+
+    def tokens_of(self, i: int) -> int:
+        """The tokens request ``i`` generates."""
+        return self.lengths[i] if self.lengths else self.max_tokens
+
+
+def spread_lengths(num_requests: int, mean: int, spread: float) -> tuple[int, ...]:
+    """Token counts uniform in ``mean * (1 +- spread)``, drawn once per request index
+    (seeded: every mode and round gets the same ones). With one length for all, a closed
+    loop's requests finish in the same engine step, wave after wave, and their
+    replacements reach the engine as one burst; spread lengths desynchronize them, as
+    sampled rollouts do.
+
+    Raises:
+        ValueError: ``spread`` outside [0, 1).
+    """
+    if not 0 <= spread < 1:
+        raise ValueError(f"length spread {spread}: must be in [0, 1)")
+    if spread == 0:
+        return ()
+    rng = random.Random(0)
+    return tuple(max(1, round(mean * (1 + spread * rng.uniform(-1, 1))))
+                 for _ in range(num_requests))
 
 
 def engine_args(cfg: ServiceConfig) -> Any:
@@ -166,7 +194,7 @@ async def start_http(mode: str, cfg: ServiceConfig, workload: Workload, scratch:
 
         def body(i: int) -> dict[str, Any]:
             return {"model": kwargs.get("served_model_name", model),
-                    "prompt": workload.prompts[i], "max_tokens": workload.max_tokens,
+                    "prompt": workload.prompts[i], "max_tokens": workload.tokens_of(i),
                     "temperature": workload.temperature, "seed": i, "ignore_eos": True}
 
         def count(response: dict[str, Any]) -> int:
@@ -191,21 +219,21 @@ def service_request(mode: str, workload: Workload, model: str
     if mode == "service-openai":
         def openai_body(i: int) -> dict[str, Any]:
             return {"model": model, "prompt": workload.prompts[i],
-                    "max_tokens": workload.max_tokens, "temperature": workload.temperature,
+                    "max_tokens": workload.tokens_of(i), "temperature": workload.temperature,
                     "seed": i, "ignore_eos": True}
 
         return openai_body, lambda answer: answer["usage"]["completion_tokens"]
     if mode == "service-sglang":
         def sglang_body(i: int) -> dict[str, Any]:
             return {"text": workload.prompts[i], "sampling_params": {
-                "max_new_tokens": workload.max_tokens, "temperature": workload.temperature,
+                "max_new_tokens": workload.tokens_of(i), "temperature": workload.temperature,
                 "sampling_seed": i, "ignore_eos": True}}
 
         return sglang_body, lambda answer: len(answer["output_ids"])
 
     def native_body(i: int) -> dict[str, Any]:
         return messages.GenerateRequest(
-            prompt=workload.prompts[i], max_tokens=workload.max_tokens,
+            prompt=workload.prompts[i], max_tokens=workload.tokens_of(i),
             temperature=workload.temperature, seed=i, ignore_eos=True,
         ).model_dump(exclude_none=True)
 

@@ -72,7 +72,7 @@ async def start_sglang_server(cfg: ServiceConfig, workload: Workload, scratch: P
 
     def body(i: int) -> dict[str, Any]:
         return {"text": workload.prompts[i], "sampling_params": {
-            "max_new_tokens": workload.max_tokens, "temperature": workload.temperature,
+            "max_new_tokens": workload.tokens_of(i), "temperature": workload.temperature,
             "sampling_seed": i, "ignore_eos": True}}
 
     return HttpMode(server, url, "/generate", body, lambda answer: len(answer["output_ids"]),

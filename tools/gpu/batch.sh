@@ -40,6 +40,7 @@
 #   bash tools/gpu/batch.sh sglang-dialect-tests  # ~2-4 min: slime's gloo sync into SGLang
 #   bash tools/gpu/batch.sh sglang-serving      # ~6-9 min: service vs SGLang's own server
 #   bash tools/gpu/batch.sh sglang-serving-long # ~5-7 min: 128 in flight, 8 waves, py-spy
+#   bash tools/gpu/batch.sh sglang-serving-mixed  # ~4-6 min: 128 in flight, lengths +-50%
 #   bash tools/gpu/batch.sh sglang-sync         # ~4-6 min: 1b shm and cuda_ipc pushes vs disk
 set -uo pipefail
 out="${OUT:-/tmp/gpu-batch}"; mkdir -p "$out"; export OUT="$out"
@@ -202,6 +203,11 @@ for s in "$@"; do
       step sglang-serving-long 540 python3 -m bench.serving --engine sglang \
         --model embedded:small --concurrency 128 --max-tokens 256 --rounds 3 --waves 8 \
         --profile-service "$out/sglang-serving-profile" --logs "$out/sglang-serving-logs" ;;
+    sglang-serving-mixed)  # 128 in flight, lengths spread +-50% (mean 256): requests that
+      # do not all end in one engine step, so their replacements do not reach SGLang as a burst
+      step sglang-serving-mixed 540 python3 -m bench.serving --engine sglang \
+        --model embedded:small --concurrency 128 --max-tokens 256 --length-spread 0.5 \
+        --rounds 3 --waves 4 --logs "$out/sglang-serving-logs" ;;
     sglang-ipc-tests)  # test_sglang_cuda_ipc_live.py: its own SGLang server (tiny) and a
       # cuda_ipc service on it; staged and in-place pushes of main + drafter, a refused one
       STALL_S=100000 step sglang-ipc-tests 360 env ROLLOUT_TEST_TARGET=sglang python3 -m pytest \
@@ -235,7 +241,7 @@ for s in "$@"; do
     spec-full) step spec-full 540 python3 -m bench.speculation --model embedded:1b \
             --draft-noise 0.1,0.6 --k-max 3 --concurrency 1,16,256 --max-tokens 256 \
             --rounds 2 --rollout-prompts 512 --stale-drafter --logs "$out/spec-logs" ;;
-    *) echo "unknown step: $s (tests spec-tests trainer starts serving serving-dialects sync sync7b load spec spec-skip spec-profile spec-full spec-repro spec-repro-eager churn churn-modes churn-pin churn-pin-static churn-upstream churn-align churn-tests spec-ab spec-bench sglang-smoke sglang-tests sglang-ipc-tests sglang-dialect-tests sglang-serving sglang-sync rayserve rayserve-load)" >&2; exit 2 ;;
+    *) echo "unknown step: $s (tests spec-tests trainer starts serving serving-dialects sync sync7b load spec spec-skip spec-profile spec-full spec-repro spec-repro-eager churn churn-modes churn-pin churn-pin-static churn-upstream churn-align churn-tests spec-ab spec-bench sglang-smoke sglang-tests sglang-ipc-tests sglang-dialect-tests sglang-serving sglang-serving-long sglang-serving-mixed sglang-sync rayserve rayserve-load)" >&2; exit 2 ;;
   esac
 done
 clean

@@ -13,7 +13,10 @@ SGLang computes alike (one at a time, prefilled in full), as in ``test_sglang_li
 
 from __future__ import annotations
 
+import base64
 import gc
+import weakref
+from collections import Counter
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,6 +29,7 @@ from bench.sglang_server import own_checksums
 from rollout_service.client import RolloutClient, ServiceError
 from rollout_service.embedded import ensure_model
 from rollout_service.protocol import messages
+from rollout_service.protocol.cuda_ipc import CudaIpcHandle, export_handle
 from rollout_service.tools.launch import ServiceProcess
 from tests.integration.conftest import (
     API_KEY,
@@ -43,6 +47,7 @@ from tests.integration.rollout_service.sglang_live import (
     service_on,
 )
 from tests.support.waiting import until
+from trainer_client import placing
 from trainer_client.push import WeightPusher
 
 pytestmark = LIVE_SGLANG
@@ -119,9 +124,30 @@ def changed(original: dict[str, torch.Tensor], seed: int) -> dict[str, torch.Ten
     return tensors
 
 
+def ipc_counters(handles: list[CudaIpcHandle]) -> dict[str, int]:
+    """How many exports' torch IPC reference counters hold each value now: 1 is an export
+    no receiver has let go of; 0 or below, one the trainer frees as soon as it lets go.
+
+    torch keeps each counter in a shared-memory file (``RefcountedMapAllocator``: a
+    64-byte header, then int64 slots, ``ref_counter_offset`` the slot); ``gone``: the
+    file was unlinked, every export in it freed.
+    """
+    values: list[str] = []
+    for handle in handles:
+        path = Path("/dev/shm") / base64.b64decode(handle.ref_counter_handle).decode().lstrip("/")
+        try:
+            raw = path.read_bytes()
+        except FileNotFoundError:
+            values.append("gone")
+            continue
+        at = 64 + 8 * handle.ref_counter_offset
+        values.append(str(int.from_bytes(raw[at:at + 8], "little", signed=True)))
+    return dict(Counter(values))
+
+
 async def test_a_push_of_main_and_drafter_moves_both(
         sglang: str, live: ServiceProcess, client: RolloutClient, pushing: Pushing,
-        original: dict[str, torch.Tensor]) -> None:
+        original: dict[str, torch.Tensor], monkeypatch: pytest.MonkeyPatch) -> None:
     """Both models load from the trainer's GPU memory: SGLang's own checksums move in
     both, greedy outputs change, the noisy drafter is accepted less; the trainer's memory
     is all freed once the push returns (nothing left in torch's IPC limbo)."""
@@ -130,6 +156,14 @@ async def test_a_push_of_main_and_drafter_moves_both(
     torch.cuda.synchronize()
     allocated = torch.cuda.memory_allocated()
     tensors = changed(original, seed=version)
+    pushed = [weakref.ref(t) for t in tensors.values()]
+    exports: list[CudaIpcHandle] = []  # in place: each tensor's own, recorded for the report
+
+    def recorded_export(tensor: torch.Tensor, name: str) -> CudaIpcHandle:
+        exports.append(export_handle(tensor, name))
+        return exports[-1]
+
+    monkeypatch.setattr(placing, "export_handle", recorded_export)
     report = pushing.pusher.push(tensors.items(), version=version, target="both")
     del tensors
     # the staged pusher keeps its buffer (64-byte aligned tensors) for the next push
@@ -152,6 +186,8 @@ async def test_a_push_of_main_and_drafter_moves_both(
                     timeout_s=60.0, interval_s=1.0)
     except TimeoutError:
         held = torch.cuda.memory_allocated() - allocated - staging
+        alive = sum(ref() is not None for ref in pushed)
+        counters = ipc_counters(exports)
         pushing.pusher.push(changed(original, seed=version + 1).items(), version=version + 1,
                             target="both")
         gc.collect()
@@ -159,7 +195,10 @@ async def test_a_push_of_main_and_drafter_moves_both(
         pytest.fail(f"the trainer still holds {held} bytes 60 s after a push of "
                     f"{report.num_bytes}, and {torch.cuda.memory_allocated() - allocated - staging}"
                     " after one more push (twice as many: each push's exports stay mapped; as "
-                    "many: SGLang lets go of one push at the next)")
+                    "many: SGLang lets go of one push at the next). Of the first push's "
+                    f"{len(pushed)} tensors {alive} were still referenced in the trainer; its "
+                    f"{len(exports)} in-place exports' IPC counters (value: exports) were "
+                    f"{counters}")
     after = own_checksums(sglang)
     assert after["target"][MAIN_ONLY_PARAM] != before["target"][MAIN_ONLY_PARAM]
     assert after["draft"] != before["draft"]
