@@ -37,18 +37,20 @@ What SGLang 0.5.23 does with the payload (the sources of its wheel):
 The format takes one flattened tensor per request, so a load is one request per export
 (:func:`export_buckets`): the staging buffer, or each tensor exported in place (a
 tensor's own export is read as the bytes it holds). Reference counting: torch's producer
-counter starts at 1 per export and a receiver returns 1 when it frees what it opened
-(the handle's ``ref_counter_*``, passed through unchanged, as is the event the open waits
-on). A ``both`` push is two requests per export (main, drafter), so SGLang returns 2 and
-the trainer's counter ends at -1: torch frees a block whose counter is not positive as
-soon as its owner lets go (``CudaIPCSentDataDelete``), so nothing stays in its IPC limbo,
-but after the main model's load only the trainer keeps the memory. It does:
+counter starts at 1 per export and a receiver returns 1 each time it opens one (the
+handle's ``ref_counter_*``, passed through unchanged, as is the event the open waits on);
+the trainer frees an export once its counter is back to 0. The counter is unsigned
+(``CudaIPCSentData::counter_value`` in torch's ``torch/csrc/CudaIPCTypes.h``), so each
+export must be opened exactly once: a second open leaves it at -1, read as 2**64 - 1, and
+the export stays in the trainer's IPC limbo for good. A ``both`` push therefore sends each
+export once, for both models (``selector: all``, ``weight_methods.py``); SGLang
+deserializes each request once and hands the tensors to every runner it selects.
 ``WeightPusher`` keeps its staging buffer for the run and its in-place exports until
-``/weights/finish`` returns (``PushRun.release``), after SGLang has answered both loads
+``/weights/finish`` returns (``PushRun.release``), after SGLang has answered the loads
 and dropped the tensors (at the end of its handler).
 
-Every TP rank gets the same payload (SGLang indexes the list by rank). Not run on a GPU
-yet; with TP > 1, ranks on other GPUs would map the trainer's GPU by its UUID (never run).
+Every TP rank gets the same payload (SGLang indexes the list by rank). Run on a GPU at
+TP 1 only; with TP > 1, ranks on other GPUs would map the trainer's GPU by its UUID.
 A handle SGLang cannot open (a GPU its worker does not see, a trainer that has freed the
 memory) raises in ``deserialize_own_rank``, outside any handler of 0.5.23's scheduler
 (``run_scheduler_process`` then signals the server to quit): the server dies rather than

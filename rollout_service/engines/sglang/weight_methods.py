@@ -13,11 +13,14 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import Any, Literal
 
 from rollout_service.engines.base import LoadTimings, WeightUpdate
 from rollout_service.engines.sglang.features import ServerFeatures
 from rollout_service.engines.sglang.payload import PayloadBuilder, load_buckets
+
+SelectorRole = Literal["target", "draft", "all"]
+"""The models one load request goes to (SGLang 0.5.23's ``selector``)."""
 
 
 class SGLangWeights:
@@ -33,6 +36,8 @@ class SGLangWeights:
     _built_for_drafter: tuple[str, list[tuple[list[str], Any]]] | None = None
     """A ``target: both`` push's payloads, kept from the main model's load for the
     drafter's, which the push manager makes next (push id, payloads)."""
+    _drafter_loaded_with_main: str | None = None
+    """The push whose drafter the main model's requests loaded too (``cuda_ipc``)."""
 
     async def load_weights(self, update: WeightUpdate, *, draft: bool,
                            version: str | None) -> LoadTimings:
@@ -44,52 +49,75 @@ class SGLangWeights:
         payloads once: for ``shm`` building is a copy of the whole segment into torch's
         shared memory (the 1b push's 2.28 GB), and SGLang's workers map that copy for the
         drafter as they did for the main model. The copy lives until the drafter's load
-        ends (one copy at a time, as before)."""
+        ends (one copy at a time, as before).
+
+        A ``cuda_ipc`` push of both goes in one request per export for both models
+        (``selector: all``), and the drafter's own load is then empty (timed 0): SGLang
+        opens the trainer's memory once per request, and torch's producer counter of an
+        export (unsigned) must be returned exactly once. Two opens, one per model, left
+        it at -1, read as 2**64 - 1, and every in-place export stayed in the trainer's
+        IPC limbo for good (a live 0.5.23 on an H100: 43 counters at -1, a whole
+        checkpoint held per push), as ``engines/vllm/cuda_ipc_backend.py`` found for vLLM."""
+        if draft and self._drafter_loaded_with_main == update.push_id:
+            self._drafter_loaded_with_main = None
+            return LoadTimings(load_s=0.0, finalize_s=0.0)
         start_s = time.perf_counter()
         route = "/update_weights_from_tensor"
+        role = self._role(update, draft)
         kept, self._built_for_drafter = self._built_for_drafter, None
         if draft and kept is not None and kept[0] == update.push_id:
             built = kept[1]
         else:
             built = await asyncio.to_thread(self._payloads_per_bucket, update)
         del kept
-        target = self._target(route, draft)
-        await self._begin_session(draft)
+        await self._begin_session(role)
         try:
             for i, (payloads, _) in enumerate(built):
                 # flush_cache False: reset_prefix_cache flushes once, after both models load.
                 await self._control(route, {
                     "serialized_named_tensors": payloads, "load_format": "flattened_bucket",
                     "flush_cache": False,
-                    "weight_version": version if i == len(built) - 1 else None, **target})
+                    "weight_version": version if i == len(built) - 1 else None,
+                    **self._target(route, role)})
             loaded_s = time.perf_counter()
-            for_drafter = built if not draft and update.target == "both" else None
+            for_drafter = built if role == "target" and update.target == "both" else None
         finally:
             del built  # what kept shm payloads alive: SGLang has copied the tensors
             await self._end_session()  # a failed load leaves no session open
         if for_drafter is not None:  # kept only once the main model's load has succeeded
             self._built_for_drafter = (update.push_id, for_drafter)
+        if role == "all":
+            self._drafter_loaded_with_main = update.push_id
         return LoadTimings(load_s=loaded_s - start_s, finalize_s=time.perf_counter() - loaded_s)
+
+    def _role(self, update: WeightUpdate, draft: bool) -> SelectorRole:
+        """Which models this load's requests go to: both at once for a ``cuda_ipc`` push
+        of both (one open per export), else the one asked for."""
+        if draft:
+            return "draft"
+        return "all" if update.target == "both" and update.transport == "cuda_ipc" else "target"
 
     def _payloads_per_bucket(self, update: WeightUpdate) -> list[tuple[list[str], Any]]:
         return [self._build_payloads(bucket, self._num_tp_ranks)
                 for bucket in load_buckets(update)]
 
-    async def _begin_session(self, draft: bool) -> None:
+    async def _begin_session(self, role: SelectorRole) -> None:
         if self.features.has_weight_update_session:
-            await self._control("/begin_weight_update", self._target("/begin_weight_update", draft))
+            await self._control("/begin_weight_update", self._target("/begin_weight_update", role))
 
     async def _end_session(self) -> None:
         if self.features.has_weight_update_session:
             await self._control("/end_weight_update", {})
 
-    def _target(self, route: str, draft: bool) -> dict[str, Any]:
-        """The field that picks the main model or the drafter on ``route``."""
+    def _target(self, route: str, role: SelectorRole) -> dict[str, Any]:
+        """The field that picks the models on ``route``: ``selector`` (0.5.23), else
+        ``disable_draft_model``, whose draft path loads the drafter and then the target
+        (0.5.10-0.5.12: ``all`` and ``draft`` alike)."""
         if self.features.accepts(route, "selector"):
-            return {"selector": "draft" if draft else "target"}
+            return {"selector": role}
         if self.features.accepts(route, "disable_draft_model"):
-            return {"disable_draft_model": not draft}
-        if draft:
+            return {"disable_draft_model": role == "target"}
+        if role != "target":
             raise NotImplementedError(f"this SGLang server's {route} cannot target the drafter "
                                       "(no 'selector' field); use SGLang 0.5.23 or later")
         return {}

@@ -170,10 +170,10 @@ async def test_a_push_of_main_and_drafter_moves_both(
     staging = report.num_bytes + 64 * report.num_tensors if pushing.is_staged else 0
 
     async def trainer_memory() -> int:
-        """What the trainer holds once torch has freed every export SGLang let go of.
-        In place, SGLang may drop the tensors it rebuilt from the trainer's handles only
-        after the push has returned (seen on an H100: 4.86 MB still held right after it),
-        so a request between probes lets its scheduler run."""
+        """What the trainer holds once torch has freed every export SGLang let go of (a
+        request between probes lets SGLang's scheduler run, should it drop the tensors it
+        rebuilt only later). An export opened twice, once per model, stayed held for good
+        (an H100: the whole checkpoint per push, every counter at -1)."""
         gc.collect()
         torch.cuda.ipc_collect()
         held = torch.cuda.memory_allocated()
@@ -207,7 +207,8 @@ async def test_a_push_of_main_and_drafter_moves_both(
     assert accept_rate(outs) < accept_rate(before_outputs) - 0.2
     state = weights_status(live)
     assert (state.main_version, state.draft_version) == (version, version)
-    assert report.server.timings.load_main_s > 0 and report.server.timings.load_draft_s > 0
+    # both models in the main load's requests (selector all: one open per export)
+    assert report.server.timings.load_main_s > 0 and report.server.timings.load_draft_s == 0
 
 
 def test_a_refused_push_changes_nothing(sglang: str, live: ServiceProcess,
