@@ -13,9 +13,12 @@ from __future__ import annotations
 import logging
 import socket
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import TYPE_CHECKING, Annotated, Any, Optional
 
 import typer
+
+if TYPE_CHECKING:
+    import uvicorn
 
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
@@ -27,6 +30,17 @@ def configure_logging() -> None:
     calls still show, as the caller's errors."""
     logging.basicConfig(level=logging.INFO, format=LOG_FORMAT)
     logging.getLogger("httpx").setLevel(logging.WARNING)
+
+def server_config(app_: Any, keep_alive_s: float) -> uvicorn.Config:
+    """uvicorn's config of the standalone service: httptools and uvloop by name (both
+    dependencies). uvicorn's ``auto`` falls back to the pure-Python h11 parser and
+    asyncio's loop without a word where they are missing, as a service on the GPU
+    machine did (its profile, docs/sglang.md), and every request pays for it."""
+    import uvicorn
+
+    return uvicorn.Config(app_, log_level="info", http="httptools", loop="uvloop",
+                          timeout_keep_alive=keep_alive_s)
+
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="RL rollout service with MTP speculative decoding.")
@@ -62,8 +76,7 @@ def serve(
     except OSError as exc:
         raise typer.BadParameter(f"{cfg.host}:{cfg.port}: {exc.strerror}",
                                  param_hint="--port") from exc
-    server = uvicorn.Server(uvicorn.Config(app_, log_level="info",
-                                           timeout_keep_alive=cfg.http_keep_alive_s))
+    server = uvicorn.Server(server_config(app_, cfg.http_keep_alive_s))
     server.run(sockets=[sock])
 
 

@@ -13,7 +13,7 @@ python3 -m pip install -q --no-build-isolation --no-deps --no-index --target /tm
   || return 1
 if [ ! -d /tmp/extrasite ] && [ -d .gpuextra ]; then
   python3 -m pip install -q --no-index --find-links .gpuextra --target /tmp/extrasite \
-    pytest pytest-asyncio pytest-timeout hypothesis openai typer rich httpx py-spy uvloop \
+    pytest pytest-asyncio pytest-timeout hypothesis openai typer rich httpx py-spy uvloop httptools \
     psutil pyyaml aiohttp httpx-aiohttp || return 1
 fi
 mkdir -p /tmp/bin

@@ -30,7 +30,7 @@ PYTHONPATH= "$_py" -m pip install -q --no-build-isolation --no-deps --no-index -
 if [ ! -d "$_extra" ] && [ -d .gpuextra ]; then
   # openai, pydantic and the like come along as requirements; the bundle's copies win below.
   PYTHONPATH= "$_py" -m pip install -q --no-index --find-links .gpuextra --target "$_extra" \
-    pytest pytest-asyncio pytest-timeout hypothesis openai typer rich httpx py-spy uvloop \
+    pytest pytest-asyncio pytest-timeout hypothesis openai typer rich httpx py-spy uvloop httptools \
     psutil pyyaml aiohttp httpx-aiohttp || return 1
 fi
 mkdir -p "$_bin"
