@@ -256,9 +256,12 @@ class PushTimings(BaseModel):
     """Where a completed push spent its time (seconds)."""
 
     pause_s: float = Field(description="Pausing generation (mode 'wait' drains requests).")
-    load_main_s: float = Field(description="Main model: segment -> parameters.")
+    load_main_s: float = Field(description=(
+        "Main model: segment -> parameters (an SGLang cuda_ipc push of both: both models, "
+        "which load from one request per export)."))
     finalize_main_s: float = Field(description="Main model: engine post-processing.")
-    load_draft_s: float = Field(description="Drafter: segment -> parameters.")
+    load_draft_s: float = Field(description=(
+        "Drafter: segment -> parameters (0 where the main model's load took it too)."))
     finalize_draft_s: float = Field(description="Drafter: engine post-processing.")
     resume_s: float = Field(description="Prefix-cache reset and resume.")
     total_s: float = Field(description="Pause to resume.")
