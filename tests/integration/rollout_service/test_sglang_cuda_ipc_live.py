@@ -126,7 +126,8 @@ def changed(original: dict[str, torch.Tensor], seed: int) -> dict[str, torch.Ten
 
 def ipc_counters(handles: list[CudaIpcHandle]) -> dict[str, int]:
     """How many exports' torch IPC reference counters hold each value now: 1 is an export
-    no receiver has let go of; 0 or below, one the trainer frees as soon as it lets go.
+    no receiver has let go of, 0 one the trainer frees as soon as it lets go, and below 0
+    one opened more than once, which torch (reading the counter unsigned) never frees.
 
     torch keeps each counter in a shared-memory file (``RefcountedMapAllocator``: a
     64-byte header, then int64 slots, ``ref_counter_offset`` the slot); ``gone``: the
