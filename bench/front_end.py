@@ -9,12 +9,15 @@ serve``, ``engine: sglang``, ``engine_url`` the fake) in another, and two modes,
 from this process with aiohttp:
 
 - ``direct``: SGLang's ``/generate`` body straight to the fake;
-- ``service``: the same request through the service's native ``/generate``.
+- ``service``: the same request through the service's native ``/generate``;
+- ``service-h11``: the same through a second service process whose uvicorn parses HTTP
+  with h11, the pure-Python parser: the service as uvicorn's ``auto`` ran it on a GPU
+  machine without httptools (``rollout_service/cli.py`` names httptools now).
 
 Per round and mode, in rotating order: the median latency of one request at a time
 (``--serial`` of them), and a closed loop of ``--requests`` at ``--concurrency`` in
-flight, over which the service process's CPU time per request is read (psutil). The
-table gives the medians over rounds (min - max), the latency the service adds (its
+flight, over which the mode's service process's CPU time per request is read (psutil).
+The table gives the medians over rounds (min - max), the latency the service adds (its
 median minus ``direct``'s, per round) and the service's CPU per request.
 
     python -m bench.front_end --rounds 5
@@ -44,7 +47,7 @@ from bench.spread import median_spread
 from rollout_service.embedded import ensure_model
 from rollout_service.tools.launch import ChildProcess, free_port, wait_http_ok
 
-MODES = ("direct", "service")
+MODES = ("direct", "service", "service-h11")
 PROMPT_IDS = list(range(1, 65))
 MAX_TOKENS = 256
 BODIES = {
@@ -53,6 +56,7 @@ BODIES = {
     "service": {"prompt_token_ids": PROMPT_IDS, "max_tokens": MAX_TOKENS,
                 "temperature": 1.0, "ignore_eos": True},
 }
+BODIES["service-h11"] = BODIES["service"]
 """The same request in each mode's dialect: 64 prompt tokens, 256 generated."""
 
 
@@ -63,6 +67,23 @@ def fake_app() -> Any:
 
     return FakeSGLang("0.5.23", model_path=str(ensure_model("tiny")), speculative=SPEC_ARGS,
                       context_length=1024).app
+
+
+def serve_h11() -> None:
+    """``rollout-service serve`` (its arguments from ``sys.argv``) with uvicorn's h11
+    parser in place of httptools: ``python -c 'from bench.front_end import serve_h11;
+    serve_h11()' serve ...``."""
+    from rollout_service import cli
+
+    named = cli.server_config
+
+    def with_h11(app: Any, keep_alive_s: float) -> Any:
+        config = named(app, keep_alive_s)
+        config.http = "h11"
+        return config
+
+    cli.server_config = with_h11
+    cli.app()
 
 
 Send = Callable[[int], Awaitable[int]]
@@ -83,12 +104,14 @@ def sender(session: aiohttp.ClientSession, url: str, body: dict[str, Any],
     return send
 
 
-async def one_round(session: aiohttp.ClientSession, urls: dict[str, str], service: psutil.Process,
-                    order: tuple[str, ...], opts: argparse.Namespace
-                    ) -> dict[str, tuple[float, float]]:
-    """Per mode: median latency one at a time (s) and the service's CPU s per request."""
+async def one_round(session: aiohttp.ClientSession, urls: dict[str, str],
+                    services: dict[str, psutil.Process], order: tuple[str, ...],
+                    opts: argparse.Namespace) -> dict[str, tuple[float, float]]:
+    """Per mode: median latency one at a time (s) and its service's CPU s per request
+    (``direct``: the ``service`` process's, idle)."""
     out = {}
     for mode in order:
+        service = services.get(mode, services["service"])
         serial: list[float] = []
         await closed_loop(sender(session, urls[mode], BODIES[mode], serial), 1, opts.serial)
         before = sum(service.cpu_times()[:2])
@@ -120,8 +143,8 @@ def report(console: Console, rounds: list[dict[str, tuple[float, float]]],
 async def run(opts: argparse.Namespace, console: Console
               ) -> list[dict[str, tuple[float, float]]]:
     """The rounds' measurements (``one_round``'s), after printing them and the table."""
-    fake_port, service_port = free_port(), free_port()
-    fake_url, service_url = f"http://127.0.0.1:{fake_port}", f"http://127.0.0.1:{service_port}"
+    fake_port = free_port()
+    fake_url = f"http://127.0.0.1:{fake_port}"
     with TemporaryDirectory() as scratch:
         config = Path(scratch) / "service.json"
         config.write_text(json.dumps({"model": str(ensure_model("tiny")), "engine": "sglang",
@@ -130,16 +153,24 @@ async def run(opts: argparse.Namespace, console: Console
             [sys.executable, "-m", "uvicorn", "--factory", "bench.front_end:fake_app",
              "--port", str(fake_port), "--log-level", "warning", "--no-access-log",
              "--timeout-keep-alive", "90"], Path(scratch) / "fake.log", env=dict(os.environ))
-        service_proc = None
+        commands = {
+            "service": [sys.executable, "-m", "rollout_service.cli"],
+            "service-h11": [sys.executable, "-c",
+                            "from bench.front_end import serve_h11; serve_h11()"]}
+        ports = {mode: free_port() for mode in commands}
+        procs: dict[str, ChildProcess] = {}
         try:
             await asyncio.to_thread(wait_http_ok, f"{fake_url}/health", fake, 120.0)
-            service_proc = ChildProcess(
-                [sys.executable, "-m", "rollout_service.cli", "serve", "--config", str(config),
-                 "--host", "127.0.0.1", "--port", str(service_port)],
-                Path(scratch) / "service.log", env=dict(os.environ))
-            await asyncio.to_thread(wait_http_ok, f"{service_url}/health", service_proc, 120.0)
-            service = psutil.Process(service_proc.pid)
-            urls = {"direct": f"{fake_url}/generate", "service": f"{service_url}/generate"}
+            for mode, command in commands.items():
+                procs[mode] = ChildProcess(
+                    [*command, "serve", "--config", str(config), "--host", "127.0.0.1",
+                     "--port", str(ports[mode])], Path(scratch) / f"{mode}.log",
+                    env=dict(os.environ))
+                await asyncio.to_thread(wait_http_ok, f"http://127.0.0.1:{ports[mode]}/health",
+                                        procs[mode], 120.0)
+            services = {mode: psutil.Process(proc.pid) for mode, proc in procs.items()}
+            urls = {"direct": f"{fake_url}/generate",
+                    **{mode: f"http://127.0.0.1:{port}/generate" for mode, port in ports.items()}}
             rounds = []
             async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
                 for mode in MODES:  # warm-up: connections opened, code paths run once
@@ -147,13 +178,13 @@ async def run(opts: argparse.Namespace, console: Console
                                       opts.concurrency, opts.concurrency)
                 for r in range(opts.rounds):
                     order = MODES[r % len(MODES):] + MODES[:r % len(MODES)]
-                    rounds.append(await one_round(session, urls, service, order, opts))
+                    rounds.append(await one_round(session, urls, services, order, opts))
                     console.print(f"  round {r + 1}: " + ", ".join(
                         f"{m} {1e3 * rounds[-1][m][0]:.2f} ms, service CPU "
                         f"{1e3 * rounds[-1][m][1]:.3f} ms/request" for m in MODES))
         finally:
-            if service_proc is not None:
-                service_proc.stop()
+            for proc in procs.values():
+                proc.stop()
             fake.stop()
     report(console, rounds, opts)
     return rounds

@@ -1,14 +1,17 @@
-"""``bench/front_end.py`` end to end, cut short: the service process really serves the
-``service`` mode (its CPU per request is that of a request through it, not of the idle
-service the ``direct`` mode leaves alone) and both modes are timed every round."""
+"""``bench/front_end.py`` end to end, cut short: each service process really serves its
+mode (its CPU per request is that of a request through it, not of the idle service the
+``direct`` mode leaves alone), the h11 one parses with h11, and every mode is timed every
+round."""
 
 from __future__ import annotations
 
 import asyncio
 
+import pytest
 from rich.console import Console
 
 from bench import front_end
+from rollout_service import cli
 
 
 def test_the_service_mode_goes_through_the_service_and_direct_does_not() -> None:
@@ -19,8 +22,23 @@ def test_the_service_mode_goes_through_the_service_and_direct_does_not() -> None
 
     assert len(rounds) == 2
     for measured in rounds:
-        assert set(measured) == {"direct", "service"}
+        assert set(measured) == {"direct", "service", "service-h11"}
         assert all(latency > 0 for latency, _ in measured.values())
         # a request through the service costs it far more than one that passes it by
         assert measured["service"][1] > 5 * measured["direct"][1]
+        assert measured["service-h11"][1] > 5 * measured["direct"][1]
     assert "added by the service" in console.export_text()
+
+
+def test_the_h11_mode_serves_with_h11(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``serve_h11`` runs the CLI with uvicorn's h11 protocol, the rest of the config kept."""
+    from uvicorn.protocols.http.h11_impl import H11Protocol
+
+    seen = []
+    monkeypatch.setattr(cli, "app", lambda: seen.append(cli.server_config(object(), 4.0)))
+    monkeypatch.setattr(cli, "server_config", cli.server_config)  # put back afterwards
+    front_end.serve_h11()
+    [config] = seen
+    config.load()
+    assert config.http_protocol_class is H11Protocol
+    assert config.timeout_keep_alive == 4.0
