@@ -357,8 +357,7 @@ def main() -> None:
                         help="comma-separated levels of requests in flight")
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--length-spread", type=float, default=0.0, help=(
-        "each request's tokens uniform in max-tokens * (1 +- this), the same per request "
-        "in every mode; 0: all alike, so a closed loop's requests end in one engine step"))
+        "request i's tokens uniform in max-tokens * (1 +- this), alike in every mode"))
     parser.add_argument("--rounds", type=int, default=3, help="timed rounds per mode")
     parser.add_argument("--waves", type=int, default=2,
                         help="requests per round, in multiples of the concurrency (closed loop)")
@@ -382,8 +381,10 @@ def main() -> None:
     if unknown or opts.rounds < 1 or opts.waves < 1 or opts.ray_replicas < 1:
         parser.error(f"bad --modes {unknown} for --engine {opts.engine}" if unknown
                      else "--rounds, --waves and --ray-replicas must be >= 1")
-    if not 0 <= opts.length_spread < 1:
-        parser.error(f"--length-spread {opts.length_spread}: must be in [0, 1)")
+    try:
+        spread_lengths(0, opts.max_tokens, opts.length_spread)  # its own bounds, checked once
+    except ValueError as exc:
+        parser.error(f"--length-spread: {exc}")
     if is_sglang:
         opts.device = "cuda"  # SGLang serves on GPUs only; nothing here imports vLLM
     else:

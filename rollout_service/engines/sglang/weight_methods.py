@@ -33,11 +33,8 @@ class SGLangWeights:
     _num_draft_tokens: int
     _control: Callable[[str, Any], Awaitable[Any]]
     """POST a control call (the engine's): a refusal raises RuntimeError."""
-    _built_for_drafter: tuple[str, list[tuple[list[str], Any]]] | None = None
-    """A ``target: both`` push's payloads, kept from the main model's load for the
-    drafter's, which the push manager makes next (push id, payloads)."""
     _drafter_loaded_with_main: str | None = None
-    """The push whose drafter the main model's requests loaded too (``cuda_ipc``)."""
+    """The ``target: both`` push whose drafter the main model's requests loaded too."""
 
     async def load_weights(self, update: WeightUpdate, *, draft: bool,
                            version: str | None) -> LoadTimings:
@@ -45,31 +42,24 @@ class SGLangWeights:
         per export) in one session; every payload is built before the first is sent, and
         the version goes with the last.
 
-        Both models load from the same tensors, so a ``target: both`` push builds its
-        payloads once: for ``shm`` building is a copy of the whole segment into torch's
-        shared memory (the 1b push's 2.28 GB), and SGLang's workers map that copy for the
-        drafter as they did for the main model. The copy lives until the drafter's load
-        ends (one copy at a time, as before).
-
-        A ``cuda_ipc`` push of both goes in one request per export for both models
-        (``selector: all``), and the drafter's own load is then empty (timed 0): SGLang
-        opens the trainer's memory once per request, and torch's producer counter of an
-        export (unsigned) must be returned exactly once. Two opens, one per model, left
-        it at -1, read as 2**64 - 1, and every in-place export stayed in the trainer's
-        IPC limbo for good (a live 0.5.23 on an H100: 43 counters at -1, a whole
-        checkpoint held per push), as ``engines/vllm/cuda_ipc_backend.py`` found for vLLM."""
+        A ``target: both`` push loads both models in the main model's requests
+        (``selector: all``; ``disable_draft_model: false`` on 0.5.10-0.5.12), and the
+        drafter's own load is then empty (timed 0): SGLang deserializes each request once
+        and hands the tensors to every model it selects. So a payload is built and opened
+        once per push. For ``shm`` that is one copy of the segment into torch's shared
+        memory (the 1b push's 2.28 GB), not one per model. For ``cuda_ipc`` it is what
+        frees the trainer's memory at all: torch's producer counter of an export is
+        unsigned and must be returned exactly once; two opens, one per model, left it at
+        -1, read as 2**64 - 1, and every in-place export stayed in the trainer's IPC limbo
+        for good (a live 0.5.23 on an H100: 43 counters at -1, a whole checkpoint held
+        per push), as ``engines/vllm/cuda_ipc_backend.py`` found for vLLM."""
         if draft and self._drafter_loaded_with_main == update.push_id:
             self._drafter_loaded_with_main = None
             return LoadTimings(load_s=0.0, finalize_s=0.0)
         start_s = time.perf_counter()
         route = "/update_weights_from_tensor"
-        role = self._role(update, draft)
-        kept, self._built_for_drafter = self._built_for_drafter, None
-        if draft and kept is not None and kept[0] == update.push_id:
-            built = kept[1]
-        else:
-            built = await asyncio.to_thread(self._payloads_per_bucket, update)
-        del kept
+        role: SelectorRole = "draft" if draft else "all" if update.target == "both" else "target"
+        built = await asyncio.to_thread(self._payloads_per_bucket, update)
         await self._begin_session(role)
         try:
             for i, (payloads, _) in enumerate(built):
@@ -80,22 +70,12 @@ class SGLangWeights:
                     "weight_version": version if i == len(built) - 1 else None,
                     **self._target(route, role)})
             loaded_s = time.perf_counter()
-            for_drafter = built if role == "target" and update.target == "both" else None
         finally:
             del built  # what kept shm payloads alive: SGLang has copied the tensors
             await self._end_session()  # a failed load leaves no session open
-        if for_drafter is not None:  # kept only once the main model's load has succeeded
-            self._built_for_drafter = (update.push_id, for_drafter)
         if role == "all":
             self._drafter_loaded_with_main = update.push_id
         return LoadTimings(load_s=loaded_s - start_s, finalize_s=time.perf_counter() - loaded_s)
-
-    def _role(self, update: WeightUpdate, draft: bool) -> SelectorRole:
-        """Which models this load's requests go to: both at once for a ``cuda_ipc`` push
-        of both (one open per export), else the one asked for."""
-        if draft:
-            return "draft"
-        return "all" if update.target == "both" and update.transport == "cuda_ipc" else "target"
 
     def _payloads_per_bucket(self, update: WeightUpdate) -> list[tuple[list[str], Any]]:
         return [self._build_payloads(bucket, self._num_tp_ranks)

@@ -257,8 +257,8 @@ class PushTimings(BaseModel):
 
     pause_s: float = Field(description="Pausing generation (mode 'wait' drains requests).")
     load_main_s: float = Field(description=(
-        "Main model: segment -> parameters (an SGLang cuda_ipc push of both: both models, "
-        "which load from one request per export)."))
+        "Main model: segment -> parameters (an SGLang push of both: both models, loaded "
+        "in one pass)."))
     finalize_main_s: float = Field(description="Main model: engine post-processing.")
     load_draft_s: float = Field(description=(
         "Drafter: segment -> parameters (0 where the main model's load took it too)."))

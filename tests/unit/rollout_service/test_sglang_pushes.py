@@ -51,19 +51,16 @@ def shm_update(*tensors: TensorPlacement) -> WeightUpdate:
 EXPECTED_PUSH_CALLS = {
     "0.5.23": [
         ("/pause_generation", {"mode": "retract"}),
-        ("/begin_weight_update", {"selector": "target"}),
-        ("/update_weights_from_tensor", {"selector": "target", "weight_version": "7"}),
-        ("/end_weight_update", {}),
-        ("/begin_weight_update", {"selector": "draft"}),
-        ("/update_weights_from_tensor", {"selector": "draft", "weight_version": None}),
+        ("/begin_weight_update", {"selector": "all"}),
+        ("/update_weights_from_tensor", {"selector": "all", "weight_version": "7"}),
         ("/end_weight_update", {}),
         ("/flush_cache", None),
         ("/continue_generation", {}),
     ],
     "0.5.10": [
         ("/pause_generation", {"mode": "retract"}),
-        ("/update_weights_from_tensor", {"disable_draft_model": True, "weight_version": "7"}),
-        ("/update_weights_from_tensor", {"disable_draft_model": False, "weight_version": None}),
+        # its draft path loads the drafter and then the target
+        ("/update_weights_from_tensor", {"disable_draft_model": False, "weight_version": "7"}),
         ("/flush_cache", None),
         ("/continue_generation", {}),
     ],
@@ -95,7 +92,7 @@ async def test_weight_push_through_the_push_manager(version: str, checkpoint: st
     for (route, body), (_, want) in zip(fake.calls, expected):
         assert body == want or {key: body[key] for key in want or ()} == want, route
     update = payloads.calls[0][0]
-    # Built once for both models' loads (an shm build copies the whole segment).
+    # Built once, for one load of both models (an shm build copies the whole segment).
     assert [num_ranks for _, num_ranks in payloads.calls] == [2]
     assert sorted((p.name, p.dtype, p.shape, p.location.offset) for p in update.tensors) == [
         ("model.embed_tokens.weight", "bfloat16", (64, 8), 0),
@@ -107,30 +104,32 @@ async def test_weight_push_through_the_push_manager(version: str, checkpoint: st
     assert fake.weight_version == "7"
 
 
-async def test_payloads_are_reused_only_by_the_same_pushs_drafter(checkpoint: str) -> None:
-    """The main model's payloads serve the drafter's load of the same ``target: both``
-    push, and nothing else: not a later push's load, not after a main-only push."""
+async def test_a_push_of_both_loads_them_in_one_pass(checkpoint: str) -> None:
+    """A ``target: both`` push is built and sent once, for both models; the drafter's own
+    load of that push sends nothing. A drafter-only push, or the drafter of a push whose
+    main load failed, loads by itself."""
     fake = make_fake("0.5.23", checkpoint)
     payloads = PayloadRecorder()
     engine = await connect(fake, payload_builder=payloads)
     tensor = placed("w", "float32", (2,), 0)
     both = WeightUpdate(push_id="both-1", target="both", transport="shm", tensors=(tensor,))
     await engine.load_weights(both, draft=False, version="1")
-    await engine.load_weights(both, draft=True, version=None)
-    assert len(payloads.calls) == 1
-    main_only = WeightUpdate(push_id="main-2", target="main", transport="shm", tensors=(tensor,))
-    await engine.load_weights(main_only, draft=False, version="2")
-    draft_only = WeightUpdate(push_id="draft-3", target="draft", transport="shm", tensors=(tensor,))
+    fake.calls.clear()
+    skipped = await engine.load_weights(both, draft=True, version=None)
+    assert fake.calls == [] and (skipped.load_s, skipped.finalize_s) == (0.0, 0.0)
+    assert [u.push_id for u, _ in payloads.calls] == ["both-1"]
+    draft_only = WeightUpdate(push_id="draft-2", target="draft", transport="shm", tensors=(tensor,))
     await engine.load_weights(draft_only, draft=True, version=None)
-    assert [u.push_id for u, _ in payloads.calls] == ["both-1", "main-2", "draft-3"]
-    # A main load that fails keeps nothing: the drafter's load after it builds anew.
-    failing = WeightUpdate(push_id="both-4", target="both", transport="shm", tensors=(tensor,))
+    assert [body["selector"] for body in sent(fake, "/update_weights_from_tensor")] == ["draft"]
+    # A main load that fails leaves the drafter's load of that push to load by itself.
+    failing = WeightUpdate(push_id="both-3", target="both", transport="shm", tensors=(tensor,))
     engine._num_tp_ranks = 2  # two payloads for the fake's one TP rank: it refuses the load
     with pytest.raises(RuntimeError):
-        await engine.load_weights(failing, draft=False, version="4")
+        await engine.load_weights(failing, draft=False, version="3")
     engine._num_tp_ranks = 1
+    fake.calls.clear()
     await engine.load_weights(failing, draft=True, version=None)
-    assert [u.push_id for u, _ in payloads.calls][-2:] == ["both-4", "both-4"]
+    assert [body["selector"] for body in sent(fake, "/update_weights_from_tensor")] == ["draft"]
 
 
 async def test_failed_load_closes_the_session(checkpoint: str) -> None:
