@@ -12,7 +12,10 @@ from this process with aiohttp:
 - ``service``: the same request through the service's native ``/generate``;
 - ``service-h11``: the same through a second service process whose uvicorn parses HTTP
   with h11, the pure-Python parser: the service as uvicorn's ``auto`` ran it on a GPU
-  machine without httptools (``rollout_service/cli.py`` names httptools now).
+  machine without httptools (``rollout_service/cli.py`` names httptools now);
+- ``service-httpx``: the same through a third service process whose engine sends through
+  httpx's ``AsyncClient`` over aiohttp's pool (``httpx_aiohttp``), the engine's client
+  until aiohttp took its place (``engines/sglang/http_client.py``).
 
 Per round and mode, in rotating order: the median latency of one request at a time
 (``--serial`` of them), and a closed loop of ``--requests`` at ``--concurrency`` in
@@ -47,7 +50,7 @@ from bench.spread import median_spread
 from rollout_service.embedded import ensure_model
 from rollout_service.tools.launch import ChildProcess, free_port, wait_http_ok
 
-MODES = ("direct", "service", "service-h11")
+MODES = ("direct", "service", "service-h11", "service-httpx")
 PROMPT_IDS = list(range(1, 65))
 MAX_TOKENS = 256
 BODIES = {
@@ -56,7 +59,7 @@ BODIES = {
     "service": {"prompt_token_ids": PROMPT_IDS, "max_tokens": MAX_TOKENS,
                 "temperature": 1.0, "ignore_eos": True},
 }
-BODIES["service-h11"] = BODIES["service"]
+BODIES["service-h11"] = BODIES["service-httpx"] = BODIES["service"]
 """The same request in each mode's dialect: 64 prompt tokens, 256 generated."""
 
 
@@ -83,6 +86,18 @@ def serve_h11() -> None:
         return config
 
     cli.server_config = with_h11
+    cli.app()
+
+
+def serve_httpx() -> None:
+    """``rollout-service serve`` (its arguments from ``sys.argv``) with the SGLang engine
+    sending through httpx over aiohttp's pool (``bench.http_clients.httpx_over_aiohttp``):
+    ``python -c 'from bench.front_end import serve_httpx; serve_httpx()' serve ...``."""
+    from bench.http_clients import httpx_over_aiohttp
+    from rollout_service import cli
+    from rollout_service.engines.sglang import engine
+
+    engine.AiohttpServer = httpx_over_aiohttp  # type: ignore[misc, assignment]
     cli.app()
 
 
@@ -125,14 +140,18 @@ async def one_round(session: aiohttp.ClientSession, urls: dict[str, str],
 def report(console: Console, rounds: list[dict[str, tuple[float, float]]],
            opts: argparse.Namespace) -> None:
     table = Table("mode", "latency, one at a time (ms)", "added by the service (ms)",
-                  f"service CPU ms / request at {opts.concurrency} in flight")
+                  f"service CPU ms / request at {opts.concurrency} in flight",
+                  "CPU / service's, per round")
     for mode in MODES:
         latency = [1e3 * r[mode][0] for r in rounds]
         added = [1e3 * (r[mode][0] - r["direct"][0]) for r in rounds]
         cpu = [1e3 * r[mode][1] for r in rounds]
+        to_service = [r[mode][1] / r["service"][1] for r in rounds]
+        is_service = mode not in ("direct", "service")
         table.add_row(mode, median_spread(latency, "{:.2f}"),
                       median_spread(added, "{:.2f}") if mode != "direct" else "-",
-                      median_spread(cpu))
+                      median_spread(cpu),
+                      median_spread(to_service, "{:.2f}x") if is_service else "-")
     console.print(f"FAKE SGLang (tiny, 64 prompt + {MAX_TOKENS} tokens a request); "
                   f"{opts.rounds} rounds, modes in rotating order; {opts.serial} requests one "
                   f"at a time, then {opts.requests} at {opts.concurrency} in flight")
@@ -156,7 +175,9 @@ async def run(opts: argparse.Namespace, console: Console
         commands = {
             "service": [sys.executable, "-m", "rollout_service.cli"],
             "service-h11": [sys.executable, "-c",
-                            "from bench.front_end import serve_h11; serve_h11()"]}
+                            "from bench.front_end import serve_h11; serve_h11()"],
+            "service-httpx": [sys.executable, "-c",
+                              "from bench.front_end import serve_httpx; serve_httpx()"]}
         ports = {mode: free_port() for mode in commands}
         procs: dict[str, ChildProcess] = {}
         try:

@@ -5,10 +5,11 @@ This script puts a local server in a child process (``uvicorn``; each ``POST /ge
 reads its body and answers a fixed SGLang-sized JSON after ``--delay-s``, so the server is
 never the bound) and drives it in a closed loop from this process with three clients:
 
-- ``httpx``: httpx's own pool with no connection cap (the engine's client until it moved);
-- ``service``: the engine's client (``engines/sglang/http_client.server_client``), httpx's
-  API over aiohttp's pool;
-- ``aiohttp``: aiohttp alone, the floor.
+- ``httpx``: httpx's own pool with no connection cap (the engine's first client);
+- ``httpx-aiohttp``: httpx's API over aiohttp's pool (``httpx_aiohttp``), the engine's
+  second;
+- ``service``: the engine's client now (``engines/sglang/http_client.AiohttpServer``),
+  aiohttp's pool alone.
 
 Rounds rotate the clients' order; per client the median requests/s and CPU ms per request
 of this process (min - max), and each ratio against ``httpx``.
@@ -39,10 +40,15 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from bench.serving_http import closed_loop
-from rollout_service.engines.sglang.http_client import server_client
+from rollout_service.engines.sglang.http_client import (
+    CONNECT_TIMEOUT_S,
+    KEEP_ALIVE_S,
+    AiohttpServer,
+    HttpxServer,
+)
 from rollout_service.tools.launch import ChildProcess, free_port, wait_http_ok
 
-CLIENTS = ("httpx", "service", "aiohttp")
+CLIENTS = ("httpx", "httpx-aiohttp", "service")
 ANSWER = json.dumps({"text": "a" * 1024, "output_ids": list(range(256)),
                      "meta_info": {"id": "bench", "prompt_tokens": 64,
                                    "completion_tokens": 256}}).encode()
@@ -68,24 +74,32 @@ Send = Callable[[int], Awaitable[int]]
 """One request (its index unused); 1 when it was answered, for ``closed_loop``'s count."""
 
 
+def httpx_over_aiohttp(base_url: str) -> HttpxServer:
+    """The SGLang engine's HTTP as it was before aiohttp alone: httpx's ``AsyncClient``
+    over aiohttp's pool (github karpetrosyan/httpx-aiohttp), no cap on connections."""
+    from httpx_aiohttp import AiohttpTransport  # a dev dependency: only the benches use it
+
+    def pool() -> aiohttp.ClientSession:  # made on first use, inside the running loop
+        return aiohttp.ClientSession(connector=aiohttp.TCPConnector(
+            limit=0, keepalive_timeout=KEEP_ALIVE_S))
+
+    return HttpxServer(httpx.AsyncClient(
+        base_url=base_url, timeout=httpx.Timeout(None, connect=CONNECT_TIMEOUT_S),
+        transport=AiohttpTransport(client=pool)))
+
+
 def open_client(name: str, url: str) -> tuple[Send, Callable[[], Awaitable[None]]]:
     """One request's coroutine and the close of the client ``name``."""
-    if name == "aiohttp":
-        session = aiohttp.ClientSession(url, connector=aiohttp.TCPConnector(limit=0))
+    http = {"httpx": lambda u: HttpxServer(httpx.AsyncClient(
+                base_url=u, timeout=None,
+                limits=httpx.Limits(max_connections=None, max_keepalive_connections=None))),
+            "httpx-aiohttp": httpx_over_aiohttp,
+            "service": AiohttpServer}[name](url)
 
-        async def send_aiohttp(_: int) -> int:
-            async with session.post("/generate", json=BODY) as response:
-                await response.json()
-            return 1
-        return send_aiohttp, session.close
-    client = server_client(url) if name == "service" else httpx.AsyncClient(
-        base_url=url, timeout=None,
-        limits=httpx.Limits(max_connections=None, max_keepalive_connections=None))
-
-    async def send_httpx(_: int) -> int:
-        (await client.post("/generate", json=BODY)).json()
+    async def send(_: int) -> int:
+        (await http.send("POST", "/generate", BODY)).json()
         return 1
-    return send_httpx, client.aclose
+    return send, http.aclose
 
 
 async def measure(url: str, concurrency: int, num_requests: int, num_rounds: int,
@@ -128,7 +142,10 @@ def report(console: Console, by_concurrency: dict[int, dict[str, tuple[list[floa
     console.print(table)
 
 
-async def run(opts: argparse.Namespace, console: Console) -> None:
+async def run(opts: argparse.Namespace, console: Console
+              ) -> dict[int, dict[str, tuple[list[float], list[float]]]]:
+    """Per concurrency and client: requests/s and CPU ms per request, a value per round
+    (``measure``'s), after printing them and the table."""
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     with TemporaryDirectory() as scratch:
@@ -146,6 +163,7 @@ async def run(opts: argparse.Namespace, console: Console) -> None:
     console.print(f"closed loop of {opts.requests} requests a round, the server answering "
                   f"after {opts.delay_s} s; {opts.rounds} rounds, order rotated")
     report(console, results)
+    return results
 
 
 def main() -> None:

@@ -1,7 +1,7 @@
 """``bench/front_end.py`` end to end, cut short: each service process really serves its
 mode (its CPU per request is that of a request through it, not of the idle service the
-``direct`` mode leaves alone), the h11 one parses with h11, and every mode is timed every
-round."""
+``direct`` mode leaves alone), the h11 one parses with h11, the httpx one's engine sends
+through httpx, and every mode is timed every round."""
 
 from __future__ import annotations
 
@@ -22,11 +22,12 @@ def test_the_service_mode_goes_through_the_service_and_direct_does_not() -> None
 
     assert len(rounds) == 2
     for measured in rounds:
-        assert set(measured) == {"direct", "service", "service-h11"}
+        assert set(measured) == {"direct", "service", "service-h11", "service-httpx"}
         assert all(latency > 0 for latency, _ in measured.values())
         # a request through the service costs it far more than one that passes it by
         assert measured["service"][1] > 5 * measured["direct"][1]
         assert measured["service-h11"][1] > 5 * measured["direct"][1]
+        assert measured["service-httpx"][1] > 5 * measured["direct"][1]
     assert "added by the service" in console.export_text()
 
 
@@ -42,3 +43,26 @@ def test_the_h11_mode_serves_with_h11(monkeypatch: pytest.MonkeyPatch) -> None:
     config.load()
     assert config.http_protocol_class is H11Protocol
     assert config.timeout_keep_alive == 4.0
+
+
+async def test_the_httpx_mode_sends_through_httpx_over_aiohttp(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """``serve_httpx`` runs the CLI with the SGLang engine's HTTP an httpx client over
+    ``httpx_aiohttp``'s transport, with no cap on connections."""
+    from httpx_aiohttp import AiohttpTransport
+
+    from rollout_service.engines.sglang import engine, http_client
+
+    made = []
+    monkeypatch.setattr(cli, "app", lambda: made.append(engine.AiohttpServer("http://sglang:1")))
+    monkeypatch.setattr(engine, "AiohttpServer", engine.AiohttpServer)  # put back afterwards
+    front_end.serve_httpx()
+    [server] = made
+    assert isinstance(server, http_client.HttpxServer)
+    assert server.base_url == "http://sglang:1"
+    transport = server._client._transport
+    assert isinstance(transport, AiohttpTransport)
+    pool = transport.get_client()
+    assert pool.connector is not None and pool.connector.limit == 0
+    await pool.close()
+    await server.aclose()

@@ -16,6 +16,7 @@ import httpx
 
 from rollout_service.engines.base import SamplingOptions, WeightUpdate
 from rollout_service.engines.sglang.engine import SGLangEngine
+from rollout_service.engines.sglang.http_client import HttpxServer
 from rollout_service.engines.sglang.payload import push_segment
 from rollout_service.engines.speculative import MTPSettings, build_sglang_server_args
 from tests.support.fake_sglang import FakeSGLang
@@ -40,8 +41,9 @@ class PayloadRecorder:
 
 
 async def connect(fake: FakeSGLang, **kwargs: object) -> SGLangEngine:
-    client = httpx.AsyncClient(transport=httpx.ASGITransport(app=fake.app), base_url="http://fake")
-    return await SGLangEngine.connect("http://fake", served_model_name="tiny", client=client,
+    http = HttpxServer(httpx.AsyncClient(transport=httpx.ASGITransport(app=fake.app),
+                                         base_url="http://fake"))
+    return await SGLangEngine.connect("http://fake", served_model_name="tiny", http=http,
                                       payload_builder=kwargs.pop("payload_builder",
                                                                  PayloadRecorder()), **kwargs)
 

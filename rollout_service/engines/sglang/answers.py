@@ -30,14 +30,13 @@ import json
 from collections.abc import AsyncIterator, Mapping, Sequence
 from typing import Any
 
-import httpx
-
 from rollout_service.engines.base import (
     EngineUnavailableError,
     GenerationResult,
     InvalidRequestError,
 )
 from rollout_service.engines.sequences import PositionLogprobs, TokenLogprob
+from rollout_service.engines.sglang.http_client import Reply, Streamed
 from rollout_service.engines.sglang.stats import spec_stats_from_meta_info
 from rollout_service.protocol.messages import WeightVersionSpan
 from rollout_service.protocol.sse import read_events
@@ -161,35 +160,35 @@ def merged(so_far: list[Any], items: Sequence[Any], num_total: int) -> list[Any]
     return list(items) if len(items) == num_total else [*so_far, *items]
 
 
-async def streamed_answers(response: httpx.Response) -> AsyncIterator[dict[str, Any]]:
+async def streamed_answers(streamed: Streamed) -> AsyncIterator[dict[str, Any]]:
     """The answers of a streamed ``/generate``, one per event.
 
     Raises:
         InvalidRequestError: SGLang refused the request (a 4xx, or an error event).
         EngineUnavailableError: a 5xx.
     """
-    if response.status_code != 200:
-        await response.aread()
-        if response.status_code >= 500:
-            raise EngineUnavailableError(f"SGLang /generate answered {response.status_code}: "
-                                         f"{error_message(response)}")
-        raise InvalidRequestError(error_message(response))
-    async for event in read_events(response.aiter_lines()):
+    if streamed.status != 200:
+        reply = await streamed.read()
+        if reply.status >= 500:
+            raise EngineUnavailableError(f"SGLang /generate answered {reply.status}: "
+                                         f"{error_message(reply)}")
+        raise InvalidRequestError(error_message(reply))
+    async for event in read_events(streamed.lines):
         out = json.loads(event)
         if "error" in out:
             raise InvalidRequestError(error_message_of(out))
         yield out
 
 
-def error_message(response: httpx.Response) -> str:
+def error_message(reply: Reply) -> str:
     """SGLang's ``{"error": {"message"}}``, ``{"success", "message"}`` or plain text."""
     try:
-        body = response.json()
+        body = reply.json()
     except ValueError:
-        return response.text
+        return reply.text
     if not isinstance(body, dict):
-        return response.text
-    return error_message_of(body) or response.text
+        return reply.text
+    return error_message_of(body) or reply.text
 
 
 def error_message_of(body: Mapping[str, Any]) -> str:

@@ -26,8 +26,6 @@ from collections.abc import AsyncIterator, Mapping, Sequence
 from contextlib import asynccontextmanager
 from typing import Any
 
-import httpx
-
 from rollout_service.engines.base import (
     ChatTurn,
     EngineSpec,
@@ -47,7 +45,7 @@ from rollout_service.engines.sglang.answers import (
 )
 from rollout_service.engines.sglang.features import INFO_TIMEOUT_S
 from rollout_service.engines.sglang.group_receiver import ServiceRank
-from rollout_service.engines.sglang.http_client import server_client
+from rollout_service.engines.sglang.http_client import AiohttpServer, Reply, ServerHTTP
 from rollout_service.engines.sglang.launch import (
     build_launch_command,
     free_port_below_ephemeral,
@@ -91,13 +89,12 @@ class SGLangEngine(SGLangWeights, ServiceRank):
     inside the event loop that will serve it.
     """
 
-    def __init__(self, client: httpx.AsyncClient, facts: ServerFacts, *,
+    def __init__(self, http: ServerHTTP, facts: ServerFacts, *,
                  payload_builder: PayloadBuilder | None = None,
                  process: asyncio.subprocess.Process | None = None) -> None:
         self.info = facts.info
         self.features = facts.features
-        self._client = client
-        self._urls: dict[str, httpx.URL] = {}
+        self._http = http
         self._is_text_streamed_as_delta = facts.is_text_streamed_as_delta
         self._tokenizer: Any = None
         self._is_tokenizer_loaded = False
@@ -115,7 +112,7 @@ class SGLangEngine(SGLangWeights, ServiceRank):
 
     @classmethod
     async def connect(cls, base_url: str, *, served_model_name: str, model_path: str | None = None,
-                      client: httpx.AsyncClient | None = None,
+                      http: ServerHTTP | None = None,
                       payload_builder: PayloadBuilder | None = None) -> SGLangEngine:
         """Attach to a running server.
 
@@ -124,24 +121,22 @@ class SGLangEngine(SGLangWeights, ServiceRank):
             served_model_name: the name in responses and metrics.
             model_path: the local checkpoint directory (vocabulary size, push validation);
                 None: the server's ``model_path``, which must then be a local directory.
-            client: an httpx client for the server (tests pass one on the fake's ASGI app).
+            http: the server's HTTP (None: :class:`AiohttpServer` on ``base_url``; tests
+                pass an :class:`HttpxServer` on the fake's ASGI app).
             payload_builder: builds tensor payloads; None: SGLang's serializer.
 
         Raises:
             EngineUnavailableError: the server cannot be reached.
             ValueError: the checkpoint's config.json cannot be read.
         """
-        client = client or server_client(base_url)
+        http = http or AiohttpServer(base_url)
         try:
-            facts = await read_server(client, served_model_name=served_model_name,
+            facts = await read_server(http, served_model_name=served_model_name,
                                       model_path=model_path)
-        except httpx.TransportError as exc:
-            await client.aclose()
-            raise EngineUnavailableError(f"SGLang server at {base_url} unreachable: {exc}") from exc
         except BaseException:
-            await client.aclose()
+            await http.aclose()
             raise
-        return cls(client, facts, payload_builder=payload_builder)
+        return cls(http, facts, payload_builder=payload_builder)
 
     @classmethod
     async def launch(cls, model_path: str, engine_kwargs: Mapping[str, Any], mtp: MTPSettings, *,
@@ -205,10 +200,10 @@ class SGLangEngine(SGLangWeights, ServiceRank):
             body |= {"text": prompt, "return_prompt_token_ids": True}
         else:
             body["input_ids"] = await self._prompt_ids(prompt, sampling)
-        response = await self._request("POST", "/generate", body)
-        if response.status_code != 200:
-            raise InvalidRequestError(error_message(response))
-        out = response.json()
+        reply = await self._request("POST", "/generate", body)
+        if reply.status != 200:
+            raise InvalidRequestError(error_message(reply))
+        out = reply.json()
         prompt_ids = out["prompt_token_ids"] if is_text else body["input_ids"]
         return to_result(prompt_ids, out, self._num_draft_tokens,
                          self.info.num_speculative_tokens)
@@ -221,26 +216,21 @@ class SGLangEngine(SGLangWeights, ServiceRank):
             body = generate_body(sampling, request_id) | {"input_ids": prompt_ids, "stream": True}
             merged = StreamedOutput(is_text_delta=self._is_text_streamed_as_delta)
             first_prompt: tuple[int, ...] | None = tuple(prompt_ids)
-            try:
-                # Leaving this block (the consumer closed us) closes the connection; SGLang
-                # aborts the request when its client goes away.
-                async with self._client.stream("POST", self._url("/generate"),
-                                               json=body) as response:
-                    async for out in streamed_answers(response):
-                        text, token_ids, logprobs = merged.add(out)
-                        is_finished = out["meta_info"].get("finish_reason") is not None
-                        result = (to_result(prompt_ids, merged.final(), self._num_draft_tokens,
-                                            self.info.num_speculative_tokens)
-                                  if is_finished else None)
-                        yield GenerationDelta(text=text, token_ids=token_ids,
-                                              logprobs=logprobs, result=result,
-                                              prompt_token_ids=first_prompt)
-                        first_prompt = None
-                        if is_finished:
-                            return
-            except httpx.TransportError as exc:
-                raise EngineUnavailableError(
-                    f"SGLang server at {self._client.base_url} unreachable: {exc!r}") from exc
+            # Leaving this block (the consumer closed us) closes the connection; SGLang
+            # aborts the request when its client goes away.
+            async with self._http.stream("/generate", body) as streamed:
+                async for out in streamed_answers(streamed):
+                    text, token_ids, logprobs = merged.add(out)
+                    is_finished = out["meta_info"].get("finish_reason") is not None
+                    result = (to_result(prompt_ids, merged.final(), self._num_draft_tokens,
+                                        self.info.num_speculative_tokens)
+                              if is_finished else None)
+                    yield GenerationDelta(text=text, token_ids=token_ids,
+                                          logprobs=logprobs, result=result,
+                                          prompt_token_ids=first_prompt)
+                    first_prompt = None
+                    if is_finished:
+                        return
         raise EngineUnavailableError("SGLang's /generate stream ended before the sequence "
                                      "finished")
 
@@ -273,10 +263,10 @@ class SGLangEngine(SGLangWeights, ServiceRank):
                                for rid in request_ids))
 
     async def _tokenize(self, text: str) -> list[int]:
-        response = await self._request("POST", "/v1/tokenize", {"prompt": text})
-        if response.status_code != 200:
-            raise InvalidRequestError(error_message(response))
-        return list(response.json()["tokens"])
+        reply = await self._request("POST", "/v1/tokenize", {"prompt": text})
+        if reply.status != 200:
+            raise InvalidRequestError(error_message(reply))
+        return list(reply.json()["tokens"])
 
     async def pause(self, mode: PauseMode = "wait") -> int:
         if mode not in _PAUSE_MODES:
@@ -300,50 +290,35 @@ class SGLangEngine(SGLangWeights, ServiceRank):
     # --- lifecycle ---
 
     async def health(self) -> None:
-        response = await self._request("GET", "/health", None, timeout=INFO_TIMEOUT_S)
-        if response.status_code != 200:
-            raise EngineUnavailableError(f"SGLang /health answered {response.status_code}")
+        reply = await self._request("GET", "/health", None, timeout=INFO_TIMEOUT_S)
+        if reply.status != 200:
+            raise EngineUnavailableError(f"SGLang /health answered {reply.status}")
 
     async def shutdown(self) -> None:
         await self.leave_group()
-        await self._client.aclose()
+        await self._http.aclose()
         if self._process is not None:
             await stop_process(self._process)
 
     # --- HTTP ---
 
     async def _request(self, method: str, path: str, body: Any, *,
-                       timeout: float | None = None) -> httpx.Response:
+                       timeout: float | None = None) -> Reply:
         """Send; unreachable or a 5xx is EngineUnavailableError."""
-        try:
-            response = await self._client.request(method, self._url(path), json=body,
-                                                  timeout=timeout or httpx.USE_CLIENT_DEFAULT)
-        except httpx.TransportError as exc:
-            raise EngineUnavailableError(
-                f"SGLang server at {self._client.base_url} unreachable: {exc!r}") from exc
-        if response.status_code >= 500:
-            raise EngineUnavailableError(f"SGLang {path} answered {response.status_code}: "
-                                         f"{error_message(response)}")
-        return response
-
-    def _url(self, path: str) -> httpx.URL:
-        """``path`` under the client's base URL, parsed once: httpx parses a relative URL
-        again for every request, which showed in py-spy's samples of the service under
-        ``python -m bench.front_end``."""
-        url = self._urls.get(path)
-        if url is None:
-            url = self._urls[path] = httpx.URL(str(self._client.base_url).rstrip("/") + path)
-        return url
+        reply = await self._http.send(method, path, body, timeout=timeout)
+        if reply.status >= 500:
+            raise EngineUnavailableError(f"SGLang {path} answered {reply.status}: "
+                                         f"{error_message(reply)}")
+        return reply
 
     async def _control(self, path: str, body: Any) -> Any:
         """POST a control call; a refusal (non-200 or ``success: false``) is RuntimeError."""
-        response = await self._request("POST", path, body)
-        if response.status_code != 200:
-            raise RuntimeError(f"SGLang {path} failed ({response.status_code}): "
-                               f"{error_message(response)}")
-        if "json" not in response.headers.get("content-type", ""):
+        reply = await self._request("POST", path, body)
+        if reply.status != 200:
+            raise RuntimeError(f"SGLang {path} failed ({reply.status}): {error_message(reply)}")
+        if "json" not in reply.content_type:
             return None
-        result = response.json()
+        result = reply.json()
         if isinstance(result, dict) and result.get("success") is False:
             raise RuntimeError(f"SGLang {path} failed: {result.get('message')}")
         return result

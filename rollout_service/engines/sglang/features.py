@@ -15,7 +15,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-import httpx
+from rollout_service.engines.sglang.http_client import ServerHTTP
 
 logger = logging.getLogger(__name__)
 
@@ -57,16 +57,16 @@ class ServerFeatures:
         return inferred.get(field, False)
 
 
-async def detect_features(client: httpx.AsyncClient) -> ServerFeatures:
+async def detect_features(http: ServerHTTP) -> ServerFeatures:
     """Read routes and request fields from ``/openapi.json``, or probe routes without it.
 
     Probing sends GET to each POST-only route: 405 (method not allowed) means it
     exists, 404 that it does not. Without the schema, ``/flush_cache`` is assumed
     (every 0.5.x has it) and ``/weights_checker`` is not.
     """
-    response = await client.get("/openapi.json", timeout=INFO_TIMEOUT_S)
-    if response.status_code == 200:
-        schema = response.json()
+    reply = await http.send("GET", "/openapi.json", timeout=INFO_TIMEOUT_S)
+    if reply.status == 200:
+        schema = reply.json()
         paths = schema.get("paths", {})
         routes = frozenset(route for route in (*_PROBED_ROUTES, *_UNPROBED_ROUTES)
                            if "post" in paths.get(route, {}))
@@ -74,10 +74,10 @@ async def detect_features(client: httpx.AsyncClient) -> ServerFeatures:
                   for route in routes}
         return ServerFeatures(routes=routes, fields={r: f for r, f in fields.items() if f})
     logger.info("SGLang's /openapi.json is unavailable (%d); probing routes",
-                response.status_code)
-    probes = await asyncio.gather(*(client.get(route, timeout=INFO_TIMEOUT_S)
+                reply.status)
+    probes = await asyncio.gather(*(http.send("GET", route, timeout=INFO_TIMEOUT_S)
                                     for route in _PROBED_ROUTES))
-    routes = {route for route, probe in zip(_PROBED_ROUTES, probes) if probe.status_code == 405}
+    routes = {route for route, probe in zip(_PROBED_ROUTES, probes) if probe.status == 405}
     return ServerFeatures(routes=frozenset({*routes, "/flush_cache"}), fields={})
 
 

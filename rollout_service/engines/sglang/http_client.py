@@ -1,25 +1,34 @@
-"""The HTTP client of one SGLang server: httpx's API over aiohttp's connection pool.
+"""HTTP to one SGLang server: what the engine sends and reads, over aiohttp's pool.
 
-The engine speaks httpx (its tests run it on the fake server's ASGI app with httpx's own
-transport), but on a socket it sends through ``httpx_aiohttp.AiohttpTransport``
-(github karpetrosyan/httpx-aiohttp, the transport the ``openai`` SDK offers for the same
-reason). httpx's own pool costs O(connections) per request (httpcore's
-``_assign_requests_to_connections`` walks every connection for every request), so with
-one connection per request in flight the client, not SGLang, bounds the rate:
-``python -m bench.http_clients`` (a local server answering after 0.2 s, the 2-core CPU
-machine) measured httpx's own pool at 20 ms of CPU per request with 128 in flight (48
-requests/s) against 0.4 ms over aiohttp (550/s, the server's bound); on the H100 the
-service held 128 requests at 0.46-0.64x SGLang's own server, SGLang's scheduler
-receiving them one prefill at a time.
+Every generation the service serves on SGLang is one request from this client, so its CPU
+cost per request is the service's, and a service slower per request hands a closed loop's
+burst of requests to SGLang more spread out (fewer to a prefill batch). With httpx's
+``AsyncClient`` over aiohttp's pool (``httpx_aiohttp``; its layers: auth, redirects,
+cookies, request building, the adapter) the service spent 1.35x the CPU per request it
+spends on aiohttp alone (``python -m bench.front_end``: ``service-httpx`` against
+``service``, docs/sglang.md). httpx's own pool is worse still: it costs O(connections) per
+request (httpcore's ``_assign_requests_to_connections``), which held the service at
+0.46-0.64x SGLang's own server on the H100 (``python -m bench.http_clients``).
+
+:class:`ServerHTTP` is the contract the engine uses; :class:`AiohttpServer` serves it on a
+socket and :class:`HttpxServer` over an httpx client: the tests' in-process ASGI app of the
+fake server, and the bench's baseline of the client as it was.
 """
 
 from __future__ import annotations
 
+import json
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from contextlib import AbstractAsyncContextManager, asynccontextmanager, contextmanager
+from dataclasses import dataclass
+from typing import Any, Protocol
+
 import aiohttp
 import httpx
-from httpx_aiohttp import AiohttpTransport
 
-TIMEOUT = httpx.Timeout(None, connect=10.0)
+from rollout_service.engines.base import EngineUnavailableError
+
+CONNECT_TIMEOUT_S = 10.0
 """Generation and weight loads take as long as they take; connecting does not."""
 
 KEEP_ALIVE_S = 4.0
@@ -29,17 +38,160 @@ out on a connection the server is closing at that moment (a reset mid-round ende
 serving bench where the client kept connections as long as the server)."""
 
 
-def server_client(base_url: str) -> httpx.AsyncClient:
-    """A client of the server at ``base_url`` with no cap on connections.
+@dataclass(frozen=True, slots=True)
+class Reply:
+    """One answer, read whole."""
+
+    status: int
+    content_type: str
+    """The media type without parameters (``application/json``)."""
+    body: bytes
+
+    def json(self) -> Any:
+        """The body as JSON (ValueError if it is not)."""
+        return json.loads(self.body)
+
+    @property
+    def text(self) -> str:
+        return self.body.decode(errors="replace")
+
+
+@dataclass(frozen=True, slots=True)
+class Streamed:
+    """A streamed answer: its status, then its body line by line, or whole (an error's)."""
+
+    status: int
+    lines: AsyncIterator[str]
+    read: Callable[[], Awaitable[Reply]]
+
+
+class ServerHTTP(Protocol):
+    """HTTP to the server at ``base_url``. A request that cannot reach it, or whose
+    connection breaks, raises EngineUnavailableError; any status is a reply."""
+
+    base_url: str
+
+    async def send(self, method: str, path: str, body: Any = None, *,
+                   timeout: float | None = None) -> Reply:
+        """``body`` as JSON (None: no body) to ``base_url + path``; ``timeout`` in seconds
+        for the whole exchange (None: none)."""
+        ...
+
+    def stream(self, path: str, body: Any) -> AbstractAsyncContextManager[Streamed]:
+        """POST ``body``; leaving the block closes the connection unless the body was read
+        to its end (SGLang aborts a request whose client went away)."""
+        ...
+
+    async def aclose(self) -> None: ...
+
+
+@contextmanager
+def unreachable_as_unavailable(base_url: str, errors: tuple[type[BaseException], ...]
+                               ) -> Iterator[None]:
+    try:
+        yield
+    except errors as exc:
+        raise EngineUnavailableError(f"SGLang server at {base_url} unreachable: {exc!r}") from exc
+
+
+class AiohttpServer:
+    """:class:`ServerHTTP` on a socket, with no cap on connections.
 
     Each request in flight holds one connection and SGLang queues what it cannot run
-    (``--max-running-requests``); a cap of 100 connections (httpx's and aiohttp's default)
+    (``--max-running-requests``); a cap of 100 connections (aiohttp's and httpx's default)
     would hold the service at 100 running requests.
     """
 
-    def session() -> aiohttp.ClientSession:  # made on first use, inside the serving loop
-        return aiohttp.ClientSession(
-            connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=KEEP_ALIVE_S))
+    _ERRORS = (aiohttp.ClientError, TimeoutError)
 
-    return httpx.AsyncClient(base_url=base_url, timeout=TIMEOUT,
-                             transport=AiohttpTransport(client=session))
+    def __init__(self, base_url: str) -> None:
+        self.base_url = base_url.rstrip("/")
+        self._session: aiohttp.ClientSession | None = None
+
+    def _pool(self) -> aiohttp.ClientSession:
+        """Made on first use, inside the event loop that serves the engine."""
+        if self._session is None:
+            self._session = aiohttp.ClientSession(
+                connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=KEEP_ALIVE_S),
+                timeout=aiohttp.ClientTimeout(total=None, sock_connect=CONNECT_TIMEOUT_S))
+        return self._session
+
+    async def send(self, method: str, path: str, body: Any = None, *,
+                   timeout: float | None = None) -> Reply:
+        limit = (aiohttp.ClientTimeout(total=timeout, sock_connect=CONNECT_TIMEOUT_S)
+                 if timeout is not None else None)  # None: the pool's, built once
+        with unreachable_as_unavailable(self.base_url, self._ERRORS):
+            async with self._pool().request(method, self.base_url + path, json=body,
+                                            timeout=limit) as response:
+                return Reply(response.status, response.content_type, await response.read())
+
+    @asynccontextmanager
+    async def stream(self, path: str, body: Any) -> AsyncIterator[Streamed]:
+        with unreachable_as_unavailable(self.base_url, self._ERRORS):
+            async with self._pool().post(self.base_url + path, json=body) as response:
+
+                async def read() -> Reply:
+                    return Reply(response.status, response.content_type, await response.read())
+
+                try:
+                    yield Streamed(response.status, split_lines(response.content.iter_any()),
+                                   read)
+                finally:
+                    if not response.content.at_eof():
+                        response.close()  # the connection, not back to the pool
+
+    async def aclose(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+
+
+async def split_lines(chunks: AsyncIterator[bytes]) -> AsyncIterator[str]:
+    """The lines of a byte stream, each without its ``\\n``, of any length (aiohttp's own
+    ``readline`` refuses lines past its buffer's limit, and a cumulative SGLang event with
+    logprobs grows past it)."""
+    rest = b""
+    async for chunk in chunks:
+        *lines, rest = (rest + chunk).split(b"\n")
+        for line in lines:
+            yield line.decode()
+    if rest:
+        yield rest.decode()
+
+
+class HttpxServer:
+    """:class:`ServerHTTP` over an httpx client: the fake server's ASGI app in process (the
+    tests), or any transport httpx has."""
+
+    _ERRORS = (httpx.TransportError,)
+
+    def __init__(self, client: httpx.AsyncClient) -> None:
+        self.base_url = str(client.base_url).rstrip("/")
+        self._client = client
+
+    async def send(self, method: str, path: str, body: Any = None, *,
+                   timeout: float | None = None) -> Reply:
+        with unreachable_as_unavailable(self.base_url, self._ERRORS):
+            response = await self._client.request(
+                method, self.base_url + path, json=body,
+                timeout=httpx.USE_CLIENT_DEFAULT if timeout is None else timeout)
+        return reply_of(response)
+
+    @asynccontextmanager
+    async def stream(self, path: str, body: Any) -> AsyncIterator[Streamed]:
+        with unreachable_as_unavailable(self.base_url, self._ERRORS):
+            async with self._client.stream("POST", self.base_url + path, json=body) as response:
+
+                async def read() -> Reply:
+                    await response.aread()
+                    return reply_of(response)
+
+                yield Streamed(response.status_code, response.aiter_lines(), read)
+
+    async def aclose(self) -> None:
+        await self._client.aclose()
+
+
+def reply_of(response: httpx.Response) -> Reply:
+    media_type = response.headers.get("content-type", "").partition(";")[0].strip()
+    return Reply(response.status_code, media_type, response.content)
+

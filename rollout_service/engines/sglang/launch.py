@@ -24,9 +24,8 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
-import httpx
-
 from rollout_service.engines.base import EngineUnavailableError
+from rollout_service.engines.sglang.http_client import AiohttpServer
 from rollout_service.engines.speculative import MTPSettings, build_sglang_server_args
 
 logger = logging.getLogger(__name__)
@@ -121,14 +120,17 @@ async def stop_process(process: asyncio.subprocess.Process) -> None:
 async def _wait_healthy(base_url: str, process: asyncio.subprocess.Process,
                         timeout_s: float) -> None:
     deadline = time.monotonic() + timeout_s
-    async with httpx.AsyncClient(base_url=base_url, timeout=5.0) as client:
+    http = AiohttpServer(base_url)
+    try:
         while time.monotonic() < deadline:
             if process.returncode is not None:
                 raise EngineUnavailableError(f"SGLang exited with code {process.returncode}")
             try:
-                if (await client.get("/health")).status_code == 200:
+                if (await http.send("GET", "/health", timeout=5.0)).status == 200:
                     return
-            except httpx.TransportError:
-                pass
+            except EngineUnavailableError:
+                pass  # not listening yet
             await asyncio.sleep(2.0)
+    finally:
+        await http.aclose()
     raise EngineUnavailableError(f"SGLang was not healthy within {timeout_s} s")

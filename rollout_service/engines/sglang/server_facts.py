@@ -14,14 +14,13 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-import httpx
-
 from rollout_service.engines.base import EngineInfo, EngineUnavailableError
 from rollout_service.engines.sglang.features import (
     INFO_TIMEOUT_S,
     ServerFeatures,
     detect_features,
 )
+from rollout_service.engines.sglang.http_client import ServerHTTP
 from rollout_service.engines.speculative import load_checkpoint_config
 
 
@@ -41,22 +40,22 @@ class ServerFacts:
     """``incremental_streaming_output``: a stream's events carry each step's text only."""
 
 
-async def read_server(client: httpx.AsyncClient, *, served_model_name: str,
+async def read_server(http: ServerHTTP, *, served_model_name: str,
                       model_path: str | None) -> ServerFacts:
-    """The facts of the server ``client`` talks to.
+    """The facts of the server ``http`` talks to.
 
     Args:
         model_path: the local checkpoint directory; None: the server's ``model_path``.
 
     Raises:
-        EngineUnavailableError: an info route did not answer 200.
-        httpx.TransportError: the server cannot be reached.
+        EngineUnavailableError: the server cannot be reached, or an info route did not
+            answer 200.
         ValueError: the checkpoint's config.json cannot be read.
     """
-    model_info = await get_json(client, "/model_info", "/get_model_info")
-    server_info = await get_json(client, "/server_info", "/get_server_info")
-    models = await get_json(client, "/v1/models")
-    features = await detect_features(client)
+    model_info = await get_json(http, "/model_info", "/get_model_info")
+    server_info = await get_json(http, "/server_info", "/get_server_info")
+    models = await get_json(http, "/v1/models")
+    features = await detect_features(http)
     model_path = model_path or model_info["model_path"]
     checkpoint = load_checkpoint_config(model_path)
     vocab_size = checkpoint.get("vocab_size") or checkpoint["text_config"]["vocab_size"]
@@ -96,11 +95,11 @@ def has_pushable_drafter(server_info: Mapping[str, Any], served: set[str | None]
     return server_info.get("speculative_draft_model_path") in served | {None}
 
 
-async def get_json(client: httpx.AsyncClient, path: str, fallback: str | None = None) -> Any:
+async def get_json(http: ServerHTTP, path: str, fallback: str | None = None) -> Any:
     """GET an info route; ``fallback`` is its older name (404 on the new one)."""
-    response = await client.get(path, timeout=INFO_TIMEOUT_S)
-    if response.status_code == 404 and fallback is not None:
-        response = await client.get(fallback, timeout=INFO_TIMEOUT_S)
-    if response.status_code != 200:
-        raise EngineUnavailableError(f"SGLang {path} answered {response.status_code}")
-    return response.json()
+    reply = await http.send("GET", path, timeout=INFO_TIMEOUT_S)
+    if reply.status == 404 and fallback is not None:
+        reply = await http.send("GET", fallback, timeout=INFO_TIMEOUT_S)
+    if reply.status != 200:
+        raise EngineUnavailableError(f"SGLang {path} answered {reply.status}")
+    return reply.json()

@@ -24,6 +24,7 @@ from starlette.routing import Mount
 from rollout_service.embedded import ensure_model
 from rollout_service.engines.base import ChatTurn, InvalidRequestError, SamplingOptions
 from rollout_service.engines.sglang.engine import SGLangEngine
+from rollout_service.engines.sglang.http_client import HttpxServer
 from tests.support.fake_sglang import FakeSGLang
 from tests.support.sglang_on_fake import SPEC_ARGS, VERSIONS, connect, greedy, make_fake, sent
 from tests.support.waiting import until
@@ -211,10 +212,10 @@ async def test_a_server_under_a_path_prefix_is_reached_under_it(checkpoint: str)
     and generation, plain and streamed, all go to ``/sglang/...``."""
     fake = make_fake("0.5.23", checkpoint)
     proxy = Starlette(routes=[Mount("/sglang", app=fake.app)])
-    client = httpx.AsyncClient(transport=httpx.ASGITransport(app=proxy),
-                               base_url="http://proxy/sglang")
+    http = HttpxServer(httpx.AsyncClient(transport=httpx.ASGITransport(app=proxy),
+                                         base_url="http://proxy/sglang"))
     engine = await SGLangEngine.connect("http://proxy/sglang", served_model_name="tiny",
-                                        client=client)
+                                        http=http)
     result = await engine.generate([1, 2], greedy(4), "prefixed")
     deltas = [d async for d in engine.stream([1, 2], greedy(4), "prefixed-stream")]
     assert deltas[-1].result is not None

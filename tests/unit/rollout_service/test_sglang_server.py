@@ -14,11 +14,11 @@ from __future__ import annotations
 import importlib.util
 import socket
 
-import httpx
 import pytest
 
 from rollout_service.engines.base import EngineUnavailableError
 from rollout_service.engines.sglang.engine import SGLangEngine
+from rollout_service.engines.sglang.http_client import AiohttpServer
 from rollout_service.engines.sglang.launch import build_launch_command
 from rollout_service.engines.sglang.server_facts import has_pushable_drafter
 from rollout_service.engines.speculative import MTPSettings
@@ -129,7 +129,7 @@ async def test_unreachable_server(checkpoint: str) -> None:
     with pytest.raises(EngineUnavailableError, match="unreachable"):
         await SGLangEngine.connect(url, served_model_name="tiny", model_path=checkpoint)
     engine = await connect(make_fake("0.5.23", checkpoint))
-    engine._client = httpx.AsyncClient(base_url=url)  # the server went away
+    engine._http = AiohttpServer(url)  # the server went away
     with pytest.raises(EngineUnavailableError, match="unreachable"):
         await engine.health()
     with pytest.raises(EngineUnavailableError, match="unreachable"):
