@@ -92,11 +92,6 @@ def openai_router(model_name: str, guard: Callable[..., Awaitable[None]] | None)
     async def completions(request: Request) -> Completions:
         return request.app.state.serving.completions
 
-    @router.get("/models")
-    async def models() -> openai.ModelList:
-        return openai.ModelList(data=[openai.ModelCard(id=model_name, created=created,
-                                                       owned_by=OWNED_BY)])
-
     @router.post("/completions", response_model=openai.CompletionResponse,
                  responses={200: event_stream_doc(openai.CompletionChunk),
                             **documented(400, 404, 503)})
@@ -114,5 +109,10 @@ def openai_router(model_name: str, guard: Callable[..., Awaitable[None]] | None)
         if req.stream:
             return await event_stream(svc.chat_stream(req))
         return await svc.chat(req)
+
+    @router.get("/models")  # after the generation routes, which Starlette tries first
+    async def models() -> openai.ModelList:
+        return openai.ModelList(data=[openai.ModelCard(id=model_name, created=created,
+                                                       owned_by=OWNED_BY)])
 
     return router

@@ -17,7 +17,6 @@ fake server, and the bench's baseline of the client as it was.
 
 from __future__ import annotations
 
-import json
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from contextlib import AbstractAsyncContextManager, asynccontextmanager, contextmanager
 from dataclasses import dataclass
@@ -25,6 +24,7 @@ from typing import Any, Protocol
 
 import aiohttp
 import httpx
+import pydantic_core
 
 from rollout_service.engines.base import EngineUnavailableError
 
@@ -48,8 +48,9 @@ class Reply:
     body: bytes
 
     def json(self) -> Any:
-        """The body as JSON (ValueError if it is not)."""
-        return json.loads(self.body)
+        """The body as JSON (ValueError if it is not), parsed by pydantic's Rust parser
+        (faster than the standard library's on every answer the service relays)."""
+        return pydantic_core.from_json(self.body)
 
     @property
     def text(self) -> str:
