@@ -4,7 +4,7 @@ Every generation the service serves on SGLang is one request from this client, s
 cost per request is the service's, and a service slower per request hands a closed loop's
 burst of requests to SGLang more spread out (fewer to a prefill batch). With httpx's
 ``AsyncClient`` over aiohttp's pool (``httpx_aiohttp``; its layers: auth, redirects,
-cookies, request building, the adapter) the service spent 1.35x the CPU per request it
+cookies, request building, the adapter) the service spent 1.54x the CPU per request it
 spends on aiohttp alone (``python -m bench.front_end``: ``service-httpx`` against
 ``service``, docs/sglang.md). httpx's own pool is worse still: it costs O(connections) per
 request (httpcore's ``_assign_requests_to_connections``), which held the service at
