@@ -39,6 +39,7 @@
 #   bash tools/gpu/batch.sh sglang-ipc-tests    # ~2-4 min: cuda_ipc pushes into a live SGLang
 #   bash tools/gpu/batch.sh sglang-dialect-tests  # ~2-4 min: slime's gloo sync into SGLang
 #   bash tools/gpu/batch.sh sglang-serving      # ~6-9 min: service vs SGLang's own server
+#   bash tools/gpu/batch.sh sglang-serving-128  # ~5-6 min: 128 in flight, 9 short rounds
 #   bash tools/gpu/batch.sh sglang-serving-long # ~5-7 min: 128 in flight, 8 waves, py-spy
 #   bash tools/gpu/batch.sh sglang-serving-mixed  # ~4-6 min: 128 in flight, lengths +-50%
 #   bash tools/gpu/batch.sh sglang-sync         # ~4-6 min: 1b shm and cuda_ipc pushes vs disk
@@ -198,6 +199,11 @@ for s in "$@"; do
     sglang-serving) step sglang-serving 540 python3 -m bench.serving --engine sglang \
         --model embedded:small --concurrency 128,512 --max-tokens 256 --rounds 3 --waves 2 \
         --logs "$out/sglang-serving-logs" ;;
+    sglang-serving-128)  # 128 in flight only, 9 rounds: rounds are short (2 waves, ~3 s a
+      # mode) beside the servers' start, and 3 rounds spread wider than any gap
+      step sglang-serving-128 540 python3 -m bench.serving --engine sglang \
+        --model embedded:small --concurrency 128 --max-tokens 256 --rounds 9 --waves 2 \
+        --logs "$out/sglang-serving-logs" ;;
     sglang-serving-long)  # the 128 gap of sglang-serving with rounds 4x as long (8 waves:
       # is it the rounds' ramp and tail?) and the service's process under py-spy
       step sglang-serving-long 540 python3 -m bench.serving --engine sglang \
@@ -241,7 +247,7 @@ for s in "$@"; do
     spec-full) step spec-full 540 python3 -m bench.speculation --model embedded:1b \
             --draft-noise 0.1,0.6 --k-max 3 --concurrency 1,16,256 --max-tokens 256 \
             --rounds 2 --rollout-prompts 512 --stale-drafter --logs "$out/spec-logs" ;;
-    *) echo "unknown step: $s (tests spec-tests trainer starts serving serving-dialects sync sync7b load spec spec-skip spec-profile spec-full spec-repro spec-repro-eager churn churn-modes churn-pin churn-pin-static churn-upstream churn-align churn-tests spec-ab spec-bench sglang-smoke sglang-tests sglang-ipc-tests sglang-dialect-tests sglang-serving sglang-serving-long sglang-serving-mixed sglang-sync rayserve rayserve-load)" >&2; exit 2 ;;
+    *) echo "unknown step: $s (tests spec-tests trainer starts serving serving-dialects sync sync7b load spec spec-skip spec-profile spec-full spec-repro spec-repro-eager churn churn-modes churn-pin churn-pin-static churn-upstream churn-align churn-tests spec-ab spec-bench sglang-smoke sglang-tests sglang-ipc-tests sglang-dialect-tests sglang-serving sglang-serving-128 sglang-serving-long sglang-serving-mixed sglang-sync rayserve rayserve-load)" >&2; exit 2 ;;
   esac
 done
 clean
