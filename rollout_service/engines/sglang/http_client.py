@@ -147,9 +147,9 @@ class AiohttpServer:
 
 
 async def split_lines(chunks: AsyncIterator[bytes]) -> AsyncIterator[str]:
-    """The lines of a byte stream, each without its ``\\n``, of any length (aiohttp's own
-    ``readline`` refuses lines past its buffer's limit, and a cumulative SGLang event with
-    logprobs grows past it)."""
+    """The lines of a byte stream, each without its ``\\n``, of any length: aiohttp's own
+    ``readline`` raises ``LineTooLong`` past twice its read buffer (512 KiB in aiohttp
+    3.14), which a cumulative SGLang event with logprobs of a long answer can pass."""
     rest = b""
     async for chunk in chunks:
         *lines, rest = (rest + chunk).split(b"\n")
