@@ -114,9 +114,9 @@ def create_app(config: ServiceConfig, open_state: StateOpener | None = None) -> 
                                         vllm.TokensStreamResponse, sglang.GenerateOutput))
     guard = bearer_guard(api_key, scheme_name="apiKey",
                          description="The service's api_key (generation endpoints).")
-    # Starlette tries an app's routes in the order they were added, a path regex each, so
-    # the generation routes go first: with /generate behind the other 51 routes, matching
-    # was a tenth of the service's CPU per request (py-spy under python -m bench.front_end).
+    # Starlette tries an app's routes in the order they were added, a path regex each, and
+    # every generation request pays for the routes before its own: the generation routes
+    # go first (tests/unit/rollout_service/test_route_order.py).
 
     async def rollouts(request: Request) -> Rollouts:
         return request.app.state.serving.rollouts

@@ -124,19 +124,15 @@ class AiohttpServer:
         with unreachable_as_unavailable(self.base_url, self._ERRORS):
             async with self._pool().request(method, self.base_url + path, json=body,
                                             timeout=limit) as response:
-                return Reply(response.status, response.content_type, await response.read())
+                return await read_reply(response)
 
     @asynccontextmanager
     async def stream(self, path: str, body: Any) -> AsyncIterator[Streamed]:
         with unreachable_as_unavailable(self.base_url, self._ERRORS):
             async with self._pool().post(self.base_url + path, json=body) as response:
-
-                async def read() -> Reply:
-                    return Reply(response.status, response.content_type, await response.read())
-
                 try:
                     yield Streamed(response.status, split_lines(response.content.iter_any()),
-                                   read)
+                                   lambda: read_reply(response))
                 finally:
                     if not response.content.at_eof():
                         response.close()  # the connection, not back to the pool
@@ -144,6 +140,10 @@ class AiohttpServer:
     async def aclose(self) -> None:
         if self._session is not None:
             await self._session.close()
+
+
+async def read_reply(response: aiohttp.ClientResponse) -> Reply:
+    return Reply(response.status, response.content_type, await response.read())
 
 
 async def split_lines(chunks: AsyncIterator[bytes]) -> AsyncIterator[str]:
