@@ -325,8 +325,8 @@ def stop_profiler(profiler: subprocess.Popen[bytes]) -> None:
     profiler.wait(timeout=120)
 
 
-def add_device_arguments(parser: argparse.ArgumentParser, *, gpu_memory_utilization: float,
-                         engines: str) -> None:
+def add_device_arguments(parser: argparse.ArgumentParser, *,
+                         gpu_memory_utilization: float | None, engines: str) -> None:
     """``--device``, ``--gpu-memory-utilization``, ``--eager`` and ``--logs``, shared by the
     benchmarks that start engines (``engines`` says how many share the GPU)."""
     parser.add_argument("--device", choices=("cpu", "cuda"), default=None,

@@ -92,6 +92,31 @@ MOVED_POLICY_SEED = 1
 """Seed of the main model that makes a drafter stale (the checkpoints' own seed is 0)."""
 
 
+GPU_MEMORY_SHARED = 0.85
+"""The GPU memory fraction the bench's engines share by default (vLLM's own default for
+one engine is 0.9; the rest is the CUDA contexts' and the graphs')."""
+GPU_MEMORY_PER_ENGINE = 0.4
+"""At most this fraction per engine by default: the 1B model and its KV cache need less."""
+
+
+def per_engine_memory(requested: float | None, *, num_engines: int) -> float:
+    """``--gpu-memory-utilization`` for each of ``num_engines`` engines on one GPU: the
+    request, or the default share (:data:`GPU_MEMORY_SHARED` split, at most
+    :data:`GPU_MEMORY_PER_ENGINE`). vLLM takes the fraction of the whole GPU per engine and
+    refuses an engine that finds less free, so three at 0.4 failed at start-up.
+
+    Raises:
+        ValueError: the request over all engines passes the whole GPU.
+    """
+    if requested is None:
+        return round(min(GPU_MEMORY_PER_ENGINE, GPU_MEMORY_SHARED / num_engines), 2)
+    if not 0 < requested * num_engines <= 1:
+        raise ValueError(f"--gpu-memory-utilization: {requested} for each of {num_engines} "
+                         f"engines is {requested * num_engines:.2f} of the GPU; give at most "
+                         f"{1 / num_engines:.2f}")
+    return requested
+
+
 def service_config(opts: argparse.Namespace, model: Path, *,
                    drafter_at_k0: str | None) -> ServiceConfig:
     """The ``off`` service's config (``drafter_at_k0`` None) or a ``spec`` one."""
@@ -301,7 +326,9 @@ def main() -> None:
     parser.add_argument("--temperature", type=float, default=1.0)
     parser.add_argument("--calibration-max-batch-size", type=int, default=32,
                         help="the controller's start-up calibration grid goes up to this")
-    add_device_arguments(parser, gpu_memory_utilization=0.4, engines="two engines at once")
+    add_device_arguments(parser, gpu_memory_utilization=None, engines=(
+        "spec-off's and one per --drafter-at-k0 value at once; default: "
+        f"{GPU_MEMORY_SHARED} shared among them, at most {GPU_MEMORY_PER_ENGINE} each"))
     opts = parser.parse_args()
     if not opts.model.startswith("embedded:"):
         parser.error("--model: embedded:<size> only (each drafter noise is generated)")
@@ -327,6 +354,11 @@ def main() -> None:
                            for m in ("controller", *(f"k={k}" for k in opts.static_k)))}
     if unknown := set(opts.profile_modes) - known:
         parser.error(f"--profile-modes: {sorted(unknown)} not among the modes {sorted(known)}")
+    try:
+        opts.gpu_memory_utilization = per_engine_memory(
+            opts.gpu_memory_utilization, num_engines=1 + len(opts.drafter_at_k0))
+    except ValueError as exc:
+        parser.error(str(exc))
     resolve_device(opts)
     # The services read it from the environment (a config file would carry it masked).
     os.environ[WEIGHTS_TOKEN_ENV] = WEIGHTS_TOKEN

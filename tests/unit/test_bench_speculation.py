@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import statistics
 
+import pytest
 from rich.table import Table
 
+from bench.speculation import per_engine_memory
 from bench.speculation_report import model_check
 from bench.speculation_rounds import rollout_lengths
 from rollout_service.protocol.speculation import BucketStatus, SpeculationControlStatus
@@ -50,3 +52,12 @@ def test_model_check_reads_the_bucket_holding_the_concurrency_and_each_over_k0()
     assert rows(model_check("c=512", 512, control, rates, " skip"))[0] == [
         "0", "400", "1.00", "1", "1.00"]
     assert rows(model_check("c=1", 1, control, {}))[1] == ["1", "150", "1.50", "-", "-"]
+
+
+def test_engines_share_the_gpu_memory_and_an_overcommit_is_refused() -> None:
+    assert per_engine_memory(None, num_engines=2) == 0.4
+    three = per_engine_memory(None, num_engines=3)
+    assert three * 3 <= 0.9, "spec-off, run and skip must all start (3 x 0.4 did not)"
+    assert per_engine_memory(0.3, num_engines=3) == 0.3
+    with pytest.raises(ValueError, match="--gpu-memory-utilization: 0.4 for each of 3"):
+        per_engine_memory(0.4, num_engines=3)

@@ -172,12 +172,15 @@ for s in "$@"; do
         --rollout-prompts 0 --drafter-at-k0 run,skip --logs "$out/spec-ab-logs" ;;
     spec-bench)  # the benchmark, one drafter a call (NOISE, default 0.1; STALE=1:
       # that drafter made stale instead): c = LEVELS (1,16,64,256) and the decaying rollout
-      # of PROMPTS (512; 0: none), to split a drafter over two calls if one is too long
+      # of PROMPTS (512; 0: none), to split a drafter over two calls if one is too long;
+      # DRAFTER_AT_K0=run,skip: both controllers (a third engine; the skip's acceptance in
+      # the rollout's tail, after its K = 0 start, is what decides its default)
       step "spec-bench-${NOISE:-0.1}${STALE:+-stale}" 570 python3 -m bench.speculation \
         --model embedded:1b --draft-noise "${NOISE:-0.1}" --k-max 3 \
         --concurrency "${LEVELS:-1,16,64,256}" --max-tokens 256 --rounds 3 \
         --rollout-prompts "${PROMPTS:-512}" --rollout-max-tokens 1024 \
-        ${STALE:+--stale-only} --logs "$out/spec-bench-logs" ;;
+        --drafter-at-k0 "${DRAFTER_AT_K0:-run}" ${STALE:+--stale-only} \
+        --logs "$out/spec-bench-logs" ;;
     spec-profile) step spec-profile 420 python3 -m bench.speculation --model embedded:1b \
             --draft-noise 0.1 --k-max 3 --static-k 0,1 --concurrency 16 --max-tokens 256 \
             --rounds 2 --rollout-prompts 0 --profile-modes spec-off,k=0 \
