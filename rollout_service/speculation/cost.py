@@ -9,10 +9,22 @@ seconds. Only ratios at the same B matter to the decision (``throughput = B * E(
 c(K, B)``), so a relative table (``c(0, B) = 1``) works as well; seconds keep samples from
 different sources comparable.
 
-Interpolation: for each K, piecewise linear in ``log B`` between the measured batch
-sizes. It never overshoots, so a monotone measured curve stays monotone, and a step's
-cost is roughly affine in B while batch sizes are measured on a geometric grid (1, 2, 4,
-...). Outside the measured range of a K, :meth:`StepCostTable.step_s` raises.
+Monotone in B: for each K the table prices a step from the closest curve that does not
+fall as B grows (:func:`nondecreasing_fit`, pooling adjacent points that violate it),
+not from the points as measured. A step with more sequences does the same work and more,
+so a cost that falls with B is noise; and where a step is short the noise is large. On an
+H100 (embedded 1B, CUDA graphs) steps of 2.4-6.0 ms scattered by a fifth between
+neighbouring batch sizes: c(0, 2) measured 3.7 ms and c(0, 3) 2.4 ms, c(1, 16) 3.6 ms
+below c(0, 16) 3.9 ms. Taken as measured, those points had neighbouring buckets choose K
+= 3, 2, 1 (K = 0 by the model at B = 4), 3, 1, 3 for the same drafter while pinned static
+K told K = 1..3 apart by less than their spread; the fit chose K = 3, 2, 2, 2, 2, 3 from
+the same table (docs/speculation-control.md). Points that already rise are kept as
+measured.
+
+Interpolation: for each K, piecewise linear in ``log B`` between the fitted batch
+sizes. It never overshoots, so the monotone curve stays monotone, and a step's cost is
+roughly affine in B while batch sizes are measured on a geometric grid (1, 2, 4, ...).
+Outside the measured range of a K, :meth:`StepCostTable.step_s` raises.
 
 Extrapolation, for the decision only (:meth:`StepCostTable.estimate_s`): where K = 0 is
 measured at B but K is not, ``c(K, B)`` is ``c(0, B)`` times K's measured ratio
@@ -78,8 +90,24 @@ class CostConfig:
             raise ValueError(f"blend_weight must be in (0, 1], got {self.blend_weight}")
 
 
+def nondecreasing_fit(values: Sequence[float]) -> list[float]:
+    """The non-decreasing sequence closest to ``values`` in least squares (pool adjacent
+    violators): each run of points that falls is replaced by its mean, repeatedly, so a
+    sequence that already rises comes back unchanged."""
+    blocks: list[tuple[float, int]] = []  # (mean, points pooled)
+    for value in values:
+        mean, count = value, 1
+        while blocks and blocks[-1][0] > mean:
+            previous, pooled = blocks.pop()
+            mean = (previous * pooled + mean * count) / (pooled + count)
+            count += pooled
+        blocks.append((mean, count))
+    return [mean for mean, count in blocks for _ in range(count)]
+
+
 class StepCostTable:
-    """``c(K, B)`` from samples, interpolated in ``log B`` (see the module docstring).
+    """``c(K, B)`` from samples, fitted non-decreasing in B per K and interpolated in
+    ``log B`` (see the module docstring).
 
     Args:
         config: how samples blend in.
@@ -90,6 +118,9 @@ class StepCostTable:
         self._config = config
         self._batch_sizes: dict[int, list[int]] = {}
         self._step_s: dict[int, list[float]] = {}
+        """As measured (blended), per K in the order of ``_batch_sizes``."""
+        self._fitted: dict[int, list[float]] = {}
+        """``_step_s`` fitted non-decreasing in B: what prices a step."""
         for sample in samples:
             self.record(sample)
 
@@ -104,6 +135,7 @@ class StepCostTable:
         else:
             batch_sizes.insert(at, sample.batch_size)
             costs.insert(at, sample.step_s)
+        self._fitted[sample.k] = nondecreasing_fit(costs)
 
     def measured_ks(self) -> tuple[int, ...]:
         """The K values with at least one sample, ascending."""
@@ -123,7 +155,7 @@ class StepCostTable:
         """
         if k not in self._batch_sizes:
             raise ValueError(f"no step cost measured for K={k}; measured: {self.measured_ks()}")
-        batch_sizes, costs = self._batch_sizes[k], self._step_s[k]
+        batch_sizes, costs = self._batch_sizes[k], self._fitted[k]
         if not self.covers(k, batch_size):
             raise ValueError(f"batch size {batch_size} lies outside the batch sizes measured "
                              f"for K={k}: {batch_sizes[0]}..{batch_sizes[-1]}")
@@ -172,7 +204,7 @@ class StepCostTable:
         return verify_s / plain_s / sum(drafts_per_k)
 
     def points(self) -> dict[int, tuple[StepCostSample, ...]]:
-        """The table as measured (blended) points, per K."""
+        """The table as measured (blended) points, per K, before the fit."""
         return {k: tuple(StepCostSample(k=k, batch_size=b, step_s=c)
                          for b, c in zip(self._batch_sizes[k], self._step_s[k], strict=True))
                 for k in self.measured_ks()}

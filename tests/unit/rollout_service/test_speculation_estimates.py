@@ -20,6 +20,7 @@ from rollout_service.speculation.cost import (
     StepCostMedians,
     StepCostSample,
     StepCostTable,
+    nondecreasing_fit,
 )
 from tests.support.spec_stats import chain_steps, vllm_chain, vllm_stats
 
@@ -277,6 +278,38 @@ def test_interpolation_keeps_a_monotone_curve_monotone(
     if costs.covers(0, low) and costs.covers(0, high):
         assert costs.step_s(0, low) <= costs.step_s(0, high) * (1 + 1e-12)
         assert step_s[0] * (1 - 1e-12) <= costs.step_s(0, low) <= step_s[-1] * (1 + 1e-12)
+
+
+def test_a_cost_that_falls_as_the_batch_grows_is_pooled_with_its_neighbour() -> None:
+    """More sequences cannot make a step cheaper: a falling point is noise, and the table
+    prices both points at their mean (the H100 measured c(0, 2) = 3.7 ms, c(0, 3) = 2.4)."""
+    costs = table((0, 1, 3.0), (0, 2, 3.7), (0, 3, 2.4), (0, 8, 4.0))
+    assert costs.step_s(0, 1) == 3.0 and costs.step_s(0, 8) == 4.0
+    assert costs.step_s(0, 2) == costs.step_s(0, 3) == pytest.approx(3.05)
+    assert [p.step_s for p in costs.points()[0]] == [3.0, 3.7, 2.4, 4.0]  # as measured
+    costs.record(StepCostSample(k=0, batch_size=3, step_s=4.6))  # blends to 2.95: still low
+    assert costs.step_s(0, 2) == pytest.approx((3.7 + 0.75 * 2.4 + 0.25 * 4.6) / 2)
+
+
+@given(st.lists(st.floats(0.001, 10), min_size=1, max_size=12))
+def test_the_fit_is_nondecreasing_keeps_the_mean_and_leaves_a_rising_curve(
+        values: list[float]) -> None:
+    fitted = nondecreasing_fit(values)
+    assert len(fitted) == len(values)
+    assert all(a <= b * (1 + 1e-12) for a, b in zip(fitted, fitted[1:]))
+    assert sum(fitted) == pytest.approx(sum(values))
+    assert nondecreasing_fit(sorted(values)) == sorted(values)
+
+
+@given(st.lists(st.tuples(st.integers(1, 1024), st.floats(0.001, 10)), min_size=2,
+                max_size=8, unique_by=lambda p: p[0]),
+       st.integers(1, 1024), st.integers(1, 1024))
+def test_any_measured_points_price_steps_nondecreasing_in_the_batch_size(
+        points: list[tuple[int, float]], b1: int, b2: int) -> None:
+    costs = table(*((0, b, s) for b, s in points))
+    low, high = sorted((b1, b2))
+    if costs.covers(0, low) and costs.covers(0, high):
+        assert costs.step_s(0, low) <= costs.step_s(0, high) * (1 + 1e-12)
 
 
 def test_steps_fold_into_one_median_sample_per_run_of_each_k_and_batch_size() -> None:

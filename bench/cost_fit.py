@@ -1,0 +1,72 @@
+"""The speculation controller's choice per bucket from a saved state: as it chose live,
+and as its cost table prices the same points now (fitted non-decreasing in B,
+``rollout_service/speculation/cost.py``).
+
+``bench/speculation.py --logs DIR`` writes the controller's whole state after each
+workload (``controller-<run>-after-<workload>.json``, the ``/speculation`` body). This
+reads one, rebuilds the cost table from its measured points and the decision's model from
+its acceptance, and prints, per bucket edge, the K chosen and expected tokens/s per K both
+ways. No engine; the acceptance and costs are the state's own.
+
+    python -m bench.cost_fit tests/data/controller-h100-1b-rollout.json
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+from rollout_service.protocol.speculation import SpeculationControlStatus
+from rollout_service.speculation.cost import CostConfig, StepCostSample, StepCostTable
+from rollout_service.speculation.decision import throughputs
+
+
+def fitted_choices(state: SpeculationControlStatus) -> dict[int, dict[int, float]]:
+    """Expected tokens/s per K at each bucket edge, from the state's measured costs as
+    the table prices them now (K's beyond the calibration extrapolated as live, from the
+    bucket below)."""
+    costs = StepCostTable(CostConfig(), (StepCostSample(k=p.k, batch_size=p.batch_size,
+                                                        step_s=p.step_s)
+                                         for p in state.cost_table))
+    edges = [b.batch_size for b in state.buckets]
+    return {edge: throughputs(state.acceptance, costs, batch_size=edge, k_max=state.k_max,
+                              reach_from=edges[i - 1] if i else 1)
+            for i, edge in enumerate(edges)}
+
+
+def best(rates: dict[int, float | None] | list[float | None]) -> int | None:
+    """The K of the highest rate (ties: the smaller K); None without any."""
+    items = rates.items() if isinstance(rates, dict) else enumerate(rates)
+    known = [(rate, -k) for k, rate in items if rate is not None]
+    return -max(known)[1] if known else None
+
+
+def report(state: SpeculationControlStatus) -> Table:
+    table = Table("B <=", "live K (reason)", "live tok/s per K", "fitted K",
+                  "fitted tok/s per K", title="the controller's K per bucket, live and fitted")
+    fitted = fitted_choices(state)
+    for bucket in state.buckets:
+        now = fitted[bucket.batch_size]
+        table.add_row(
+            str(bucket.batch_size), f"{bucket.k} ({bucket.reason})",
+            " ".join("-" if r is None else f"{r:.0f}" for r in bucket.tokens_per_s),
+            "-" if best(now) is None else str(best(now)),
+            " ".join(f"{now[k]:.0f}" if k in now else "-" for k in range(state.k_max + 1)))
+    return table
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("state", type=Path, help="a controller-*.json of bench.speculation")
+    opts = parser.parse_args()
+    state = SpeculationControlStatus.model_validate_json(opts.state.read_text())
+    console = Console()
+    console.print(f"acceptance per position: {[round(p, 3) for p in state.acceptance]}")
+    console.print(report(state))
+
+
+if __name__ == "__main__":
+    main()
