@@ -6,10 +6,11 @@ from __future__ import annotations
 import statistics
 
 import pytest
+from rich.console import Console
 from rich.table import Table
 
 from bench.speculation import per_engine_memory
-from bench.speculation_report import model_check
+from bench.speculation_report import model_check, print_report
 from bench.speculation_rounds import rollout_lengths
 from rollout_service.protocol.speculation import BucketStatus, SpeculationControlStatus
 
@@ -61,3 +62,17 @@ def test_engines_share_the_gpu_memory_and_an_overcommit_is_refused() -> None:
     assert per_engine_memory(0.3, num_engines=3) == 0.3
     with pytest.raises(ValueError, match="--gpu-memory-utilization: 0.4 for each of 3"):
         per_engine_memory(0.4, num_engines=3)
+
+
+def test_skip_and_run_are_compared_round_by_round() -> None:
+    """Rounds swing together (the H100's spec-off ran 10-17k tok/s at c = 64): skip over
+    run is the median of each round's own ratio, not a ratio of medians."""
+    console = Console(record=True, width=200)
+    print_report(console, "noise 0.1", {"c=64": {
+        "spec-off": [100.0, 100.0, 100.0],
+        "k=0 run": [80.0, 90.0, 100.0], "k=0 skip": [100.0, 90.0, 120.0],
+        "controller run": [50.0, 200.0, 100.0], "controller skip": [60.0, 100.0, 300.0]}})
+    text = console.export_text()
+    assert "k=0 skip / k=0 run" in text and "1.200" in text  # 1.25, 1.0, 1.2
+    assert "controller skip / controller run" in text and "1.200" in text.split(
+        "controller skip / controller run")[1]  # 1.2, 0.5, 3.0
