@@ -20,7 +20,8 @@ One decision per observation, in every bucket, in this order:
    force is priced from another batch size (``cost.py``: from the bucket below at the
    farthest), until its steps measure it;
 4. while probing, buckets up to ``probe.max_batch_size`` run at least ``probe.k``:
-   "probing the drafter".
+   "probing the drafter"; after ``probe.widen_after_observations`` sequences without a
+   draft, the buckets up to the load's too (the last observed batch size's bucket).
 
 Probing starts with the controller, with every new drafter version and with a re-probe
 (``collapse.reprobe_after_s`` after a collapse); it ends once the drafter has
@@ -125,7 +126,8 @@ class SpeculationState:
     is_collapsed: bool
     """Acceptance collapsed: K = 0 everywhere."""
     is_probing: bool
-    """The small buckets run at least ``probe.k`` to measure the drafter."""
+    """The small buckets (and, once widened, those up to the load's) run at least
+    ``probe.k`` to measure the drafter."""
     collapse_rate: float | None
     """Pooled position-0 acceptance of the collapse window; None while it is empty."""
     collapsed_at_s: float | None
@@ -155,6 +157,10 @@ class SpeculationController:
         """Per bucket, the first batch size of the bucket below: the nearest a K's measured
         cost may be extrapolated from (``cost.py``)."""
         self._is_probing = True
+        self._probe_reach = config.probe.max_batch_size
+        """Buckets up to this edge are probed while probing (widened to the load's)."""
+        self._probe_observations = 0
+        """Sequences observed since the probe began."""
         self._collapsed_at_s: float | None = None
         self._versions: WeightVersions | None = None
         self._num_observations = 0
@@ -190,6 +196,8 @@ class SpeculationController:
             self._collapse_now(now)
         self._versions, self._last_batch_size = weight_version, batch_size
         self._num_observations += 1
+        self._probe_observations += 1
+        self._widen_probe(batch_size)
         self._decide()
 
     def record_cost(self, sample: StepCostSample) -> None:
@@ -219,8 +227,11 @@ class SpeculationController:
 
     def k_for(self, batch_size: int) -> int:
         """K in force for a batch of ``batch_size`` sequences."""
+        return self._buckets[self._bucket_index(batch_size)].k
+
+    def _bucket_index(self, batch_size: int) -> int:
         edges = self._config.batch_size_buckets
-        return self._buckets[min(bisect.bisect_left(edges, batch_size), len(edges) - 1)].k
+        return min(bisect.bisect_left(edges, batch_size), len(edges) - 1)
 
     def state(self) -> SpeculationState:
         """A frozen snapshot: K and reason per bucket, and the estimates."""
@@ -240,6 +251,16 @@ class SpeculationController:
         self._collapse.reset()
         self._collapsed_at_s = None
         self._is_probing = True
+        self._probe_reach = self._config.probe.max_batch_size
+        self._probe_observations = 0
+
+    def _widen_probe(self, batch_size: int) -> None:
+        """Probe up to the load's bucket once enough sequences finished without a draft."""
+        probe = self._config.probe
+        if (self._is_probing and self._acceptance.num_epoch_drafts == 0
+                and self._probe_observations >= probe.widen_after_observations):
+            edge = self._config.batch_size_buckets[self._bucket_index(batch_size)]
+            self._probe_reach = max(self._probe_reach, edge)
 
     def _collapse_now(self, now: float) -> None:
         self._collapsed_at_s = now
@@ -268,9 +289,9 @@ class SpeculationController:
             k = hysteresis.k
             if not self._costs.covers(k, batch_size):
                 reason = Reason.EXTRAPOLATED
-            probe = self._config.probe
-            if self._is_probing and batch_size <= probe.max_batch_size and k < probe.k:
-                k, reason = probe.k, Reason.PROBING
+            if self._is_probing and batch_size <= self._probe_reach and (
+                    k < self._config.probe.k):
+                k, reason = self._config.probe.k, Reason.PROBING
         return BucketState(batch_size=batch_size, k=k, reason=reason,
                            tokens_per_s=tuple(throughput.get(k_) for k_ in
                                               range(self._config.k_max + 1)))

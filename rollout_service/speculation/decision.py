@@ -34,7 +34,10 @@ that acceptance is back. After a new drafter version (and after ``reprobe_after_
 collapse), the controller probes: buckets up to ``max_batch_size`` run at least
 ``probe.k`` draft tokens until the drafter has ``num_drafts`` drafts, whatever the model
 says; the other buckets follow the model. The probe costs at most ``num_drafts`` drafts at
-small batch sizes, where a draft is nearly free.
+small batch sizes, where a draft is nearly free. A load that never reaches those buckets
+(requests of one length that finish together) would never draft; after
+``widen_after_observations`` sequences without a draft the probe also takes the buckets
+up to the load's, where ``num_drafts`` drafts are a few steps.
 """
 
 from __future__ import annotations
@@ -179,10 +182,18 @@ class ProbeConfig:
     """Buckets up to this batch size are probed; drafts cost little there."""
     num_drafts: int = 256
     """Drafts of the drafter after which probing ends (a sequence or two)."""
+    widen_after_observations: int = 8
+    """Sequences finished while probing without a single draft after which the probe
+    also takes the buckets up to the one of the load (the last observed batch size): a
+    load that never falls into the small buckets never drafts there, and the drafter's
+    acceptance, unknown, would keep K = 0 for good (on an H100, 16 requests of one length
+    finished together round after round, and acceptance stayed at its prior 0)."""
 
     def __post_init__(self) -> None:
-        if self.k < 1 or self.max_batch_size < 1 or self.num_drafts < 1:
-            raise ValueError(f"need k, max_batch_size and num_drafts >= 1, got {self}")
+        if min(self.k, self.max_batch_size, self.num_drafts,
+               self.widen_after_observations) < 1:
+            raise ValueError("need k, max_batch_size, num_drafts and "
+                             f"widen_after_observations >= 1, got {self}")
 
 
 class CollapseDetector:

@@ -25,6 +25,7 @@ from rollout_service.client import RolloutClient, ServiceError
 from rollout_service.embedded import ensure_model
 from rollout_service.protocol import messages
 from rollout_service.protocol.speculation import SpeculationControlStatus
+from rollout_service.speculation.cost import CostConfig, StepCostSample, StepCostTable
 from rollout_service.tools.launch import ServiceProcess
 from rollout_service.tools.scrape import sample_sum
 from tests.integration.conftest import (
@@ -160,15 +161,18 @@ async def test_a_sequence_is_priced_at_the_k_it_ran(client: RolloutClient,
     K = 1 is priced at c(1, 1) / c(0, 1) of the controller's own table, in the response and
     in the counters the slow-down alert reads (vLLM's output handler records a step's
     costs before the sequence it finished resumes, and nothing steps afterwards, so the
-    table read after it is the one it was priced with)."""
+    table read after it is the one it was priced with; the points as measured, fitted as
+    the controller fits them)."""
     await client.pin_schedule({1: 1})
     before = await client.metrics_text()
     spec = (await sequence(client, PROMPTS[0])).spec_decode
     after = await client.metrics_text()
     health = await client.health()
     assert health.speculation is not None and health.speculation_control is not None
-    costs = {(p.k, p.batch_size): p.step_s for p in health.speculation_control.cost_table}
-    ratio = costs[(1, 1)] / costs[(0, 1)]
+    costs = StepCostTable(CostConfig(), (  # /health's points, priced as the controller does
+        StepCostSample(k=p.k, batch_size=p.batch_size, step_s=p.step_s)
+        for p in health.speculation_control.cost_table))
+    ratio = costs.step_s(1, 1) / costs.step_s(0, 1)
     assert spec is not None and spec.num_drafts > 0 and spec.num_draft_tokens == spec.num_drafts
     assert spec.verify_cost_ratio == pytest.approx(ratio, rel=1e-9)
     assert spec.verify_cost_ratio != health.speculation.verify_cost_ratio  # not k_max's

@@ -372,3 +372,30 @@ def test_the_controller_is_never_slower_than_spec_off_beyond_the_margin(
                 assert tokens_per_s[state.k] * (1 + MARGIN) >= tokens_per_s[0]
             if state.reason is Reason.BEST:
                 assert tokens_per_s[state.k] == max(t for t in tokens_per_s if t is not None)
+
+
+def test_a_load_that_never_reaches_the_small_buckets_is_probed_where_it_runs() -> None:
+    """16 requests of one length finish together: nothing drafts in buckets up to 4, so
+    after a few sequences without a draft the probe takes the load's bucket; it ends, as
+    any probe, once the drafter has its drafts, and the model decides there again."""
+    ctl = controller()
+    widen = DEFAULTS.probe.widen_after_observations
+    for _ in range(widen - 1):
+        feed(ctl, GOOD, batch_size=16)  # at K = 0: no drafts
+    assert ctl.k_for(16) == 0 and ctl.k_for(8) == 0
+    feed(ctl, GOOD, batch_size=16)
+    assert ctl.k_for(16) == 1 and bucket(ctl, 16).reason is Reason.PROBING
+    assert ctl.k_for(8) == 1 and ctl.k_for(32) == 0, "up to the load's bucket"
+    feed(ctl, GOOD, batch_size=16, num_drafts=DEFAULTS.probe.num_drafts)
+    state = ctl.state()
+    assert not state.is_probing and state.acceptance.rates[0] == pytest.approx(0.7, abs=0.05)
+    assert bucket(ctl, 16).reason is not Reason.PROBING
+
+
+def test_a_probe_that_drafts_in_the_small_buckets_stays_there() -> None:
+    ctl = controller()
+    feed(ctl, BROKEN, batch_size=1, num_drafts=10)  # drafted (at K = 1), none accepted
+    for _ in range(2 * DEFAULTS.probe.widen_after_observations):
+        feed(ctl, GOOD, batch_size=16)  # at K = 0: no drafts
+    assert ctl.state().is_probing and ctl.k_for(1) == 1
+    assert ctl.k_for(16) == 0 and bucket(ctl, 16).reason is not Reason.PROBING
