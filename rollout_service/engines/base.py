@@ -88,13 +88,12 @@ class EngineInfo:
 @dataclass(frozen=True, kw_only=True, slots=True)
 class WeightUpdate:
     """A complete, validated push: every tensor's placement, loaded into the main model,
-    the drafter, or both (one ``load_weights`` call each)."""
+    the drafter, or both (one ``load_weights`` call for all of them)."""
 
     push_id: str
-    """The push: an engine may open ``cuda_ipc`` handles once for the main model and
-    keep them for the drafter's load of the same push."""
+    """The push, as the engine's logs and the transports name it."""
     target: PushTarget
-    """Which loads follow, so an engine knows the last one and releases what it opened."""
+    """The models to load: ``main``, ``draft`` or ``both``."""
     transport: Transport
     """The transport of every placement (checked by the intake)."""
     tensors: tuple[TensorPlacement, ...]
@@ -106,8 +105,17 @@ class WeightUpdate:
     """``nccl``: the server's received copy of the push, where every placement's bucket
     lies (``protocol/store.py``)."""
 
+    @property
+    def loads_main(self) -> bool:
+        return self.target in ("main", "both")
+
+    @property
+    def loads_draft(self) -> bool:
+        return self.target in ("draft", "both")
+
     def is_last_load(self, *, draft: bool) -> bool:
-        """Whether the load of this model is the last of the push (drafter after main)."""
+        """Whether the load of this model is the last of the push (drafter after main), for
+        an engine that loads the models one after the other."""
         return draft or self.target == "main"
 
 
@@ -119,6 +127,18 @@ class LoadTimings:
     """Reading the transport and copying into the model's (staged) parameters."""
     finalize_s: float
     """The engine's post-processing: placing and repacking the loaded layers."""
+
+
+NO_LOAD = LoadTimings(load_s=0.0, finalize_s=0.0)
+"""A model the push did not load, or loaded inside the other model's load."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class PushLoads:
+    """Where one push's load went, per model."""
+
+    main: LoadTimings = NO_LOAD
+    draft: LoadTimings = NO_LOAD
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -247,13 +267,15 @@ class Engine(Protocol):
         """Resume scheduling after :meth:`pause`."""
         ...
 
-    async def load_weights(self, update: WeightUpdate, *, draft: bool,
-                           version: str | None) -> LoadTimings:
-        """Load a full update into the main model (``draft=False``) or the MTP drafter.
+    async def load_weights(self, update: WeightUpdate, *, version: str) -> PushLoads:
+        """Load a full update into the models ``update.target`` names: the main model, the
+        MTP drafter, or both, in one call, so that an engine able to load both in one
+        pass (SGLang) keeps no state between two calls.
 
-        ``version`` (None: unchanged) labels the weights in later responses' version
-        spans. Called only while generation is paused, and with ``draft=True`` only
-        when ``info.has_pushable_drafter``."""
+        ``version`` labels the main model's weights in later responses' version spans (a
+        drafter-only push leaves them as they are: verification keeps the output
+        distribution the main model's alone). Called only while generation is paused, and
+        with a drafter target only when ``info.has_pushable_drafter``."""
         ...
 
     async def reset_prefix_cache(self) -> bool:

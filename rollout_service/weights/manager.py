@@ -19,7 +19,7 @@ import contextlib
 import logging
 import time
 
-from rollout_service.engines.base import Engine, LoadTimings, WeightUpdate
+from rollout_service.engines.base import Engine, WeightUpdate
 from rollout_service.pausing import PauseGate
 from rollout_service.protocol import messages
 from rollout_service.protocol.placement import TensorPlacement, Transport
@@ -37,8 +37,6 @@ from rollout_service.weights.intake import (
 )
 
 logger = logging.getLogger(__name__)
-
-_NO_LOAD = LoadTimings(load_s=0.0, finalize_s=0.0)
 
 
 class WeightPushManager:
@@ -276,23 +274,18 @@ class WeightPushManager:
     async def _load(self, pause_mode: messages.PauseMode, update: WeightUpdate, *,
                     version: str) -> tuple[messages.PushTimings, int]:
         """Pause, load, resume: the timings, and the requests held across the load."""
-        main = draft = _NO_LOAD
         t0 = time.perf_counter()
         held = await self._pauses.hold("push", pause_mode)
         t1 = time.perf_counter()
         try:
-            if update.target in ("main", "both"):
-                main = await self._engine.load_weights(update, draft=False, version=version)
-            if update.target in ("draft", "both"):
-                # Version spans label what produced the tokens: the main model's weights
-                # (verification keeps the output distribution the target's alone).
-                draft = await self._engine.load_weights(update, draft=True, version=None)
+            loads = await self._engine.load_weights(update, version=version)
             t2 = time.perf_counter()
             await self._engine.reset_prefix_cache()
         finally:
             await self._pauses.release("push")
         t3 = time.perf_counter()
-        return messages.PushTimings(pause_s=t1 - t0, load_main_s=main.load_s,
-                                    finalize_main_s=main.finalize_s, load_draft_s=draft.load_s,
-                                    finalize_draft_s=draft.finalize_s, resume_s=t3 - t2,
+        return messages.PushTimings(pause_s=t1 - t0, load_main_s=loads.main.load_s,
+                                    finalize_main_s=loads.main.finalize_s,
+                                    load_draft_s=loads.draft.load_s,
+                                    finalize_draft_s=loads.draft.finalize_s, resume_s=t3 - t2,
                                     total_s=t3 - t0), held

@@ -15,7 +15,7 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any, Literal
 
-from rollout_service.engines.base import LoadTimings, WeightUpdate
+from rollout_service.engines.base import LoadTimings, PushLoads, WeightUpdate
 from rollout_service.engines.sglang.features import ServerFeatures
 from rollout_service.engines.sglang.payload import PayloadBuilder, load_buckets
 
@@ -33,49 +33,45 @@ class SGLangWeights:
     _num_draft_tokens: int
     _control: Callable[[str, Any], Awaitable[Any]]
     """POST a control call (the engine's): a refusal raises RuntimeError."""
-    _drafter_loaded_with_main: str | None = None
-    """The ``target: both`` push whose drafter the main model's requests loaded too."""
 
-    async def load_weights(self, update: WeightUpdate, *, draft: bool,
-                           version: str | None) -> LoadTimings:
+    async def load_weights(self, update: WeightUpdate, *, version: str) -> PushLoads:
         """One request per bucket (``payload.load_buckets``: ``shm`` one, ``cuda_ipc`` one
-        per export) in one session; every payload is built before the first is sent, and
-        the version goes with the last.
+        per export) in one session, to the models ``update.target`` names; every payload
+        is built before the first is sent, and the main model's version goes with the
+        last (none for a drafter-only push).
 
-        A ``target: both`` push loads both models in the main model's requests
-        (``selector: all``; ``disable_draft_model: false`` on 0.5.10-0.5.12), and the
-        drafter's own load is then empty (timed 0): SGLang deserializes each request once
-        and hands the tensors to every model it selects. So a payload is built and opened
-        once per push. For ``shm`` that is one copy of the segment into torch's shared
-        memory (the 1b push's 2.28 GB), not one per model. For ``cuda_ipc`` it is what
-        frees the trainer's memory at all: torch's producer counter of an export is
-        unsigned and must be returned exactly once; two opens, one per model, left it at
-        -1, read as 2**64 - 1, and every in-place export stayed in the trainer's IPC limbo
-        for good (a live 0.5.23 on an H100: 43 counters at -1, a whole checkpoint held
-        per push), as ``engines/vllm/cuda_ipc_backend.py`` found for vLLM."""
-        if draft and self._drafter_loaded_with_main == update.push_id:
-            self._drafter_loaded_with_main = None
-            return LoadTimings(load_s=0.0, finalize_s=0.0)
+        A ``target: both`` push loads both models in one pass (``selector: all``;
+        ``disable_draft_model: false`` on 0.5.10-0.5.12), timed as the main model's load:
+        SGLang deserializes each request once and hands the tensors to every model it
+        selects. So a payload is built and opened once per push. For ``shm`` that is one
+        copy of the segment into torch's shared memory (the 1b push's 2.28 GB), not one per
+        model. For ``cuda_ipc`` it is what frees the trainer's memory at all: torch's
+        producer counter of an export is unsigned and must be returned exactly once; two
+        opens, one per model, left it at -1, read as 2**64 - 1, and every in-place export
+        stayed in the trainer's IPC limbo for good (a live 0.5.23 on an H100: 43 counters
+        at -1, a whole checkpoint held per push), as ``engines/vllm/cuda_ipc_backend.py``
+        found for vLLM."""
         start_s = time.perf_counter()
         route = "/update_weights_from_tensor"
-        role: SelectorRole = "draft" if draft else "all" if update.target == "both" else "target"
+        role: SelectorRole = {"main": "target", "draft": "draft", "both": "all"}[update.target]
+        label = version if update.loads_main else None
         built = await asyncio.to_thread(self._payloads_per_bucket, update)
         await self._begin_session(role)
         try:
             for i, (payloads, _) in enumerate(built):
-                # flush_cache False: reset_prefix_cache flushes once, after both models load.
+                # flush_cache False: the push manager's reset_prefix_cache flushes once.
                 await self._control(route, {
                     "serialized_named_tensors": payloads, "load_format": "flattened_bucket",
                     "flush_cache": False,
-                    "weight_version": version if i == len(built) - 1 else None,
+                    "weight_version": label if i == len(built) - 1 else None,
                     **self._target(route, role)})
             loaded_s = time.perf_counter()
         finally:
             del built  # what kept shm payloads alive: SGLang has copied the tensors
             await self._end_session()  # a failed load leaves no session open
-        if role == "all":
-            self._drafter_loaded_with_main = update.push_id
-        return LoadTimings(load_s=loaded_s - start_s, finalize_s=time.perf_counter() - loaded_s)
+        timings = LoadTimings(load_s=loaded_s - start_s,
+                              finalize_s=time.perf_counter() - loaded_s)
+        return PushLoads(main=timings) if update.loads_main else PushLoads(draft=timings)
 
     def _payloads_per_bucket(self, update: WeightUpdate) -> list[tuple[list[str], Any]]:
         return [self._build_payloads(bucket, self._num_tp_ranks)

@@ -35,6 +35,7 @@ from vllm.v1.engine.async_llm import AsyncLLM
 from vllm.v1.engine.exceptions import EngineDeadError
 
 from rollout_service.engines.base import (
+    NO_LOAD,
     BucketReceive,
     ChatTurn,
     EngineInfo,
@@ -44,6 +45,7 @@ from rollout_service.engines.base import (
     GenerationResult,
     InvalidRequestError,
     LoadTimings,
+    PushLoads,
     SamplingOptions,
     WeightsLoad,
     WeightUpdate,
@@ -293,9 +295,17 @@ class VLLMEngine(SpecScheduleMethods):
     async def resume(self) -> None:
         await self._llm.resume_generation()
 
-    async def load_weights(self, update: WeightUpdate, *, draft: bool,
-                           version: str | None) -> LoadTimings:
-        # One vLLM weight-update session per model; the same stream feeds both.
+    async def load_weights(self, update: WeightUpdate, *, version: str) -> PushLoads:
+        """One vLLM weight-update session per model, the main model's first; the same
+        stream feeds both."""
+        return PushLoads(
+            main=await self._load_model(update, draft=False, version=version)
+            if update.loads_main else NO_LOAD,
+            draft=await self._load_model(update, draft=True, version=None)
+            if update.loads_draft else NO_LOAD)
+
+    async def _load_model(self, update: WeightUpdate, *, draft: bool,
+                          version: str | None) -> LoadTimings:
         start = time.perf_counter()
         if draft:
             await self._llm.start_draft_weight_update()

@@ -23,7 +23,7 @@ from rollout_service.engines.base import (
     EngineInfo,
     GenerationDelta,
     GenerationResult,
-    LoadTimings,
+    PushLoads,
     SamplingOptions,
     StepCostSink,
     WeightUpdate,
@@ -73,10 +73,9 @@ class FakeEngine:
     async def resume(self) -> None:
         self.calls.append("resume")
 
-    async def load_weights(self, update: WeightUpdate, *, draft: bool,
-                           version: str | None) -> LoadTimings:
-        self.calls.append("load draft" if draft else "load main")
-        return LoadTimings(load_s=0.0, finalize_s=0.0)
+    async def load_weights(self, update: WeightUpdate, *, version: str) -> PushLoads:
+        self.calls.append(f"load {update.target}")
+        return PushLoads()
 
     async def reset_prefix_cache(self) -> None:
         self.calls.append("reset_prefix_cache")

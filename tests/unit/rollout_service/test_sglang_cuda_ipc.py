@@ -231,7 +231,7 @@ async def test_mixed_push_sends_nothing(checkpoint: str) -> None:
     mixed = staged_update(in_staging("a"), TensorPlacement(
         name="b", dtype="float32", shape=(4,), location=ShmLocation(segment="seg-1", offset=0)))
     with pytest.raises(ValueError, match="travels by 'shm'"):
-        await engine.load_weights(mixed, draft=False, version="1")
+        await engine.load_weights(mixed, version="1")
     assert fake.calls == [] and fake.loads == []
 
 

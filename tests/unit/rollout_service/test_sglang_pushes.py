@@ -21,7 +21,7 @@ import os
 import pytest
 from prometheus_client import CollectorRegistry
 
-from rollout_service.engines.base import WeightUpdate
+from rollout_service.engines.base import NO_LOAD, WeightUpdate
 from rollout_service.engines.sglang.features import ServerFeatures
 from rollout_service.engines.sglang.payload import push_segment
 from rollout_service.protocol import messages
@@ -105,31 +105,27 @@ async def test_weight_push_through_the_push_manager(version: str, checkpoint: st
 
 
 async def test_a_push_of_both_loads_them_in_one_pass(checkpoint: str) -> None:
-    """A ``target: both`` push is built and sent once, for both models; the drafter's own
-    load of that push sends nothing. A drafter-only push, or the drafter of a push whose
-    main load failed, loads by itself."""
+    """A ``target: both`` push is built and sent once, for both models (``selector: all``),
+    timed as the main model's load; a drafter-only push loads the drafter alone and
+    leaves the served version's label to the main model."""
     fake = make_fake("0.5.23", checkpoint)
     payloads = PayloadRecorder()
     engine = await connect(fake, payload_builder=payloads)
     tensor = placed("w", "float32", (2,), 0)
+    fake.calls.clear()
     both = WeightUpdate(push_id="both-1", target="both", transport="shm", tensors=(tensor,))
-    await engine.load_weights(both, draft=False, version="1")
-    fake.calls.clear()
-    skipped = await engine.load_weights(both, draft=True, version=None)
-    assert fake.calls == [] and (skipped.load_s, skipped.finalize_s) == (0.0, 0.0)
+    loads = await engine.load_weights(both, version="1")
     assert [u.push_id for u, _ in payloads.calls] == ["both-1"]
-    draft_only = WeightUpdate(push_id="draft-2", target="draft", transport="shm", tensors=(tensor,))
-    await engine.load_weights(draft_only, draft=True, version=None)
-    assert [body["selector"] for body in sent(fake, "/update_weights_from_tensor")] == ["draft"]
-    # A main load that fails leaves the drafter's load of that push to load by itself.
-    failing = WeightUpdate(push_id="both-3", target="both", transport="shm", tensors=(tensor,))
-    engine._num_tp_ranks = 2  # two payloads for the fake's one TP rank: it refuses the load
-    with pytest.raises(RuntimeError):
-        await engine.load_weights(failing, draft=False, version="3")
-    engine._num_tp_ranks = 1
+    loaded = sent(fake, "/update_weights_from_tensor")
+    assert [(b["selector"], b["weight_version"]) for b in loaded] == [("all", "1")]
+    assert loads.main.load_s > 0 and loads.draft == NO_LOAD
     fake.calls.clear()
-    await engine.load_weights(failing, draft=True, version=None)
-    assert [body["selector"] for body in sent(fake, "/update_weights_from_tensor")] == ["draft"]
+    draft_only = WeightUpdate(push_id="draft-2", target="draft", transport="shm", tensors=(tensor,))
+    loads = await engine.load_weights(draft_only, version="2")
+    loaded = sent(fake, "/update_weights_from_tensor")
+    assert [(b["selector"], b["weight_version"]) for b in loaded] == [("draft", None)]
+    assert loads.draft.load_s > 0 and loads.main == NO_LOAD
+    assert fake.weight_version == "1"
 
 
 async def test_failed_load_closes_the_session(checkpoint: str) -> None:
@@ -138,7 +134,7 @@ async def test_failed_load_closes_the_session(checkpoint: str) -> None:
     engine._num_tp_ranks = 1  # one payload for two TP ranks: the fake refuses
     update = shm_update(placed("w", "float32", (2,), 0))
     with pytest.raises(RuntimeError, match="one payload per TP rank"):
-        await engine.load_weights(update, draft=False, version="1")
+        await engine.load_weights(update, version="1")
     assert fake.routes_called()[-1] == "/end_weight_update"
 
 
@@ -151,11 +147,13 @@ async def test_drafter_load_needs_a_target_field(checkpoint: str) -> None:
     engine.features = ServerFeatures(routes=engine.features.routes, fields={
         route: engine.features.fields[route] - {"disable_draft_model"}})
     update = shm_update(placed("w", "float32", (2,), 0))
-    await engine.load_weights(update, draft=False, version="3")
+    await engine.load_weights(update, version="3")
     assert "disable_draft_model" not in sent(fake, route)[0]
     fake.calls.clear()
+    draft_only = WeightUpdate(push_id="push-2", target="draft", transport="shm",
+                              tensors=update.tensors)
     with pytest.raises(NotImplementedError, match="cannot target the drafter"):
-        await engine.load_weights(update, draft=True, version=None)
+        await engine.load_weights(draft_only, version="4")
     assert fake.calls == []
 
 
@@ -184,8 +182,7 @@ async def test_weight_checksums(checkpoint: str) -> None:
     engine = await connect(fake)
     before = await engine.weight_checksums()
     assert set(before) == {"main", "draft"}
-    await engine.load_weights(shm_update(placed("w", "float32", (2,), 0)), draft=False,
-                              version="2")
+    await engine.load_weights(shm_update(placed("w", "float32", (2,), 0)), version="2")
     after = await engine.weight_checksums()
     assert after["main"] != before["main"] and after["draft"] == before["draft"]
     assert sent(fake, "/weights_checker")[0] == {"action": "checksum", "selector": "target"}
