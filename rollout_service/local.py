@@ -15,12 +15,12 @@ from prometheus_client import CollectorRegistry
 
 from rollout_service.config import ServiceConfig
 from rollout_service.engines.base import (
-    BroadcastEngine,
     Engine,
     EngineSpec,
     EngineStarter,
     SpecScheduleEngine,
 )
+from rollout_service.engines.broadcast_engine import BroadcastEngine
 from rollout_service.engines.speculative import load_checkpoint_config
 from rollout_service.engines.start_deadline import StartDeadline
 from rollout_service.pausing import PauseGate

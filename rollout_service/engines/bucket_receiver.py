@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 import torch
 
-from rollout_service.engines.base import BucketReceive
+from rollout_service.engines.broadcast_engine import BucketReceive
 from rollout_service.protocol.broadcast import BucketRefused, FrameHeader, Group
 from rollout_service.protocol.store import BucketInfo, StoreWriter, checksum_hex, copy_checksum
 

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from rollout_service.engines.base import BucketReceive, WorkerReceive
+from rollout_service.engines.broadcast_engine import BucketReceive, WorkerReceive
 from rollout_service.engines.bucket_receiver import PushReceiver
 from rollout_service.protocol.broadcast import Group, GroupSpec, join
 from rollout_service.protocol.store import BucketInfo

@@ -22,7 +22,7 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
-from rollout_service.engines.base import BroadcastEngine, BucketReceive, WorkerReceive
+from rollout_service.engines.broadcast_engine import BroadcastEngine, BucketReceive, WorkerReceive
 from rollout_service.protocol import messages
 from rollout_service.protocol.broadcast import GroupSpec, StoreCounters
 from rollout_service.protocol.store import BucketInfo, StoreRef

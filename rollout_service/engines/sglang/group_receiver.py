@@ -2,7 +2,7 @@
 server's one rank of the trainer's group.
 
 Runs in the rollout service process, as a mixin of ``SGLangEngine`` (``engine.py``), and
-makes it a :class:`~rollout_service.engines.base.BroadcastEngine`: the trainer's group
+makes it a :class:`~rollout_service.engines.broadcast_engine.BroadcastEngine`: the trainer's group
 (``/weights/group``, or SGLang's and vLLM's dialect routes that create one) is joined
 here at the group's rank offset, and each bucket is received here, on threads of
 ``engines/group_member.py``, into the same bounded ring and stored copy as a vLLM
@@ -30,7 +30,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from rollout_service.engines.base import BucketReceive, WorkerReceive
+from rollout_service.engines.broadcast_engine import BucketReceive, WorkerReceive
 from rollout_service.protocol.broadcast import Backend, GroupSpec
 from rollout_service.protocol.store import BucketInfo
 
@@ -54,7 +54,7 @@ def rank_device(gpu: int) -> torch.device:
 
 
 class ServiceRank:
-    """:class:`~rollout_service.engines.base.BroadcastEngine` with this process as the
+    """:class:`~rollout_service.engines.broadcast_engine.BroadcastEngine` with this process as the
     one receiver (a mixin; torch is imported on first use)."""
 
     _member: GroupMember | None = None

@@ -31,7 +31,7 @@ from typing import Any
 import torch
 from vllm.distributed.weight_transfer.base import WeightTransferEngine, WeightTransferInitInfo
 
-from rollout_service.engines.base import BucketReceive
+from rollout_service.engines.broadcast_engine import BucketReceive
 from rollout_service.engines.group_member import GroupMember
 from rollout_service.engines.vllm.transfer import PushUpdateInfo, SessionLoads
 from rollout_service.protocol.broadcast import GroupSpec

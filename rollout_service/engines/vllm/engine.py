@@ -36,7 +36,6 @@ from vllm.v1.engine.exceptions import EngineDeadError
 
 from rollout_service.engines.base import (
     NO_LOAD,
-    BucketReceive,
     ChatTurn,
     EngineInfo,
     EngineSpec,
@@ -49,9 +48,9 @@ from rollout_service.engines.base import (
     SamplingOptions,
     WeightsLoad,
     WeightUpdate,
-    WorkerReceive,
     check_prompt,
 )
+from rollout_service.engines.broadcast_engine import BucketReceive, WorkerReceive
 from rollout_service.engines.chat import chat_prompt_ids
 from rollout_service.engines.sequences import PositionLogprobs
 from rollout_service.engines.vllm import drafter_at_k0

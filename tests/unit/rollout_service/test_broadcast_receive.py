@@ -18,7 +18,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from rollout_service.engines.base import BucketReceive
+from rollout_service.engines.broadcast_engine import BucketReceive
 from rollout_service.engines.bucket_receiver import PushReceiver, Ring
 from rollout_service.protocol.broadcast import (
     GroupSpec,

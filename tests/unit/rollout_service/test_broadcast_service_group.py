@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
-from rollout_service.engines.base import BucketReceive, WorkerReceive
+from rollout_service.engines.broadcast_engine import BucketReceive, WorkerReceive
 from rollout_service.protocol import messages
 from rollout_service.protocol.broadcast import GroupSpec, Rendezvous
 from rollout_service.protocol.store import BucketInfo
@@ -28,10 +28,10 @@ from tests.support.waiting import until
 
 
 class FakeWorkers:
-    """FAKE :class:`~rollout_service.engines.base.BroadcastEngine`: two workers that join
-    at once and whose receive of a bucket ends ``receive_s`` after it starts, counted in
-    the trainer's real store as the real workers count themselves (``Group.
-    receive_bucket``); it records when its workers' bucket states were asked."""
+    """FAKE :class:`~rollout_service.engines.broadcast_engine.BroadcastEngine`: two
+    workers that join at once and whose receive of a bucket ends ``receive_s`` after it
+    starts, counted in the trainer's real store as the real workers count themselves
+    (``Group.receive_bucket``); it records when its workers' bucket states were asked."""
 
     num_workers = 2
     group_backends = ("gloo",)

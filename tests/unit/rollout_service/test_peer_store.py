@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from rollout_service.engines.base import BucketReceive
+from rollout_service.engines.broadcast_engine import BucketReceive
 from rollout_service.engines.bucket_receiver import PushReceiver
 from rollout_service.protocol import messages
 from rollout_service.protocol.broadcast import Group, GroupSpec, Rendezvous, join
