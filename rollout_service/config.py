@@ -104,7 +104,8 @@ class SpeculationControlSettings(BaseModel):
         "drafter push ends a collapse."))
     probe_max_batch_size: int = Field(4, ge=1, description=(
         "Buckets up to this batch size run K >= 1 while a new drafter is probed (and, "
-        "after 8 sequences without a draft, those up to the load's batch size)."))
+        "while nothing is known of its acceptance, after 8 sequences without a draft, "
+        "those up to the load's batch size)."))
     probe_num_drafts: int = Field(256, ge=1, description=(
         "Drafts of a new drafter after which probing ends."))
     drafter_at_k0: Literal["run", "skip"] = Field("run", description=(

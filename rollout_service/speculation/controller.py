@@ -255,9 +255,13 @@ class SpeculationController:
         self._probe_observations = 0
 
     def _widen_probe(self, batch_size: int) -> None:
-        """Probe up to the load's bucket once enough sequences finished without a draft."""
+        """Probe up to the load's bucket once enough sequences finished without a draft
+        while the drafter's acceptance has no evidence at all: a new version after one
+        that drafted starts from that one's estimate (its prior) and is probed where
+        drafts are cheap only, as the large buckets of every RL step's start would
+        otherwise draft after each drafter push."""
         probe = self._config.probe
-        if (self._is_probing and self._acceptance.num_epoch_drafts == 0
+        if (self._is_probing and self._acceptance.estimate().evidence_drafts[0] == 0
                 and self._probe_observations >= probe.widen_after_observations):
             edge = self._config.batch_size_buckets[self._bucket_index(batch_size)]
             self._probe_reach = max(self._probe_reach, edge)

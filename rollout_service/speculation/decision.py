@@ -35,9 +35,9 @@ collapse), the controller probes: buckets up to ``max_batch_size`` run at least
 ``probe.k`` draft tokens until the drafter has ``num_drafts`` drafts, whatever the model
 says; the other buckets follow the model. The probe costs at most ``num_drafts`` drafts at
 small batch sizes, where a draft is nearly free. A load that never reaches those buckets
-(requests of one length that finish together) would never draft; after
-``widen_after_observations`` sequences without a draft the probe also takes the buckets
-up to the load's, where ``num_drafts`` drafts are a few steps.
+(requests of one length that finish together) would never draft; while nothing at all
+is known of the drafter's acceptance, after ``widen_after_observations`` sequences
+without a draft the probe also takes the buckets up to the load's.
 """
 
 from __future__ import annotations
@@ -183,11 +183,12 @@ class ProbeConfig:
     num_drafts: int = 256
     """Drafts of the drafter after which probing ends (a sequence or two)."""
     widen_after_observations: int = 8
-    """Sequences finished while probing without a single draft after which the probe
-    also takes the buckets up to the one of the load (the last observed batch size): a
-    load that never falls into the small buckets never drafts there, and the drafter's
-    acceptance, unknown, would keep K = 0 for good (on an H100, 16 requests of one length
-    finished together round after round, and acceptance stayed at its prior 0)."""
+    """Sequences finished while probing, with no evidence of acceptance at all (no draft
+    yet, nor a previous drafter version's estimate), after which the probe also takes
+    the buckets up to the one of the load (the last observed batch size): a load that
+    never falls into the small buckets never drafts there, and the drafter's acceptance,
+    unknown, would keep K = 0 for good (on an H100, 16 requests of one length finished
+    together round after round, and acceptance stayed at its prior 0)."""
 
     def __post_init__(self) -> None:
         if min(self.k, self.max_batch_size, self.num_drafts,

@@ -341,6 +341,16 @@ def test_a_load_that_never_reaches_the_small_buckets_is_probed_where_it_runs() -
     assert bucket(ctl, 16).reason is not Reason.PROBING
 
 
+def test_a_pushed_drafter_is_probed_in_the_small_buckets_only() -> None:
+    """After a drafter that drafted, a push (every RL step) starts from its estimate: the
+    large buckets at a step's start keep the model's K = 0, as before any widening."""
+    ctl = controller()
+    feed(ctl, BROKEN, batch_size=1, num_drafts=DEFAULTS.probe.num_drafts)  # evidence
+    for _ in range(2 * DEFAULTS.probe.widen_after_observations):
+        feed(ctl, GOOD, batch_size=256, draft_version=1)  # the pushed one, at K = 0
+    assert ctl.state().is_probing and ctl.k_for(1) == 1 and ctl.k_for(256) == 0
+
+
 def test_a_probe_that_drafts_in_the_small_buckets_stays_there() -> None:
     ctl = controller()
     feed(ctl, BROKEN, batch_size=1, num_drafts=10)  # drafted (at K = 1), none accepted
