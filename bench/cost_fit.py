@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from pydantic import ValidationError
 from rich.console import Console
 from rich.table import Table
 
@@ -62,7 +63,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("state", type=Path, help="a controller-*.json of bench.speculation")
     opts = parser.parse_args()
-    state = SpeculationControlStatus.model_validate_json(opts.state.read_text())
+    try:
+        state = SpeculationControlStatus.model_validate_json(opts.state.read_text())
+    except (OSError, ValidationError) as exc:
+        parser.error(f"state: {opts.state} is not a controller state: {exc}")
     console = Console()
     console.print(f"acceptance per position: {[round(p, 3) for p in state.acceptance]}")
     console.print(report(state))
