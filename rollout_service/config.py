@@ -88,8 +88,9 @@ class SpeculationControlSettings(BaseModel):
     calibration: CalibrationSettings = Field(default_factory=CalibrationSettings,
                                              description="The start-up cost measurement.")
     num_steps_per_cost_sample: int = Field(16, ge=1, description=(
-        "Live refresh: clean decode steps of one (K, B) folded into one cost sample "
-        "(their median), which blends into the table."))
+        "Live refresh: clean decode steps of one K and batch-size band (four per "
+        "doubling of B) folded into one cost sample (their median cost at their median "
+        "B), which blends into the table."))
     margin: float = Field(0.05, ge=0, description=(
         "Relative throughput a better K must win by before it replaces the K in force."))
     num_confirmations: int = Field(4, ge=1, description=(

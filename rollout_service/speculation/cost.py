@@ -212,12 +212,19 @@ class StepCostTable:
 
 class StepCostMedians:
     """Folds single-step measurements into one sample per ``num_steps`` steps of the same
-    ``(K, B)``: their median.
+    K and batch-size band: their median cost, at their median batch size.
 
     One step's period carries the noise of everything else on the machine (a scheduler
     hiccup, a garbage collection, a pause of the engine between two steps); the median of
     a run of steps does not, and it keeps the table's blending (``blend_weight`` per
     sample) at the pace of runs rather than of single steps.
+
+    Bands: :data:`BANDS_PER_OCTAVE` per doubling of B (about 19% wide), so that batch
+    sizes up to 4 keep a band each while steps at 97 and 103 requests fold together. A
+    decaying rollout loses requests nearly every step; folding by exact B, no batch size
+    above the calibration ever had ``num_steps`` steps, and buckets there stayed without
+    cost data. A step's cost is close to affine in B, so the median cost of a band's run
+    goes with its median B.
 
     Args:
         num_steps: steps per sample (1 passes every step through).
@@ -227,15 +234,26 @@ class StepCostMedians:
         if num_steps < 1:
             raise ValueError(f"num_steps must be >= 1, got {num_steps}")
         self._num_steps = num_steps
-        self._pending: dict[tuple[int, int], list[float]] = {}
+        self._pending: dict[tuple[int, int], list[StepCostSample]] = {}
 
     def add(self, step: StepCostSample) -> StepCostSample | None:
-        """Take one step; returns the median sample when its ``(K, B)`` has ``num_steps``."""
-        key = (step.k, step.batch_size)
+        """Take one step; returns the median sample when its K and band have
+        ``num_steps``."""
+        key = (step.k, batch_size_band(step.batch_size))
         pending = self._pending.setdefault(key, [])
-        pending.append(step.step_s)
+        pending.append(step)
         if len(pending) < self._num_steps:
             return None
         del self._pending[key]
-        return StepCostSample(k=step.k, batch_size=step.batch_size,
-                              step_s=statistics.median(pending))
+        return StepCostSample(
+            k=step.k, batch_size=statistics.median_low(s.batch_size for s in pending),
+            step_s=statistics.median(s.step_s for s in pending))
+
+
+BANDS_PER_OCTAVE = 4
+"""Batch-size bands per doubling of B in :class:`StepCostMedians`."""
+
+
+def batch_size_band(batch_size: int) -> int:
+    """The band of ``batch_size``: ``floor(BANDS_PER_OCTAVE * log2(B))``."""
+    return math.floor(BANDS_PER_OCTAVE * math.log2(batch_size))

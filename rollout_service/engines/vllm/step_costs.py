@@ -23,8 +23,11 @@ A step is a clean decode step, and becomes a sample, when:
 - its K is uniform: no drafts (K = 0), or one draft per request of exactly K tokens each
   (``num_draft_tokens == K * num_drafts``, ``num_drafts == B``); a request whose draft was
   cut short (near ``max_tokens`` or the context end) makes it non-uniform;
-- the previous step was clean with the same (K, B): its outputs' timestamps are then this
-  step's start, and a step after a change of K still verifies the old K's drafts.
+- the previous step was clean with the same K: its outputs' timestamps are then this
+  step's start, and a step after a change of K still verifies the old K's drafts. B may
+  have fallen by the requests that finished in the previous step: the interval is still
+  this step's work at its own B. (Requiring the same B as well left a decaying rollout,
+  where requests finish nearly every step, with no sample above the calibration.)
 
 Its cost is the median of the step's inter-token latencies. Limits: B is the number of
 requests in the step, not their context lengths (a step at long contexts costs more, and
@@ -87,7 +90,8 @@ class StepCostMonitor:
 
     def __init__(self) -> None:
         self._sinks: list[StepCostSink] = []
-        self._previous: tuple[int, int] | None = None
+        self._previous_k: int | None = None
+        """K of the previous step if it was a clean decode step."""
         self.batch_size = 0
         """Requests that produced an output in the last step with outputs."""
         self.num_steps = 0
@@ -106,11 +110,8 @@ class StepCostMonitor:
                 self.batch_size = num_outputs
                 self.num_steps += 1
         sample = decode_step(scheduler_stats, iteration_stats)
-        key = None if sample is None else (sample.k, sample.batch_size)
-        is_steady = key is not None and key == self._previous
-        self._previous = key
-        if is_steady:
-            assert sample is not None
+        previous_k, self._previous_k = self._previous_k, None if sample is None else sample.k
+        if sample is not None and sample.k == previous_k:
             for sink in self._sinks:
                 try:
                     sink(sample)

@@ -20,6 +20,7 @@ from rollout_service.speculation.cost import (
     StepCostMedians,
     StepCostSample,
     StepCostTable,
+    batch_size_band,
     nondecreasing_fit,
 )
 from tests.support.spec_stats import chain_steps, vllm_chain, vllm_stats
@@ -323,6 +324,19 @@ def test_steps_fold_into_one_median_sample_per_run_of_each_k_and_batch_size() ->
     assert folded[4] is None  # a new run of (1, 4) has begun
     with pytest.raises(ValueError, match="num_steps"):
         StepCostMedians(num_steps=0)
+
+
+def test_a_decaying_batch_folds_by_band_at_its_median_batch_size() -> None:
+    """A rollout loses requests nearly every step: steps at 103, 100 and 97 requests fold
+    into one sample; the small batch sizes keep a band each."""
+    medians = StepCostMedians(num_steps=3)
+    folded = [medians.add(StepCostSample(k=0, batch_size=b, step_s=s)) for b, s in [
+        (103, 0.031), (4, 0.010), (100, 0.030), (5, 0.011), (97, 0.029), (4, 0.010),
+        (5, 0.011), (4, 0.010)]]
+    assert folded[4] == StepCostSample(k=0, batch_size=100, step_s=0.030)
+    assert folded[7] == StepCostSample(k=0, batch_size=4, step_s=0.010)
+    assert [f for i, f in enumerate(folded) if i not in (4, 7)] == [None] * 6
+    assert [batch_size_band(b) for b in (1, 2, 3, 4, 5)] == [0, 4, 6, 8, 9]
 
 
 def test_the_engine_adapter_passes_vllms_per_step_counts_on() -> None:

@@ -69,8 +69,9 @@ def test_a_draft_cut_short_makes_k_non_uniform() -> None:
 
 
 def test_only_steady_steps_reach_the_subscribers() -> None:
-    """A step counts only after a clean step of the same (K, B): its start is then the
-    previous step's output, and a change of K is not half in it."""
+    """A step counts only after a clean step of the same K: its start is then the
+    previous step's output, and a change of K is not half in it. A batch that lost the
+    requests finished in the previous step still counts, at its own B."""
     monitor = StepCostMonitor()
     seen: list[StepCostSample] = []
     monitor.subscribe(seen.append)
@@ -80,13 +81,15 @@ def test_only_steady_steps_reach_the_subscribers() -> None:
                   step([STEP_S] * 2, k=1),  # steady again
                   step([STEP_S], num_first_tokens=1, num_prompt_tokens=8),  # prefill
                   step([STEP_S] * 2, k=1),  # after a prefill: not steady
-                  step([STEP_S] * 2, k=1)]:
+                  step([STEP_S] * 2, k=1),
+                  step([STEP_S], k=1)]:  # one request finished in the step before
         monitor.record(*stats)
     assert seen == [StepCostSample(k=2, batch_size=2, step_s=STEP_S),
                     StepCostSample(k=1, batch_size=2, step_s=STEP_S),
-                    StepCostSample(k=1, batch_size=2, step_s=STEP_S)]
-    assert monitor.batch_size == 2
-    assert monitor.num_steps == 7
+                    StepCostSample(k=1, batch_size=2, step_s=STEP_S),
+                    StepCostSample(k=1, batch_size=1, step_s=STEP_S)]
+    assert monitor.batch_size == 1
+    assert monitor.num_steps == 8
 
 
 def test_steps_without_outputs_are_not_counted() -> None:
