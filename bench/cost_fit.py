@@ -21,8 +21,9 @@ from rich.console import Console
 from rich.table import Table
 
 from rollout_service.protocol.speculation import SpeculationControlStatus
+from rollout_service.speculation.controller import extrapolation_reach
 from rollout_service.speculation.cost import CostConfig, StepCostSample, StepCostTable
-from rollout_service.speculation.decision import throughputs
+from rollout_service.speculation.decision import best_k, throughputs
 
 
 def fitted_choices(state: SpeculationControlStatus) -> dict[int, dict[int, float]]:
@@ -32,17 +33,17 @@ def fitted_choices(state: SpeculationControlStatus) -> dict[int, dict[int, float
     costs = StepCostTable(CostConfig(), (StepCostSample(k=p.k, batch_size=p.batch_size,
                                                         step_s=p.step_s)
                                          for p in state.cost_table))
-    edges = [b.batch_size for b in state.buckets]
+    reach = extrapolation_reach([b.batch_size for b in state.buckets])
     return {edge: throughputs(state.acceptance, costs, batch_size=edge, k_max=state.k_max,
-                              reach_from=edges[i - 1] if i else 1)
-            for i, edge in enumerate(edges)}
+                              reach_from=from_size) for edge, from_size in reach.items()}
 
 
-def best(rates: dict[int, float | None] | list[float | None]) -> int | None:
-    """The K of the highest rate (ties: the smaller K); None without any."""
-    items = rates.items() if isinstance(rates, dict) else enumerate(rates)
-    known = [(rate, -k) for k, rate in items if rate is not None]
-    return -max(known)[1] if known else None
+def best(rates: dict[int, float] | list[float | None]) -> int | None:
+    """The decision's best K (``decision.best_k``) among the rates known; None without
+    any (a bucket's ``tokens_per_s`` has None where K has no cost data)."""
+    known = rates if isinstance(rates, dict) else {
+        k: rate for k, rate in enumerate(rates) if rate is not None}
+    return best_k(known) if known else None
 
 
 def report(state: SpeculationControlStatus) -> Table:

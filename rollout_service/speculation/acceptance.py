@@ -150,6 +150,11 @@ class AcceptanceEstimator:
         return self._draft_version
 
     @property
+    def has_evidence(self) -> bool:
+        """Whether any draft reached position 0, counted or carried as a prior."""
+        return self._reached[0] > 0
+
+    @property
     def num_epoch_drafts(self) -> int:
         """Drafts counted since the epoch began."""
         return self._num_epoch_drafts

@@ -69,6 +69,13 @@ def k_at(schedule: Mapping[int, int], batch_size: int) -> int:
     return schedule[edges[min(bisect.bisect_left(edges, batch_size), len(edges) - 1)]]
 
 
+def extrapolation_reach(buckets: Sequence[int]) -> dict[int, int]:
+    """Per bucket edge, the first batch size of the bucket below: the nearest a K's
+    measured cost may be extrapolated from (``cost.py``, ``reach_from``)."""
+    edges = (0, 0, *buckets)
+    return {b: edges[i] + 1 for i, b in enumerate(buckets)}
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class ControllerConfig:
     """The speculation controller's settings (see the module docstring)."""
@@ -152,10 +159,7 @@ class SpeculationController:
         self._acceptance = AcceptanceEstimator(config.acceptance, num_positions=config.k_max)
         self._collapse = CollapseDetector(config.collapse)
         self._hysteresis = {b: Hysteresis(config.hysteresis) for b in config.batch_size_buckets}
-        edges = (0, 0, *config.batch_size_buckets)
-        self._reach_from = {b: edges[i] + 1 for i, b in enumerate(config.batch_size_buckets)}
-        """Per bucket, the first batch size of the bucket below: the nearest a K's measured
-        cost may be extrapolated from (``cost.py``)."""
+        self._reach_from = extrapolation_reach(config.batch_size_buckets)
         self._is_probing = True
         self._probe_reach = config.probe.max_batch_size
         """Buckets up to this edge are probed while probing (widened to the load's)."""
@@ -261,7 +265,7 @@ class SpeculationController:
         drafts are cheap only, as the large buckets of every RL step's start would
         otherwise draft after each drafter push."""
         probe = self._config.probe
-        if (self._is_probing and self._acceptance.estimate().evidence_drafts[0] == 0
+        if (self._is_probing and not self._acceptance.has_evidence
                 and self._probe_observations >= probe.widen_after_observations):
             edge = self._config.batch_size_buckets[self._bucket_index(batch_size)]
             self._probe_reach = max(self._probe_reach, edge)
