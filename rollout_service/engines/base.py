@@ -25,7 +25,7 @@ from rollout_service.engines.sequences import (
 )
 from rollout_service.engines.speculative import MTPSettings
 from rollout_service.protocol.cuda_ipc import CudaIpcHandle
-from rollout_service.protocol.messages import PauseMode, PushTarget
+from rollout_service.protocol.messages import PauseMode, PushTarget, push_roles
 from rollout_service.protocol.placement import TensorPlacement, Transport
 from rollout_service.protocol.store import StoreRef
 from rollout_service.speculation.cost import StepCostSample
@@ -106,11 +106,11 @@ class WeightUpdate:
 
     @property
     def loads_main(self) -> bool:
-        return self.target in ("main", "both")
+        return "main" in push_roles(self.target)
 
     @property
     def loads_draft(self) -> bool:
-        return self.target in ("draft", "both")
+        return "draft" in push_roles(self.target)
 
     def is_last_load(self, *, draft: bool) -> bool:
         """Whether the load of this model is the last of the push (drafter after main), for

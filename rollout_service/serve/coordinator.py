@@ -49,7 +49,7 @@ from rollout_service.serve.commands import (  # re-exported: the replicas' side 
 )
 from rollout_service.serve.group_fanout import GroupFanOut, GroupRoutes, GroupSettings
 from rollout_service.serve.replica_mailbox import ReplicaMailbox
-from rollout_service.weights.intake import ActivePush, PushError, PushIntake, roles
+from rollout_service.weights.intake import ActivePush, PushError, PushIntake
 
 __all__ = ["Command", "CommandResult", "Snapshot", "StoredPush", "WeightsCoordinator"]
 
@@ -216,7 +216,7 @@ class WeightsCoordinator(ReplicaMailbox, GroupRoutes):
         loaded = [r for r in targets if results[r].ok]
         failed = {r: results[r] for r in targets if not results[r].ok}
         if loaded:
-            for role in roles(req.target):
+            for role in messages.push_roles(req.target):
                 setattr(self, f"{role}_version", req.version)
             self._last_stored, self._holders = (stored, loaded) if self.groups is None else \
                 self.groups.sources(stored, {r: results[r] for r in loaded})

@@ -41,7 +41,7 @@ from rollout_service.weights.checks import (  # re-exported: the intake's caller
 )
 
 __all__ = ["ActivePush", "PushError", "PushIntake", "build_update", "check_bucket",
-           "check_no_overlap", "check_target", "roles", "validate_announcement",
+           "check_no_overlap", "check_target", "validate_announcement",
            "validate_placement"]
 
 logger = logging.getLogger(__name__)
@@ -244,13 +244,8 @@ def check_newer(version: int, target: messages.PushTarget,
                 versions: dict[str, int | None]) -> None:
     """Raises PushError(409) unless ``version`` is newer than the served version of every
     model ``target`` names."""
-    for role in roles(target):
+    for role in messages.push_roles(target):
         current = versions.get(role)
         if current is not None and version <= current:
             raise PushError(409, f"version: {version} is not newer than the {role} "
                                  f"model's version {current}")
-
-
-def roles(target: messages.PushTarget) -> list[str]:
-    """The models a push target names."""
-    return {"main": ["main"], "draft": ["draft"], "both": ["main", "draft"]}[target]

@@ -33,7 +33,6 @@ from rollout_service.weights.intake import (
     build_update,
     check_bucket,
     check_target,
-    roles,
 )
 
 logger = logging.getLogger(__name__)
@@ -262,7 +261,7 @@ class WeightPushManager:
             raise PushError(500, f"the engine failed while loading; generation is refused "
                                  f"until a complete push succeeds: {exc}") from exc
         self.is_consistent = True
-        for role in roles(req.target):
+        for role in messages.push_roles(req.target):
             setattr(self, f"{role}_version", req.version)
             self._metrics.set_version(role, req.version)
         self._metrics.loaded(self.main_version or 0, req.training_stats)

@@ -90,6 +90,7 @@ from rollout_service.protocol.messages.pushes import (
     PushUpdateResponse,
     TrainingStats,
     WeightStatus,
+    push_roles,
 )
 
 __all__ = [
@@ -131,6 +132,7 @@ __all__ = [
     "PushFinishRequest",
     "PushFinishResponse",
     "PushTarget",
+    "push_roles",
     "PushTimings",
     "PushUpdateRequest",
     "PushUpdateResponse",

@@ -22,6 +22,12 @@ from rollout_service.protocol.tensors import Dtype
 
 PushTarget = Literal["main", "draft", "both"]
 """Which models a push loads: the main model, the drafter, or both from one stream."""
+
+
+def push_roles(target: PushTarget) -> tuple[str, ...]:
+    """The models a push target names (``main``, ``draft``), main first."""
+    return {"main": ("main",), "draft": ("draft",), "both": ("main", "draft")}[target]
+
 PauseMode = Literal["wait", "abort", "keep"]
 """How generation pauses (for a push's load, or a dialect's pause route): running
 requests drain, are aborted, or are frozen until the resume."""
