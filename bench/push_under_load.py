@@ -21,7 +21,9 @@ replica has loaded, which this leaves out) at p50 and p99, the end-to-end push
 time, the failed pushes and the failed requests, which must be 0.
 
 ``--pushes N`` runs pairs of rounds until the timed pushing rounds have made N pushes
-(the last one stops at N) instead of ``--rounds`` pairs.
+(the last one stops at N) instead of ``--rounds`` pairs. The first pair warms up, untimed,
+for ``--warmup-s`` each. Stopped early (Ctrl-C, or SIGTERM from a time limit), it still
+prints the report of the rounds it finished.
 
     python -m bench.push_under_load --model embedded:tiny --concurrency 8 --rounds 3 --round-s 20
     python -m bench.push_under_load --model embedded:1b --transport cuda_ipc --concurrency 128
@@ -162,28 +164,29 @@ def wants_another_pair(opts: argparse.Namespace, pair: int, timed: list[Round]) 
 
 async def one_round(kind: str, client: RolloutClient, pusher: WeightPusher,
                     tensors: dict[str, torch.Tensor], version: int, opts: argparse.Namespace,
-                    max_pushes: int | None) -> tuple[Round, int]:
-    """One round of ``kind``; returns it and the next free version."""
+                    seconds: float, max_pushes: int | None) -> tuple[Round, int]:
+    """One round of ``kind``, ``seconds`` long; returns it and the next free version."""
     load = Load(client, opts.concurrency, opts.max_tokens)
     round_ = Round(kind=kind, tokens_per_s=0.0, num_failed=0)
     start = time.monotonic()
     if kind == "pushing":
-        pushes = asyncio.to_thread(push_until, pusher, tensors, start + opts.round_s, version,
+        pushes = asyncio.to_thread(push_until, pusher, tensors, start + seconds, version,
                                    round_, max_pushes)
-        _, version = await asyncio.gather(load.run_for(opts.round_s), pushes)
+        _, version = await asyncio.gather(load.run_for(seconds), pushes)
     else:
-        await load.run_for(opts.round_s)
+        await load.run_for(seconds)
     round_.tokens_per_s = load.num_tokens / (time.monotonic() - start)
     round_.num_failed = load.num_failed
     round_.request_errors = load.errors[:3]
     return round_, version
 
 
-async def run(opts: argparse.Namespace, console: Console) -> list[Round]:
+async def run(opts: argparse.Namespace, console: Console, rounds: list[Round]) -> None:
+    """Start the service and measure, appending each timed round to ``rounds`` as it ends
+    (what an interrupted run leaves there is still reported)."""
     token = secrets.token_hex(16)
     scratch = Path(opts.logs or tempfile.mkdtemp(prefix="bench-push-load-"))
     scratch.mkdir(parents=True, exist_ok=True)
-    rounds: list[Round] = []
     with contextlib.ExitStack() as stack:
         service = start_service(opts, scratch, token, stack)
         console.print(f"logs: {scratch}")
@@ -201,8 +204,9 @@ async def run(opts: argparse.Namespace, console: Console) -> list[Round]:
                 while wants_another_pair(opts, r, rounds):
                     for kind in KINDS if r % 2 == 0 else KINDS[::-1]:
                         budget = opts.pushes - num_pushes(rounds) if opts.pushes and r else None
+                        seconds = opts.round_s if r else opts.warmup_s
                         round_, version = await one_round(kind, client, pusher, tensors,
-                                                          version, opts, budget)
+                                                          version, opts, seconds, budget)
                         for error in round_.push_errors[:3]:
                             console.print(f"  failed push: {error}")
                         for error in round_.request_errors:
@@ -214,7 +218,6 @@ async def run(opts: argparse.Namespace, console: Console) -> list[Round]:
                                       f"{len(round_.push_errors)} failed pushes, "
                                       f"{round_.num_failed} failed requests")
                     r += 1
-    return rounds
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -225,6 +228,9 @@ def percentile(values: list[float], q: float) -> float:
 def print_report(console: Console, rounds: list[Round], opts: argparse.Namespace) -> None:
     server = (f"Ray Serve, {opts.ray_replicas} replicas" if opts.ray_replicas
               else "standalone service")
+    if not rounds:
+        console.print("no timed round finished")
+        return
     num_rounds = len(rounds) // len(KINDS)
     console.print(f"{opts.model}, {server}, transport {opts.transport}, {opts.concurrency} "
                   f"requests in flight x {opts.max_tokens} tokens, {num_rounds} rounds of "
@@ -268,6 +274,8 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=3, help="timed rounds per kind")
     parser.add_argument("--round-s", type=float, default=20.0)
+    parser.add_argument("--warmup-s", type=float, default=None,
+                        help="each round of the untimed first pair (default: --round-s)")
     parser.add_argument("--num-speculative-tokens", type=int, default=1)
     parser.add_argument("--device", choices=("cpu", "cuda"), default=None,
                         help="default: cuda when vLLM's platform is CUDA")
@@ -281,6 +289,8 @@ def main() -> None:
                              "(instead of --rounds)")
     parser.add_argument("--logs", default=None, help="directory for the servers' logs")
     opts = parser.parse_args()
+    if opts.round_s <= 0 or (opts.warmup_s is not None and opts.warmup_s <= 0):
+        parser.error("--round-s and --warmup-s must be > 0")
     if opts.ray_replicas and opts.transport != "shm":
         # the app refuses cuda_ipc (serve/config.py); its nccl needs the trainer's group,
         # and NCCL puts no two ranks of one group on one GPU
@@ -289,8 +299,15 @@ def main() -> None:
         from vllm.platforms import current_platform
 
         opts.device = "cuda" if current_platform.is_cuda() else "cpu"
+    if opts.warmup_s is None:
+        opts.warmup_s = opts.round_s
     console = Console()
-    rounds = asyncio.run(run(opts, console))
+    rounds: list[Round] = []
+    try:
+        asyncio.run(run(opts, console, rounds))
+    except KeyboardInterrupt as stop:
+        console.print(f"stopped ({stop or 'interrupt'}) after {len(rounds)} timed rounds; "
+                      "the report covers those")
     print_report(console, rounds, opts)
 
 

@@ -241,12 +241,12 @@ for s in "$@"; do
         --logs "$out/rayserve-logs" ;;
     rayserve-load)  # 100 pushes of main + drafter (shm: NCCL puts no two ranks on one GPU)
       # through the Ray ingress, 2 replicas at 0.25 each, under 128 requests in flight, as
-      # `load` does standalone (3 pushing rounds of 20 s made 134 cuda_ipc pushes there): 2
-      # engine starts (1b), then pairs of 20 s rounds until the 100th push, ~4 pairs at ~1 s
-      # a push
-      step rayserve-load 550 python3 -m bench.push_under_load --model embedded:1b \
+      # `load` does standalone: Ray and 2 engine starts (1b; ~4 min on the H100), a 5 s
+      # warm-up pair, then pairs of 20 s rounds until the 100th push (~1.1 s a push on the
+      # H100: 6 pairs). A run cut by the limit still prints the rounds it finished.
+      step rayserve-load 580 python3 -m bench.push_under_load --model embedded:1b \
         --ray-replicas 2 --transport shm --concurrency 128 --pushes 100 --round-s 20 \
-        --logs "$out/rayserve-load-logs" ;;
+        --warmup-s 5 --logs "$out/rayserve-load-logs" ;;
     spec-full) step spec-full 540 python3 -m bench.speculation --model embedded:1b \
             --draft-noise 0.1,0.6 --k-max 3 --concurrency 1,16,256 --max-tokens 256 \
             --rounds 2 --rollout-prompts 512 --stale-drafter --logs "$out/spec-logs" ;;
