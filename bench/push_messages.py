@@ -126,7 +126,7 @@ def one_push(push: Push, named_buffer: bool) -> dict[str, float]:
             active.placements[placement.name] = placement
         check_no_overlap(active.placements.values(), begin.cuda_ipc_buffer)
         update = build_update(active)
-        return [update_info(update, is_last_load=last) for last in (False, True)]
+        return [update_info(update, draft=draft) for draft in (False, True)]
 
     def workers(infos: list[dict]) -> None:
         for info in infos:

@@ -112,11 +112,6 @@ class WeightUpdate:
     def loads_draft(self) -> bool:
         return "draft" in push_roles(self.target)
 
-    def is_last_load(self, *, draft: bool) -> bool:
-        """Whether the load of this model is the last of the push (drafter after main), for
-        an engine that loads the models one after the other."""
-        return draft or self.target == "main"
-
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class LoadTimings:

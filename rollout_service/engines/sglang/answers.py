@@ -26,9 +26,10 @@ already 200); one before it is a 400, as without streaming.
 
 from __future__ import annotations
 
-import json
 from collections.abc import AsyncIterator, Mapping, Sequence
 from typing import Any
+
+import pydantic_core
 
 from rollout_service.engines.base import (
     EngineUnavailableError,
@@ -165,7 +166,7 @@ async def streamed_answers(streamed: Streamed) -> AsyncIterator[dict[str, Any]]:
 
     Raises:
         InvalidRequestError: SGLang refused the request (a 4xx, or an error event).
-        EngineUnavailableError: a 5xx.
+        EngineUnavailableError: a 5xx, or an event that is not JSON.
     """
     if streamed.status != 200:
         reply = await streamed.read()
@@ -174,7 +175,12 @@ async def streamed_answers(streamed: Streamed) -> AsyncIterator[dict[str, Any]]:
                                          f"{error_message(reply)}")
         raise InvalidRequestError(error_message(reply))
     async for event in read_events(streamed.lines):
-        out = json.loads(event)
+        try:  # pydantic's Rust parser, as for every whole answer (Reply.json)
+            out = pydantic_core.from_json(event)
+        except ValueError as exc:
+            raise EngineUnavailableError(
+                f"SGLang /generate streamed an event that is not JSON: {event[:200]!r}"
+            ) from exc
         if "error" in out:
             raise InvalidRequestError(error_message_of(out))
         yield out

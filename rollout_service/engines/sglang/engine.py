@@ -154,11 +154,16 @@ class SGLangEngine(SGLangWeights, ServiceRank):
         port = port or free_port_below_ephemeral(host)
         command = build_launch_command(model_path, engine_kwargs, mtp, host=host, port=port)
         base_url = f"http://{host}:{port}"
-        process = await start_server(command, base_url, startup_timeout_s=startup_timeout_s)
+        http = AiohttpServer(base_url)  # one pool: the health polls', then the engine's
+        try:
+            process = await start_server(command, http, startup_timeout_s=startup_timeout_s)
+        except BaseException:
+            await http.aclose()
+            raise
         try:
             engine = await cls.connect(base_url, served_model_name=served_model_name,
-                                       model_path=model_path)
-        except BaseException:
+                                       model_path=model_path, http=http)
+        except BaseException:  # connect closed http
             await stop_process(process)
             raise
         engine._process = process

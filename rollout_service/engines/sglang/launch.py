@@ -25,7 +25,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from rollout_service.engines.base import EngineUnavailableError
-from rollout_service.engines.sglang.http_client import AiohttpServer
+from rollout_service.engines.sglang.http_client import ServerHTTP
 from rollout_service.engines.speculative import MTPSettings, build_sglang_server_args
 
 logger = logging.getLogger(__name__)
@@ -88,9 +88,10 @@ def build_launch_command(model_path: str, engine_kwargs: Mapping[str, Any], mtp:
     return command
 
 
-async def start_server(command: list[str], base_url: str, *,
+async def start_server(command: list[str], http: ServerHTTP, *,
                        startup_timeout_s: float) -> asyncio.subprocess.Process:
-    """Run ``command`` in its own session and return once ``base_url`` is healthy.
+    """Run ``command`` in its own session and return once the server ``http`` reaches is
+    healthy (the engine's own client, whose pool it then keeps).
 
     Raises:
         EngineUnavailableError: the server exited or was not healthy in time (it is
@@ -99,7 +100,7 @@ async def start_server(command: list[str], base_url: str, *,
     logger.info("launching SGLang: %s", " ".join(command))
     process = await asyncio.create_subprocess_exec(*command, start_new_session=True)
     try:
-        await _wait_healthy(base_url, process, startup_timeout_s)
+        await _wait_healthy(http, process, startup_timeout_s)
     except BaseException:
         await stop_process(process)
         raise
@@ -117,20 +118,16 @@ async def stop_process(process: asyncio.subprocess.Process) -> None:
             await process.wait()
 
 
-async def _wait_healthy(base_url: str, process: asyncio.subprocess.Process,
+async def _wait_healthy(http: ServerHTTP, process: asyncio.subprocess.Process,
                         timeout_s: float) -> None:
     deadline = time.monotonic() + timeout_s
-    http = AiohttpServer(base_url)
-    try:
-        while time.monotonic() < deadline:
-            if process.returncode is not None:
-                raise EngineUnavailableError(f"SGLang exited with code {process.returncode}")
-            try:
-                if (await http.send("GET", "/health", timeout=5.0)).status == 200:
-                    return
-            except EngineUnavailableError:
-                pass  # not listening yet
-            await asyncio.sleep(2.0)
-    finally:
-        await http.aclose()
+    while time.monotonic() < deadline:
+        if process.returncode is not None:
+            raise EngineUnavailableError(f"SGLang exited with code {process.returncode}")
+        try:
+            if (await http.send("GET", "/health", timeout=5.0)).status == 200:
+                return
+        except EngineUnavailableError:
+            pass  # not listening yet
+        await asyncio.sleep(2.0)  # a poll interval, under the deadline above
     raise EngineUnavailableError(f"SGLang was not healthy within {timeout_s} s")

@@ -310,8 +310,7 @@ class VLLMEngine(SpecScheduleMethods):
             await self._llm.start_draft_weight_update()
         else:
             await self._llm.start_weight_update()
-        info = update_info(update, is_last_load=update.is_last_load(draft=draft),
-                           in_place=self.loads_in_place)
+        info = update_info(update, draft=draft, in_place=self.loads_in_place)
         await self._llm.update_weights(WeightTransferUpdateRequest(update_info=info))
         loaded = time.perf_counter()
         await self._llm.finish_weight_update(weight_version=version)

@@ -82,13 +82,17 @@ class PushUpdateInfo(WeightTransferUpdateInfo):
                              f"is {self.transport!r}")
 
 
-def update_info(update: WeightUpdate, *, is_last_load: bool, in_place: bool = False
+def update_info(update: WeightUpdate, *, draft: bool, in_place: bool = False
                 ) -> dict[str, Any]:
     """``update_info`` for ``LLM.update_weights`` of one model's load of ``update``.
 
     The main model and the drafter get the same placements: the same segment
-    offsets, or the same CUDA IPC handles (opened once in the worker for both).
+    offsets, or the same CUDA IPC handles (opened once in the worker for both). vLLM
+    loads them in two sessions, main model first, so the drafter's load (or the main
+    model's, in a main-only push) is the last, after which the worker releases what
+    the push opened.
     """
+    is_last_load = draft or update.target == "main"
     buffer, store = update.cuda_ipc_buffer, update.store
     return {"push_id": update.push_id, "transport": update.transport,
             "tensors": [p.model_dump(mode="json") for p in update.tensors],

@@ -88,6 +88,30 @@ def test_cuda_ipc_placement_on_an_shm_push_is_refused() -> None:
             validate_placement(push, placement)
 
 
+@pytest.mark.parametrize(("target", "last_loads"), [
+    ("both", {False: False, True: True}),  # main model, then the drafter: the drafter's
+    ("main", {False: True}),
+    ("draft", {True: True})])
+def test_the_last_load_of_a_push_releases_it(target: str, last_loads: dict[bool, bool]
+                                             ) -> None:
+    """vLLM loads a push in one session per model, main model first: the worker releases
+    what the push opened after the last of them, and only then."""
+    from rollout_service.engines.vllm.transfer import update_info
+
+    push = active(begin(target=target))
+    placement = TensorPlacement.model_validate(placed("w", handle_fields()))
+    validate_placement(push, placement)
+    push.placements["w"] = placement
+    bias = TensorPlacement.model_validate(placed("b", handle_fields(
+        shape=[3], stride=[1], dtype="float32", storage_size_bytes=12), shape=[3],
+        dtype="float32"))
+    validate_placement(push, bias)
+    push.placements["b"] = bias
+    update = build_update(push)
+    assert {draft: update_info(update, draft=draft)["is_last_load"]
+            for draft in last_loads} == last_loads
+
+
 def test_complete_push_becomes_the_engines_update_info() -> None:
     from rollout_service.engines.vllm.transfer import PushUpdateInfo, update_info
 
@@ -104,8 +128,7 @@ def test_complete_push_becomes_the_engines_update_info() -> None:
     update = build_update(push)
     assert update.transport == "cuda_ipc"
     assert [p.name for p in update.tensors] == list(CHECKPOINT)  # announcement order
-    infos = [update_info(update, is_last_load=update.is_last_load(draft=draft))
-             for draft in (False, True)]
+    infos = [update_info(update, draft=draft) for draft in (False, True)]
     assert [i["is_last_load"] for i in infos] == [False, True]  # drafter loads last
     for info in infos:
         parsed = PushUpdateInfo(**json.loads(json.dumps(info)))  # JSON-safe
@@ -199,7 +222,7 @@ def test_the_staging_buffer_travels_once_to_the_worker_and_is_opened_once(
     update = build_update(push)
     assert update.cuda_ipc_buffer is not None
     assert update.cuda_ipc_buffer.model_dump() == staged.model_dump()
-    wire = json.dumps(update_info(update, is_last_load=True))
+    wire = json.dumps(update_info(update, draft=True))
     assert wire.count(staged.storage_handle) == 1
     info = PushUpdateInfo(**json.loads(wire))
     assert info.staging_buffer == staged

@@ -14,6 +14,7 @@ opt-in ``test_sglang_conformance.py``.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import AsyncIterator
 from dataclasses import replace
 
 import httpx
@@ -22,9 +23,15 @@ from starlette.applications import Starlette
 from starlette.routing import Mount
 
 from rollout_service.embedded import ensure_model
-from rollout_service.engines.base import ChatTurn, InvalidRequestError, SamplingOptions
+from rollout_service.engines.base import (
+    ChatTurn,
+    EngineUnavailableError,
+    InvalidRequestError,
+    SamplingOptions,
+)
+from rollout_service.engines.sglang.answers import streamed_answers
 from rollout_service.engines.sglang.engine import SGLangEngine
-from rollout_service.engines.sglang.http_client import HttpxServer
+from rollout_service.engines.sglang.http_client import HttpxServer, Reply, Streamed
 from tests.support.fake_sglang import FakeSGLang
 from tests.support.sglang_on_fake import SPEC_ARGS, VERSIONS, connect, greedy, make_fake, sent
 from tests.support.waiting import until
@@ -222,3 +229,21 @@ async def test_a_server_under_a_path_prefix_is_reached_under_it(checkpoint: str)
     assert deltas[-1].result.token_ids == result.token_ids and len(result.token_ids) == 4
     assert len(sent(fake, "/sglang/generate")) == 2  # the fake sees the whole path
     await engine.shutdown()
+
+
+async def test_a_stream_event_that_is_not_json_is_the_servers_fault() -> None:
+    """An event SGLang could not have meant (cut, or not JSON) ends the stream as the
+    engine's failure (a 5xx to the client), naming what came, not as a crash of the
+    service's handler."""
+
+    async def lines() -> AsyncIterator[str]:
+        for line in ('data: {"text": "a", "meta_info": {}}', "", 'data: {"text": "ab', ""):
+            yield line
+
+    async def read() -> Reply:
+        raise AssertionError("a 200 stream is read line by line")
+
+    answers = streamed_answers(Streamed(status=200, lines=lines(), read=read))
+    assert (await anext(answers))["text"] == "a"
+    with pytest.raises(EngineUnavailableError, match=r"not JSON: '\{\"text\": \"ab'"):
+        await anext(answers)

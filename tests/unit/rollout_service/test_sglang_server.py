@@ -6,20 +6,22 @@ nothing here has run against a live SGLang server. Covered: the engine's info fr
 ``/model_info``, ``/server_info`` and ``/v1/models`` (and whose drafter a push can
 reach), the launch command built from the service's settings, the features read from the
 server's routes and request fields (with and without its OpenAPI document), health, an
-unreachable server, and a launched server that exits.
+unreachable server, a launched server that exits, and the start's health polls.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import socket
+import sys
+from pathlib import Path
 
 import pytest
 
 from rollout_service.engines.base import EngineUnavailableError
 from rollout_service.engines.sglang.engine import SGLangEngine
 from rollout_service.engines.sglang.http_client import AiohttpServer
-from rollout_service.engines.sglang.launch import build_launch_command
+from rollout_service.engines.sglang.launch import build_launch_command, start_server, stop_process
 from rollout_service.engines.sglang.server_facts import has_pushable_drafter
 from rollout_service.engines.speculative import MTPSettings
 from tests.support.sglang_on_fake import MTP, VERSIONS, connect, greedy, make_fake
@@ -146,3 +148,24 @@ async def test_launch_reports_a_server_that_exits(checkpoint: str) -> None:
     with pytest.raises(EngineUnavailableError, match="SGLang exited with code 1"):
         await SGLangEngine.launch(checkpoint, {}, MTP, served_model_name="tiny", port=port,
                                   startup_timeout_s=60)
+
+
+async def test_a_started_server_keeps_the_health_polls_client(tmp_path: Path) -> None:
+    """``start_server`` polls ``/health`` with the client the engine then keeps (one
+    pool for the server's life): it returns once the server answers 200, the client
+    still open. A static file server stands in for SGLang; ``health`` is a file there."""
+    (tmp_path / "health").write_text("ok")
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    http = AiohttpServer(f"http://127.0.0.1:{port}")
+    command = [sys.executable, "-m", "http.server", str(port), "--bind", "127.0.0.1",
+               "--directory", str(tmp_path)]
+    process = await start_server(command, http, startup_timeout_s=60)
+    try:
+        assert process.returncode is None
+        assert (await http.send("GET", "/health")).body == b"ok"  # the same pool, open
+    finally:
+        await stop_process(process)
+        await http.aclose()
+    assert process.returncode is not None
