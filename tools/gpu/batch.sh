@@ -28,8 +28,8 @@
 #
 # Ray Serve on the GPU (issue item 6), after `source tools/gpu/ray_env.sh` as well (Ray carried
 # by tools/gpu/prepare_ray.sh; docs/ray-serve.md), one call each:
-#   bash tools/gpu/batch.sh rayserve            # ~5-7 min: 2 replicas on one GPU vs the service
-#   bash tools/gpu/batch.sh rayserve-load       # ~6-8 min: 100 pushes through the Ray ingress
+#   bash tools/gpu/batch.sh rayserve            # ~9 min: 2 replicas on one GPU vs the service
+#   bash tools/gpu/batch.sh rayserve-load       # ~8-9 min: 100 pushes through the Ray ingress
 #
 # SGLang (issue 28), after `source tools/gpu/project_env_sglang.sh` instead (the sglang
 # bundle in /tmp/site-sglang; carry .gpuextra), one call each:
