@@ -235,8 +235,9 @@ for s in "$@"; do
     rayserve)  # the Ray Serve ingress, 2 engine replicas on the one GPU (num_gpus 0.5, half of
       # the service's gpu_memory_utilization each, engines started one after the other) vs the
       # standalone service on the whole share (0.25), interleaved as in `serving`: 3 engines
-      # to start (~1 min each with compile and graphs), ~3 min of rounds at 512
-      step rayserve 550 python3 -m bench.serving --model embedded:small --modes service,ray-serve \
+      # to start (~1 min each with compile and graphs), ~3 min of rounds at 512 (529 s of
+      # the 550 this step had on the H100)
+      step rayserve 580 python3 -m bench.serving --model embedded:small --modes service,ray-serve \
         --ray-replicas 2 --concurrency 128,512 --max-tokens 256 --rounds 3 --waves 2 \
         --logs "$out/rayserve-logs" ;;
     rayserve-load)  # 100 pushes of main + drafter (shm: NCCL puts no two ranks on one GPU)
