@@ -306,7 +306,7 @@ def main() -> None:
     try:
         asyncio.run(run(opts, console, rounds))
     except KeyboardInterrupt as stop:
-        console.print(f"stopped ({stop or 'interrupt'}) after {len(rounds)} timed rounds; "
+        console.print(f"stopped ({str(stop) or 'Ctrl-C'}) after {len(rounds)} timed rounds; "
                       "the report covers those")
     print_report(console, rounds, opts)
 

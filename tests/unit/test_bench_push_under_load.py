@@ -58,12 +58,14 @@ def test_nothing_finished_says_so(monkeypatch: pytest.MonkeyPatch,
                                   capsys: pytest.CaptureFixture[str]) -> None:
     async def stopped_at_start(opts: argparse.Namespace, console: object,
                                rounds: list[Round]) -> None:
-        raise KeyboardInterrupt("signal 15")
+        raise KeyboardInterrupt  # Ctrl-C during the engine's start
 
     monkeypatch.setattr(push_under_load, "run", stopped_at_start)
     monkeypatch.setattr(sys, "argv", ["push_under_load", "--device", "cpu"])
     push_under_load.main()
-    assert "no timed round finished" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "stopped (Ctrl-C) after 0 timed rounds" in out
+    assert "no timed round finished" in out
 
 
 @pytest.mark.parametrize("flag", ["--round-s", "--warmup-s"])
