@@ -80,8 +80,8 @@ def serve_h11() -> None:
 
     named = cli.server_config
 
-    def with_h11(app: Any, keep_alive_s: float) -> Any:
-        config = named(app, keep_alive_s)
+    def with_h11(app: Any, keep_alive_s: float, **options: Any) -> Any:
+        config = named(app, keep_alive_s, **options)
         config.http = "h11"
         return config
 

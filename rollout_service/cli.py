@@ -31,7 +31,8 @@ def configure_logging() -> None:
     logging.basicConfig(level=logging.INFO, format=LOG_FORMAT)
     logging.getLogger("httpx").setLevel(logging.WARNING)
 
-def server_config(app_: Any, keep_alive_s: float) -> uvicorn.Config:
+def server_config(app_: Any, keep_alive_s: float, *, access_log: bool = True
+                  ) -> uvicorn.Config:
     """uvicorn's config of the standalone service: httptools and uvloop by name (both
     dependencies). uvicorn's ``auto`` falls back to the pure-Python h11 parser and
     asyncio's loop without a word where they are missing, as a service on the GPU
@@ -39,7 +40,7 @@ def server_config(app_: Any, keep_alive_s: float) -> uvicorn.Config:
     import uvicorn
 
     return uvicorn.Config(app_, log_level="info", http="httptools", loop="uvloop",
-                          timeout_keep_alive=keep_alive_s)
+                          timeout_keep_alive=keep_alive_s, access_log=access_log)
 
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
@@ -76,7 +77,8 @@ def serve(
     except OSError as exc:
         raise typer.BadParameter(f"{cfg.host}:{cfg.port}: {exc.strerror}",
                                  param_hint="--port") from exc
-    server = uvicorn.Server(server_config(app_, cfg.http_keep_alive_s))
+    server = uvicorn.Server(server_config(app_, cfg.http_keep_alive_s,
+                                          access_log=cfg.http_access_log))
     server.run(sockets=[sock])
 
 

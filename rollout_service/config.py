@@ -181,6 +181,11 @@ class ServiceConfig(BaseModel):
         "Seconds an idle HTTP connection is kept open. Longer than the 5 s idle expiry of "
         "common clients (httpx, aiohttp), so a client never reuses a connection the server "
         "has just closed (a request lost to a ReadError); Ray Serve's default too."))
+    http_access_log: bool = Field(True, description=(
+        "One log line per request: uvicorn's access log on the standalone service (as "
+        "`vllm serve` and SGLang's server log by default), Ray Serve's access log of the "
+        "ingress and engine replicas under Ray Serve. False drops that line's formatting "
+        "and write from every request; the Prometheus counters still count each one."))
     engine_start_timeout_s: float | None = Field(1800.0, gt=0, description=(
         "The engine must be serving this many seconds after its start began, or its "
         "processes are stopped and the service exits with an error naming this field "

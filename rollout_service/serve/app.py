@@ -33,6 +33,7 @@ import threading
 import time
 from collections.abc import AsyncGenerator, AsyncIterator
 from contextlib import asynccontextmanager
+from dataclasses import dataclass
 from typing import Any
 
 import ray
@@ -286,6 +287,38 @@ class CoordinatorReplica(WeightsCoordinator):
                                              num_buckets=config.weights_num_buckets))
 
 
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Deployments:
+    """The app's three deployments, configured and not yet bound."""
+
+    coordinator: serve.Deployment
+    engine: serve.Deployment
+    ingress: serve.Deployment
+
+
+def deployments(config: RayServeConfig) -> Deployments:
+    """Each deployment with its options from ``config``."""
+    access_log = {"enable_access_log": config.http_access_log}
+    scaling: dict[str, Any] = ({"num_replicas": config.num_replicas}
+                               if config.autoscaling_config is None
+                               else {"autoscaling_config": config.autoscaling_config})
+    return Deployments(
+        coordinator=serve.deployment(
+            CoordinatorReplica, name="WeightsCoordinator", num_replicas=1,
+            max_ongoing_requests=_MANY, ray_actor_options={"num_cpus": 0},
+            logging_config={"enable_access_log": False}),  # replicas poll it every second
+        engine=serve.deployment(
+            EngineReplica, name="RolloutEngine", ray_actor_options=config.ray_actor_options,
+            max_ongoing_requests=config.max_ongoing_requests,
+            health_check_period_s=config.health_check_period_s,
+            health_check_timeout_s=config.health_check_timeout_s, logging_config=access_log,
+            **scaling),
+        ingress=serve.deployment(
+            serve.ingress()(RolloutIngress), name="RolloutIngress",
+            num_replicas=config.num_ingress_replicas, max_ongoing_requests=_MANY,
+            ray_actor_options={"num_cpus": 0}, logging_config=access_log))
+
+
 def build_app(config: RayServeConfig) -> serve.Application:
     """Bind the three deployments; the ingress is the app's entry point.
 
@@ -293,24 +326,10 @@ def build_app(config: RayServeConfig) -> serve.Application:
     this node rather than by every replica at the same time.
     """
     config.resolve_model()
-    coordinator = serve.deployment(
-        CoordinatorReplica, name="WeightsCoordinator", num_replicas=1,
-        max_ongoing_requests=_MANY, ray_actor_options={"num_cpus": 0},
-        logging_config={"enable_access_log": False}).bind(config)  # polls every second
-    scaling: dict[str, Any] = ({"num_replicas": config.num_replicas}
-                               if config.autoscaling_config is None
-                               else {"autoscaling_config": config.autoscaling_config})
-    engine = serve.deployment(
-        EngineReplica, name="RolloutEngine", ray_actor_options=config.ray_actor_options,
-        max_ongoing_requests=config.max_ongoing_requests,
-        health_check_period_s=config.health_check_period_s,
-        health_check_timeout_s=config.health_check_timeout_s, **scaling,
-    ).bind(config, coordinator)
-    ingress = serve.deployment(
-        serve.ingress()(RolloutIngress), name="RolloutIngress",
-        num_replicas=config.num_ingress_replicas, max_ongoing_requests=_MANY,
-        ray_actor_options={"num_cpus": 0})
-    return ingress.bind(config, engine, coordinator)
+    bound = deployments(config)
+    coordinator = bound.coordinator.bind(config)
+    engine = bound.engine.bind(config, coordinator)
+    return bound.ingress.bind(config, engine, coordinator)
 
 
 def app_builder(args: dict[str, Any]) -> serve.Application:

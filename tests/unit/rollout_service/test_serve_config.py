@@ -30,3 +30,18 @@ def test_cuda_ipc_is_refused_under_ray_serve() -> None:
     with pytest.raises(ValueError, match="weights_transport: 'cuda_ipc' is not supported under "
                                          "Ray Serve"):
         parse_serve_config({"weights_transport": "cuda_ipc"})
+
+
+@pytest.mark.parametrize("http_access_log", [True, False])
+def test_the_access_log_setting_reaches_the_request_serving_deployments(
+        http_access_log: bool) -> None:
+    """``http_access_log`` is Serve's access log of the ingress and the engine replicas;
+    the coordinator, which every replica polls each second, never logs its calls."""
+    from rollout_service.serve.app import deployments
+
+    built = deployments(parse_serve_config({"http_access_log": http_access_log}))
+    assert built.ingress.logging_config["enable_access_log"] is http_access_log
+    assert built.engine.logging_config["enable_access_log"] is http_access_log
+    assert built.coordinator.logging_config["enable_access_log"] is False
+    with pytest.raises(ValueError, match="http_access_log"):
+        parse_serve_config({"http_access_log": "sometimes"})
