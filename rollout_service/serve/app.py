@@ -326,10 +326,10 @@ def build_app(config: RayServeConfig) -> serve.Application:
     this node rather than by every replica at the same time.
     """
     config.resolve_model()
-    bound = deployments(config)
-    coordinator = bound.coordinator.bind(config)
-    engine = bound.engine.bind(config, coordinator)
-    return bound.ingress.bind(config, engine, coordinator)
+    built = deployments(config)
+    coordinator = built.coordinator.bind(config)
+    engine = built.engine.bind(config, coordinator)
+    return built.ingress.bind(config, engine, coordinator)
 
 
 def app_builder(args: dict[str, Any]) -> serve.Application:
