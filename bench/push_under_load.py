@@ -213,11 +213,21 @@ async def run(opts: argparse.Namespace, console: Console, rounds: list[Round]) -
                             console.print(f"  failed request: {error}")
                         if r > 0:
                             rounds.append(round_)
-                        console.print(f"round {r} {kind}: {round_.tokens_per_s:.0f} tok/s, "
-                                      f"{len(round_.push_s)} pushes, "
-                                      f"{len(round_.push_errors)} failed pushes, "
-                                      f"{round_.num_failed} failed requests")
+                        console.print(f"round {r} {kind}: {round_line(round_, opts)}")
                     r += 1
+
+
+def round_line(round_: Round, opts: argparse.Namespace) -> str:
+    """What one round measured, printed as it ends: with the pushes' frozen time and
+    replica counts, so a run stopped before its table still shows them."""
+    line = (f"{round_.tokens_per_s:.0f} tok/s, {len(round_.push_s)} pushes, "
+            f"{len(round_.push_errors)} failed pushes, {round_.num_failed} failed requests")
+    if round_.frozen_s:
+        line += f", frozen p50 {percentile(round_.frozen_s, 0.5):.3f} s"
+    if opts.ray_replicas and round_.num_replicas_loaded:
+        loaded = round_.num_replicas_loaded
+        line += f", each loaded on {min(loaded)}-{max(loaded)} of {opts.ray_replicas} replicas"
+    return line
 
 
 def percentile(values: list[float], q: float) -> float:

@@ -76,3 +76,18 @@ def test_round_lengths_must_be_positive(flag: str, monkeypatch: pytest.MonkeyPat
         push_under_load.main()
     assert exit_.value.code == 2
     assert "--round-s and --warmup-s must be > 0" in capsys.readouterr().err
+
+
+def test_each_round_prints_its_frozen_time_and_replicas() -> None:
+    """A run cut before its table still shows what each pushing round froze and where
+    each push loaded."""
+    ray = argparse.Namespace(ray_replicas=2)
+    round_ = pushing(3)
+    round_.frozen_s = [0.3, 0.1, 0.2]
+    round_.num_replicas_loaded = [2, 1, 2]
+    assert push_under_load.round_line(round_, ray) == (
+        "100 tok/s, 3 pushes, 0 failed pushes, 0 failed requests, frozen p50 0.200 s, "
+        "each loaded on 1-2 of 2 replicas")
+    standalone = argparse.Namespace(ray_replicas=0)
+    assert push_under_load.round_line(quiet(), standalone) == (
+        "200 tok/s, 0 pushes, 0 failed pushes, 0 failed requests")
