@@ -123,13 +123,13 @@ class AiohttpServer:
                  if timeout is not None else None)  # None: the pool's, built once
         with unreachable_as_unavailable(self.base_url, self._ERRORS):
             async with self._pool().request(method, self.base_url + path,
-                                            **json_body(body), timeout=limit) as response:
+                                            **aiohttp_json(body), timeout=limit) as response:
                 return await read_reply(response)
 
     @asynccontextmanager
     async def stream(self, path: str, body: Any) -> AsyncIterator[Streamed]:
         with unreachable_as_unavailable(self.base_url, self._ERRORS):
-            async with self._pool().post(self.base_url + path, **json_body(body)) as response:
+            async with self._pool().post(self.base_url + path, **aiohttp_json(body)) as response:
                 try:
                     yield Streamed(response.status, split_lines(response.content.iter_any()),
                                    lambda: read_reply(response))
@@ -145,7 +145,7 @@ class AiohttpServer:
 JSON_HEADERS = {"Content-Type": "application/json"}
 
 
-def json_body(body: Any) -> dict[str, Any]:
+def aiohttp_json(body: Any) -> dict[str, Any]:
     """aiohttp's request arguments for ``body`` as JSON (None: no body), encoded into bytes
     by pydantic's Rust encoder, as replies are parsed by its parser (:meth:`Reply.json`).
     aiohttp's own ``json=`` runs the standard library's encoder, which a py-spy profile of

@@ -28,6 +28,7 @@ def push_roles(target: PushTarget) -> tuple[str, ...]:
     """The models a push target names (``main``, ``draft``), main first."""
     return {"main": ("main",), "draft": ("draft",), "both": ("main", "draft")}[target]
 
+
 PauseMode = Literal["wait", "abort", "keep"]
 """How generation pauses (for a push's load, or a dialect's pause route): running
 requests drain, are aborted, or are frozen until the resume."""
