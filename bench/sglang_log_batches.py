@@ -1,5 +1,5 @@
 """How an SGLang server batched its work, read from its own log: prefill batches, the
-requests they took, and decode log lines.
+requests they took, decode log lines, and how an emptied batch filled again.
 
 The serving bench (``bench.serving --engine sglang``) keeps both servers' logs under
 ``--logs``: the service's server (``service.log``, which also holds the service's own
@@ -9,6 +9,12 @@ lines) and SGLang's own (``sglang-server.log``). SGLang logs every prefill batch
 for the same workload means they reached the scheduler more spread out. Counts are over
 the whole log: start-up warm-ups and every mode and level the server ran.
 
+A refill is what follows a prefill batch taken with ``#running-req: 0`` (every request of
+the last wave finished, as when a closed loop's requests all end in one step): the prefill
+batches in a row, up to the next decode line, that took the next wave in. The more of them
+a wave of the same size needs, the more spread out it reached the scheduler; each is an
+engine step that decodes nothing for the requests already in.
+
     python -m bench.sglang_log_batches LOGS/service.log LOGS/sglang-server.log
 """
 
@@ -16,14 +22,25 @@ from __future__ import annotations
 
 import argparse
 import re
+import statistics
 from dataclasses import dataclass
 from pathlib import Path
 
 from rich.console import Console
 from rich.table import Table
 
-PREFILL = re.compile(r"Prefill batch, #new-seq: (\d+)")
+PREFILL = re.compile(r"Prefill batch, #new-seq: (\d+)(?:.*?#running-req: (\d+))?")
+"""A prefill line: its new requests and, where the line gives it, the requests running."""
 DECODE = re.compile(r"Decode batch, #running-req: (\d+)")
+LINE = re.compile(f"{PREFILL.pattern}|{DECODE.pattern}")
+
+
+@dataclass(frozen=True)
+class Refill:
+    """The prefill batches that took a wave in after the running batch emptied."""
+
+    prefill_batches: int
+    requests: int
 
 
 @dataclass(frozen=True)
@@ -35,29 +52,65 @@ class Batching:
     """The prefill batches' ``#new-seq``, summed."""
     decode_lines: int
     """Decode steps logged (one per ``decode_log_interval`` steps)."""
+    refills: tuple[Refill, ...] = ()
+    """Each refill of an emptied batch, in the log's order."""
 
     @property
     def requests_per_prefill(self) -> float:
         return self.prefilled_requests / self.prefill_batches if self.prefill_batches else 0.0
 
 
+    def median_refill(self, min_requests: int) -> tuple[float, float] | None:
+        """Median prefill batches and requests of the refills that took at least
+        ``min_requests`` (a whole wave, not a warm-up's one request); None if none did."""
+        waves = [r for r in self.refills if r.requests >= min_requests]
+        if not waves:
+            return None
+        return (statistics.median(r.prefill_batches for r in waves),
+                statistics.median(r.requests for r in waves))
+
+
 def read_batching(text: str) -> Batching:
     """The batching of one SGLang server log's text."""
-    prefills = [int(n) for n in PREFILL.findall(text)]
+    prefills = [int(n) for n, _ in PREFILL.findall(text)]
+    refills: list[Refill] = []
+    batches = requests = 0
+    filling = False
+    for new_seq, running, _ in LINE.findall(text):
+        if not new_seq:  # a decode line ends a refill
+            if filling:
+                refills.append(Refill(batches, requests))
+            filling = False
+        elif running == "0":
+            if filling:
+                refills.append(Refill(batches, requests))
+            filling, batches, requests = True, 1, int(new_seq)
+        elif filling:
+            batches += 1
+            requests += int(new_seq)
+    if filling:
+        refills.append(Refill(batches, requests))
     return Batching(prefill_batches=len(prefills), prefilled_requests=sum(prefills),
-                    decode_lines=len(DECODE.findall(text)))
+                    decode_lines=len(DECODE.findall(text)), refills=tuple(refills))
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("logs", nargs="+", type=Path, help="SGLang server logs")
+    parser.add_argument("--wave", type=int, default=64, help=(
+        "the fewest requests a refill takes to count as a wave's (default 64; the serving "
+        "bench's waves are its concurrency)"))
     opts = parser.parse_args()
     table = Table("log", "prefill batches", "requests prefilled", "requests / prefill batch",
-                  "decode log lines")
+                  "decode log lines", "waves refilled",
+                  "prefill batches / refill (median)", "requests / refill (median)")
     for path in opts.logs:
         got = read_batching(path.read_text(errors="replace"))
+        refill = got.median_refill(opts.wave)
+        waves = sum(r.requests >= opts.wave for r in got.refills)
         table.add_row(str(path), str(got.prefill_batches), str(got.prefilled_requests),
-                      f"{got.requests_per_prefill:.2f}", str(got.decode_lines))
+                      f"{got.requests_per_prefill:.2f}", str(got.decode_lines), str(waves),
+                      *((f"{refill[0]:g}", f"{refill[1]:g}") if refill else ("-", "-")))
     Console(width=160).print(table)
 
 

@@ -28,3 +28,35 @@ def test_prefill_and_decode_lines_are_counted() -> None:
 def test_a_log_without_batches_has_none() -> None:
     got = read_batching("INFO: started\n")
     assert (got.prefill_batches, got.requests_per_prefill, got.decode_lines) == (0, 0.0, 0)
+
+
+def prefill(new_seq: int, running: int) -> str:
+    return (f"[2026-12-06 14:36:45] Prefill batch, #new-seq: {new_seq}, #new-token: 16, "
+            f"#cached-token: 0, token usage: 0.00, #running-req: {running}, #queue-req: 0\n")
+
+
+def decode(running: int) -> str:
+    return f"[2026-12-06 14:36:46] Decode batch, #running-req: {running}, #token: 7149\n"
+
+
+def test_a_refill_runs_from_an_emptied_batch_to_the_next_decode_line() -> None:
+    log = (prefill(1, 0) + decode(1)                                   # a warm-up request
+           + prefill(1, 0) + prefill(20, 1) + prefill(27, 21) + decode(48)  # a wave of 48
+           + prefill(5, 43) + prefill(3, 45) + decode(48)              # a trickle: no refill
+           + prefill(2, 0) + prefill(30, 2) + prefill(8, 32) + prefill(8, 40))  # log ends
+    got = read_batching(log)
+    assert [(r.prefill_batches, r.requests) for r in got.refills] == [
+        (1, 1), (3, 48), (4, 48)]
+    assert got.median_refill(min_requests=40) == (3.5, 48)
+    assert got.median_refill(min_requests=49) is None
+
+
+def test_an_emptied_batch_right_after_a_refill_starts_another() -> None:
+    got = read_batching(prefill(1, 0) + prefill(9, 1) + prefill(4, 0) + prefill(6, 4))
+    assert [(r.prefill_batches, r.requests) for r in got.refills] == [(2, 10), (2, 10)]
+
+
+def test_a_prefill_line_without_running_requests_still_counts() -> None:
+    got = read_batching("[t] Prefill batch, #new-seq: 7, #new-token: 16\n" + prefill(3, 0))
+    assert (got.prefill_batches, got.prefilled_requests) == (2, 10)
+    assert [(r.prefill_batches, r.requests) for r in got.refills] == [(1, 3)]
