@@ -59,37 +59,28 @@ class Batching:
     def requests_per_prefill(self) -> float:
         return self.prefilled_requests / self.prefill_batches if self.prefill_batches else 0.0
 
-
-    def median_refill(self, min_requests: int) -> tuple[float, float] | None:
-        """Median prefill batches and requests of the refills that took at least
-        ``min_requests`` (a whole wave, not a warm-up's one request); None if none did."""
-        waves = [r for r in self.refills if r.requests >= min_requests]
-        if not waves:
-            return None
-        return (statistics.median(r.prefill_batches for r in waves),
-                statistics.median(r.requests for r in waves))
+    def waves(self, min_requests: int) -> list[Refill]:
+        """The refills that took at least ``min_requests``: a whole wave, not a warm-up's
+        one request."""
+        return [r for r in self.refills if r.requests >= min_requests]
 
 
 def read_batching(text: str) -> Batching:
     """The batching of one SGLang server log's text."""
     prefills = [int(n) for n, _ in PREFILL.findall(text)]
     refills: list[Refill] = []
-    batches = requests = 0
-    filling = False
+    current: list[int] | None = None  # the open refill's prefill batches' #new-seq
     for new_seq, running, _ in LINE.findall(text):
-        if not new_seq:  # a decode line ends a refill
-            if filling:
-                refills.append(Refill(batches, requests))
-            filling = False
-        elif running == "0":
-            if filling:
-                refills.append(Refill(batches, requests))
-            filling, batches, requests = True, 1, int(new_seq)
-        elif filling:
-            batches += 1
-            requests += int(new_seq)
-    if filling:
-        refills.append(Refill(batches, requests))
+        starts = bool(new_seq) and running == "0"
+        if current is not None and (not new_seq or starts):  # a decode line ends it
+            refills.append(Refill(len(current), sum(current)))
+            current = None
+        if starts:
+            current = [int(new_seq)]
+        elif new_seq and current is not None:
+            current.append(int(new_seq))
+    if current is not None:
+        refills.append(Refill(len(current), sum(current)))
     return Batching(prefill_batches=len(prefills), prefilled_requests=sum(prefills),
                     decode_lines=len(DECODE.findall(text)), refills=tuple(refills))
 
@@ -106,11 +97,12 @@ def main() -> None:
                   "prefill batches / refill (median)", "requests / refill (median)")
     for path in opts.logs:
         got = read_batching(path.read_text(errors="replace"))
-        refill = got.median_refill(opts.wave)
-        waves = sum(r.requests >= opts.wave for r in got.refills)
+        waves = got.waves(opts.wave)
+        medians = (f"{statistics.median(r.prefill_batches for r in waves):g}",
+                   f"{statistics.median(r.requests for r in waves):g}") if waves else ("-", "-")
         table.add_row(str(path), str(got.prefill_batches), str(got.prefilled_requests),
-                      f"{got.requests_per_prefill:.2f}", str(got.decode_lines), str(waves),
-                      *((f"{refill[0]:g}", f"{refill[1]:g}") if refill else ("-", "-")))
+                      f"{got.requests_per_prefill:.2f}", str(got.decode_lines), str(len(waves)),
+                      *medians)
     Console(width=160).print(table)
 
 

@@ -47,8 +47,9 @@ def test_a_refill_runs_from_an_emptied_batch_to_the_next_decode_line() -> None:
     got = read_batching(log)
     assert [(r.prefill_batches, r.requests) for r in got.refills] == [
         (1, 1), (3, 48), (4, 48)]
-    assert got.median_refill(min_requests=40) == (3.5, 48)
-    assert got.median_refill(min_requests=49) is None
+    assert [(r.prefill_batches, r.requests) for r in got.waves(min_requests=40)] == [
+        (3, 48), (4, 48)]
+    assert got.waves(min_requests=49) == []
 
 
 def test_an_emptied_batch_right_after_a_refill_starts_another() -> None:
