@@ -55,7 +55,13 @@ class SpeculationControlOff(RuntimeError):
 
 
 async def gather_or_cancel(aws: Sequence[Awaitable[T]]) -> list[T]:
-    """Await all; on the first failure cancel the rest (vLLM aborts them) and re-raise it."""
+    """Await all; on the first failure cancel the rest (vLLM aborts them) and re-raise it.
+
+    One awaitable (a request of one sequence, the usual rollout request) runs inline, not
+    as a task: its engine request leaves in the same turn of the event loop that received
+    it, where a task would wait behind every callback of a burst of arrivals first."""
+    if len(aws) == 1:
+        return [await aws[0]]
     try:
         async with asyncio.TaskGroup() as group:
             tasks = [group.create_task(aw) for aw in aws]  # type: ignore[arg-type]
