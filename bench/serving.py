@@ -58,21 +58,20 @@ import argparse
 import asyncio
 import dataclasses
 import os
-import shutil
-import signal
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
+from subprocess import Popen
 from typing import Any
 
 import psutil
 from rich.console import Console
 from rich.table import Table
 
+from bench.engine_options import add_device_arguments, resolve_device
+from bench.profiling import start_profiler, stop_profiler
 from bench.quiet import before_round, rest_level
 from bench.serving_http import (  # noqa: F401 - re-exported for bench.speculation, tests
     HttpMode,
@@ -86,10 +85,10 @@ from bench.serving_http import (  # noqa: F401 - re-exported for bench.speculati
 )
 from bench.serving_ray import RAY_MODE, start_ray_serve
 from bench.serving_sglang import SGLANG_MODES, sglang_config, start_sglang_server
+from bench.spread import min_max
 from rollout_service.config import ServiceConfig, load_config
 from rollout_service.embedded.corpus import arithmetic_prompts
 from rollout_service.engines.vllm.cpu_preload import preload_for_cpu_engine
-from rollout_service.engines.vllm.start_method import spawn_engine_core_on_cuda
 
 MODES = ("asyncllm", "service", "service-openai", "service-sglang", "service-no-preload",
          "vllm-server", "sglang-server", RAY_MODE)
@@ -197,10 +196,6 @@ async def measure(rounds: dict[str, RoundFn], front_ends: dict[str, tuple[int, .
     return rates
 
 
-def spread(values: list[float]) -> str:
-    return f"{min(values):.3g}-{max(values):.3g}"
-
-
 def print_report(console: Console, results: dict[int, Rates], workload: Workload,
                  num_rounds: int, waves: int, length_spread: float) -> None:
     tokens = (f"{workload.max_tokens} +- {length_spread:.0%}" if length_spread
@@ -215,7 +210,7 @@ def print_report(console: Console, results: dict[int, Rates], workload: Workload
     for concurrency, rates in results.items():
         for mode, values in rates.by_mode.items():
             table.add_row(str(concurrency), mode, f"{statistics.median(values):.0f}",
-                          spread(values),
+                          min_max(values),
                           f"{statistics.median(rates.front_end_cpu[mode]):.2f}",
                           f"{statistics.median(rates.client_cpu[mode]):.2f}")
         for num, den, target in RATIOS:
@@ -224,7 +219,7 @@ def print_report(console: Console, results: dict[int, Rates], workload: Workload
                 median = statistics.median(per_round)
                 met = "-" if target is None else ("yes" if median >= target else "NO")
                 ratios.add_row(str(concurrency), f"{num} / {den}", f"{median:.3f}",
-                               spread(per_round), "-" if target is None else f">= {target}",
+                               min_max(per_round), "-" if target is None else f">= {target}",
                                met)
     console.print(table)
     console.print(ratios)
@@ -264,7 +259,7 @@ async def run(opts: argparse.Namespace, console: Console) -> dict[int, Rates]:
     servers: dict[str, HttpMode] = {}
     front_ends: dict[str, tuple[int, ...]] = {}
     closers: list[Callable[[], Awaitable[None]]] = []
-    profiler: subprocess.Popen[bytes] | None = None
+    profiler: Popen[bytes] | None = None
     try:
         for mode in modes:  # all up at once; the servers start first (own processes)
             console.print(f"starting {mode} ...")
@@ -304,49 +299,6 @@ async def run(opts: argparse.Namespace, console: Console) -> dict[int, Rates]:
             stop_profiler(profiler)
         for close in reversed(closers):  # the modes sharing a server before its owner
             await close()
-
-
-def start_profiler(pid: int, out_dir: Path, name: str = "service", *,
-                   subprocesses: bool = False) -> subprocess.Popen[bytes]:
-    """py-spy sampling process ``pid`` (with ``subprocesses``, its children too: vLLM's
-    engine core) until SIGINT, into ``out_dir/<name>.collapsed.txt``."""
-    out_dir.mkdir(parents=True, exist_ok=True)
-    return subprocess.Popen(
-        [shutil.which("py-spy") or str(Path(sys.executable).with_name("py-spy")),
-         "record", "--pid", str(pid), "--format", "raw", "--rate", "200",
-         "--output", str(out_dir / f"{name}.collapsed.txt"), "--threads",
-         *(["--subprocesses"] if subprocesses else [])],
-        stdout=(out_dir / f"{name}.py-spy.log").open("wb"), stderr=subprocess.STDOUT)
-
-
-def stop_profiler(profiler: subprocess.Popen[bytes]) -> None:
-    """SIGINT, on which py-spy writes its file; wait until it has."""
-    profiler.send_signal(signal.SIGINT)
-    profiler.wait(timeout=120)
-
-
-def add_device_arguments(parser: argparse.ArgumentParser, *,
-                         gpu_memory_utilization: float | None, engines: str) -> None:
-    """``--device``, ``--gpu-memory-utilization``, ``--eager`` and ``--logs``, shared by the
-    benchmarks that start engines (``engines`` says how many share the GPU)."""
-    parser.add_argument("--device", choices=("cpu", "cuda"), default=None,
-                        help="default: cuda when vLLM sees a GPU")
-    parser.add_argument("--gpu-memory-utilization", type=float,
-                        default=gpu_memory_utilization, help=f"per engine, on the GPU ({engines})")
-    parser.add_argument("--eager", action="store_true",
-                        help="on the GPU: no torch.compile or CUDA graphs (faster start)")
-    parser.add_argument("--logs", default=None, help="directory for server logs")
-
-
-def resolve_device(opts: argparse.Namespace) -> None:
-    """Fill ``opts.device`` when not given: cuda when vLLM sees a GPU. On CUDA every
-    mode's engine core is spawned, as the service's is (``start_method.py``): the
-    variable goes to this process's ``AsyncLLM`` and the servers' environments."""
-    if opts.device is None:  # NVML only: CUDA initialized here would break vLLM's fork
-        from vllm.platforms import current_platform
-
-        opts.device = "cuda" if current_platform.is_cuda() else "cpu"
-    spawn_engine_core_on_cuda(is_cuda=opts.device == "cuda")
 
 
 def main() -> None:

@@ -58,13 +58,8 @@ from typing import Any
 from rich.console import Console
 from safetensors.torch import load_file
 
-from bench.serving import (
-    HttpMode,
-    Workload,
-    add_device_arguments,
-    resolve_device,
-    start_http,
-)
+from bench.engine_options import add_device_arguments, resolve_device
+from bench.serving import HttpMode, Workload, start_http
 from bench.speculation_report import mode_name, model_check, print_report
 from bench.speculation_rounds import (
     Mode,

@@ -14,7 +14,7 @@ import statistics
 from rich.console import Console
 from rich.table import Table
 
-from bench.serving import spread
+from bench.spread import min_max
 from rollout_service.protocol.speculation import SpeculationControlStatus
 
 CONTROLLER_OVER_OFF = 0.98
@@ -37,12 +37,12 @@ def print_report(console: Console, drafter: str,
         per_round = [a / b for a, b in zip(num, den)]
         median = statistics.median(per_round)
         met = "" if target is None else "yes" if median >= target else "NO"
-        ratios.add_row(label, name, f"{median:.3f}", spread(per_round),
+        ratios.add_row(label, name, f"{median:.3f}", min_max(per_round),
                        "" if target is None else f">= {target}", met)
 
     for label, rates in results.items():
         for mode, values in rates.items():
-            table.add_row(label, mode, f"{statistics.median(values):.0f}", spread(values))
+            table.add_row(label, mode, f"{statistics.median(values):.0f}", min_max(values))
         # One spec engine per drafter_at_k0: "controller" alone, or "controller run" ...
         for controller in (m for m in rates if m.startswith("controller")):
             suffix = controller.removeprefix("controller")

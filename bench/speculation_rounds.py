@@ -17,8 +17,9 @@ from typing import Any
 import numpy as np
 from rich.console import Console
 
+from bench.profiling import start_profiler, stop_profiler
 from bench.quiet import before_round, rest_level
-from bench.serving import HttpMode, start_profiler, stop_profiler
+from bench.serving import HttpMode
 from rollout_service.client import RolloutClient
 from rollout_service.protocol import messages
 
