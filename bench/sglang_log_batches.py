@@ -15,6 +15,11 @@ batches in a row, up to the next decode line, that took the next wave in. The mo
 a wave of the same size needs, the more spread out it reached the scheduler; each is an
 engine step that decodes nothing for the requests already in.
 
+A decode line also carries SGLang's own ``gen throughput (token/s)`` over the steps since
+the last one. Its median over the lines logged at the log's largest ``#running-req`` (a
+full batch) is how fast the engine decoded when the front end had kept it full: where two
+servers match there, a gap between them lies in how their batches filled and emptied.
+
     python -m bench.sglang_log_batches LOGS/service.log LOGS/sglang-server.log
 """
 
@@ -33,6 +38,8 @@ PREFILL = re.compile(r"Prefill batch, #new-seq: (\d+)(?:.*?#running-req: (\d+))?
 """A prefill line: its new requests and, where the line gives it, the requests running."""
 DECODE = re.compile(r"Decode batch, #running-req: (\d+)")
 LINE = re.compile(f"{PREFILL.pattern}|{DECODE.pattern}")
+DECODE_RATE = re.compile(r"Decode batch, #running-req: (\d+).*?gen throughput \(token/s\): "
+                         r"([\d.]+)")
 
 
 @dataclass(frozen=True)
@@ -54,6 +61,8 @@ class Batching:
     """Decode steps logged (one per ``decode_log_interval`` steps)."""
     refills: tuple[Refill, ...] = ()
     """Each refill of an emptied batch, in the log's order."""
+    full_batch_rates: tuple[float, ...] = ()
+    """SGLang's ``gen throughput`` of the decode lines at the largest ``#running-req``."""
 
     @property
     def requests_per_prefill(self) -> float:
@@ -81,8 +90,11 @@ def read_batching(text: str) -> Batching:
             current.append(int(new_seq))
     if current is not None:
         refills.append(Refill(len(current), sum(current)))
+    rates = [(int(running), float(rate)) for running, rate in DECODE_RATE.findall(text)]
+    full = max((running for running, _ in rates), default=0)
     return Batching(prefill_batches=len(prefills), prefilled_requests=sum(prefills),
-                    decode_lines=len(DECODE.findall(text)), refills=tuple(refills))
+                    decode_lines=len(DECODE.findall(text)), refills=tuple(refills),
+                    full_batch_rates=tuple(rate for running, rate in rates if running == full))
 
 
 def main() -> None:
@@ -94,15 +106,18 @@ def main() -> None:
     opts = parser.parse_args()
     table = Table("log", "prefill batches", "requests prefilled", "requests / prefill batch",
                   "decode log lines", "waves refilled",
-                  "prefill batches / refill (median)", "requests / refill (median)")
+                  "prefill batches / refill (median)", "requests / refill (median)",
+                  "decode tok/s at a full batch (median, lines)")
     for path in opts.logs:
         got = read_batching(path.read_text(errors="replace"))
         waves = got.waves(opts.wave)
         medians = (f"{statistics.median(r.prefill_batches for r in waves):g}",
                    f"{statistics.median(r.requests for r in waves):g}") if waves else ("-", "-")
+        rates = got.full_batch_rates
+        rate = f"{statistics.median(rates):.0f} ({len(rates)})" if rates else "-"
         table.add_row(str(path), str(got.prefill_batches), str(got.prefilled_requests),
                       f"{got.requests_per_prefill:.2f}", str(got.decode_lines), str(len(waves)),
-                      *medians)
+                      *medians, rate)
     Console(width=160).print(table)
 
 

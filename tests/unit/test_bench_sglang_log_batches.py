@@ -35,8 +35,10 @@ def prefill(new_seq: int, running: int) -> str:
             f"#cached-token: 0, token usage: 0.00, #running-req: {running}, #queue-req: 0\n")
 
 
-def decode(running: int) -> str:
-    return f"[2026-12-06 14:36:46] Decode batch, #running-req: {running}, #token: 7149\n"
+def decode(running: int, rate: float = 100.0) -> str:
+    return (f"[2026-12-06 14:36:46] Decode batch, #running-req: {running}, #token: 7149, "
+            f"accept len: 1.35, cuda graph: True, gen throughput (token/s): {rate}, "
+            f"#queue-req: 0\n")
 
 
 def test_a_refill_runs_from_an_emptied_batch_to_the_next_decode_line() -> None:
@@ -61,3 +63,10 @@ def test_a_prefill_line_without_running_requests_still_counts() -> None:
     got = read_batching("[t] Prefill batch, #new-seq: 7, #new-token: 16\n" + prefill(3, 0))
     assert (got.prefill_batches, got.prefilled_requests) == (2, 10)
     assert [(r.prefill_batches, r.requests) for r in got.refills] == [(1, 3)]
+
+
+def test_the_full_batch_rates_are_those_logged_at_the_most_running_requests() -> None:
+    got = read_batching(decode(128, 40838.5) + decode(21, 900.0) + decode(128, 42000.0)
+                        + prefill(5, 123) + decode(127, 39000.0))
+    assert got.full_batch_rates == (40838.5, 42000.0)
+    assert read_batching(prefill(1, 0)).full_batch_rates == ()
