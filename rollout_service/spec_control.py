@@ -302,10 +302,11 @@ class SpeculationControl:
     async def _apply_wanted(self) -> None:
         async with self._lock:
             while self._wanted not in (self._sent, self._refused):
+                target = self._wanted  # what observe() wants meanwhile goes next round
                 try:
-                    await self._apply(self._wanted)
+                    await self._apply(target)
                 except ScheduleRefusedError:
-                    self._refused = self._wanted
+                    self._refused = target
                 except EngineUnavailableError:
                     logger.exception("speculation control: the engine is gone")
                     return

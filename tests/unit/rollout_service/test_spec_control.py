@@ -159,6 +159,25 @@ async def test_a_refused_pin_leaves_the_schedule_in_force(
         "model": "m", "engine": "fake", "outcome": "refused"}) == 1
 
 
+async def test_a_schedule_wanted_while_a_refused_one_is_in_flight_is_still_sent(
+        control: SpeculationControl, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The refusal marks the schedule the engine refused, not the one wanted by then."""
+    engine = fake(control)
+    await control.settle()
+    engine.gate.clear()
+    refused = dict.fromkeys(BUCKETS, K_MAX + 1)  # the engine refuses a K above its maximum
+    later = dict.fromkeys(BUCKETS, 1)
+    monkeypatch.setattr(control._controller, "schedule", lambda: refused)
+    control._schedule_changed()
+    await in_flight(engine, refused)
+    monkeypatch.setattr(control._controller, "schedule", lambda: later)
+    control._schedule_changed()
+    engine.gate.set()
+    await control.settle()
+    assert engine.requested[-2:] == [refused, later] and engine.applied[-1] == later
+    assert control.status().num_refused == 1
+
+
 async def test_a_pin_overrides_the_controller_until_unpinned(
         control: SpeculationControl, registry: CollectorRegistry) -> None:
     status = await control.pin({4: 2, 16: 0})
