@@ -167,16 +167,21 @@ class AcceptanceEstimator:
 
         Raises:
             ValueError: ``accepted_per_position`` is not a prefix (it grows with the
-                position, or exceeds the drafts).
+                position, or exceeds the drafts). Nothing changes then: a new drafter's
+                epoch begins with its next sequence, which the caller is told of.
         """
         outcome = Observed.COUNTED
         if self._draft_version is not None and versions.draft_version < self._draft_version:
             return Observed.STALE
+        counted = (stats if stats is not None and stats.has_speculation
+                   and stats.has_per_position else None)
+        if counted is not None:
+            check_prefix(counted)
         if versions.draft_version != self._draft_version:
             self._start_epoch(versions.draft_version)
             outcome = Observed.NEW_DRAFTER
-        if stats is not None and stats.has_speculation and stats.has_per_position:
-            self._count(stats)
+        if counted is not None:
+            self._count(counted)
         return outcome
 
     def restart(self) -> None:
@@ -209,10 +214,6 @@ class AcceptanceEstimator:
 
     def _count(self, stats: SpecDecodeStats) -> None:
         per_position = stats.accepted_per_position
-        bounds = (stats.num_drafts, *per_position)
-        if stats.num_drafts == 0 or any(b > a for a, b in zip(bounds, bounds[1:])):
-            raise ValueError("drafted tokens need drafts, and accepted_per_position must not "
-                             f"grow with the position nor exceed num_drafts: {stats}")
         reached = reached_per_position(stats)
         decay = math.exp2(-stats.num_drafts / self._config.half_life_drafts)
         self._accepted = [a * decay for a in self._accepted]
@@ -221,6 +222,15 @@ class AcceptanceEstimator:
             self._reached[i] += reached[i]
             self._accepted[i] += per_position[i] if i < len(per_position) else 0
         self._num_epoch_drafts += stats.num_drafts
+
+
+def check_prefix(stats: SpecDecodeStats) -> None:
+    """Raise ValueError unless ``stats`` has drafts and ``accepted_per_position`` never grows
+    with the position nor exceeds them (a position is reached only through the last)."""
+    bounds = (stats.num_drafts, *stats.accepted_per_position)
+    if stats.num_drafts == 0 or any(b > a for a, b in zip(bounds, bounds[1:])):
+        raise ValueError("drafted tokens need drafts, and accepted_per_position must not "
+                         f"grow with the position nor exceed num_drafts: {stats}")
 
 
 def reached_per_position(stats: SpecDecodeStats) -> tuple[int, ...]:

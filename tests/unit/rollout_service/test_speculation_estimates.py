@@ -147,6 +147,19 @@ def test_counts_that_are_not_a_prefix_are_refused() -> None:
         estimator.observe(growing, versions(0))
 
 
+def test_a_refused_first_sequence_of_a_new_drafter_leaves_its_epoch_to_the_next() -> None:
+    """The caller learns of the new drafter (and restarts its probe) from the sequence that
+    is counted, not from one that raised."""
+    estimator = fed((0.7,), num_positions=2)
+    before = estimator.estimate()
+    growing = SpecDecodeStats(num_drafts=2, num_draft_tokens=4, num_accepted_tokens=3,
+                              num_verify_steps=2, accepted_per_position=(3, 0))
+    with pytest.raises(ValueError, match="grow"):
+        estimator.observe(growing, versions(1))
+    assert estimator.estimate() == before
+    assert estimator.observe(chain_stats(8, (0.3, 0.3)), versions(1)) is Observed.NEW_DRAFTER
+
+
 def test_a_new_drafter_starts_from_the_old_estimate_and_converges() -> None:
     """After a push the estimate starts near the old rate and reaches the new one within
     prior_drafts * (1/f - 1) drafts (f: remaining share of the gap; 1/8 here: 448)."""
