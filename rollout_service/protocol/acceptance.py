@@ -104,12 +104,15 @@ class SpecDecodeStats:
         if self.verify_cost_ratio is not None and not self.verify_cost_ratio > 0:
             raise ValueError(f"verify_cost_ratio must be > 0, got {self.verify_cost_ratio}")
         reached, accepted = self.reached_per_position, self.accepted_per_position
-        if reached and (len(reached) != len(accepted) or reached[0] != self.num_drafts or any(
+        # Position 0 is reached by every draft that kept a token: not by one whose every
+        # token a grammar invalidated (vLLM counts it as a step proposing 0, drafts_per_k[0]).
+        proposing = self.num_drafts - (self.drafts_per_k[0] if self.drafts_per_k else 0)
+        if reached and (len(reached) != len(accepted) or reached[0] != proposing or any(
                 r < a for r, a in zip(reached, accepted)) or any(
                 r > a for r, a in zip(reached[1:], accepted))):
-            raise ValueError("reached_per_position must start at num_drafts, and reach at "
-                             "least what is accepted and at most what the position before "
-                             f"accepted: {self}")
+            raise ValueError("reached_per_position must start at the drafts that proposed a "
+                             "token, and reach at least what is accepted and at most what the "
+                             f"position before accepted: {self}")
         if self.drafts_per_k and (sum(self.drafts_per_k) != self.num_drafts or sum(
                 k * n for k, n in enumerate(self.drafts_per_k)) != self.num_draft_tokens):
             raise ValueError(f"drafts_per_k must add up to num_drafts and num_draft_tokens: "

@@ -112,6 +112,20 @@ def test_per_step_counts_that_disagree_with_the_histogram_are_refused() -> None:
                         reached_per_position=(2, 2))
 
 
+def test_a_draft_whose_every_token_a_grammar_invalidated_reaches_no_position() -> None:
+    """vLLM subtracts grammar-invalidated drafts from a step's proposed count and still
+    counts the step: one left with none proposed 0 and accepted 0 (structured outputs)."""
+    steps = [(0, 0)] + [(3, j) for j in chain_steps(20, (1.0, 0.5, 0.0))]
+    stats = vllm_stats(steps, k_max=3, detailed=True)
+    assert (stats.num_drafts, stats.drafts_per_k, stats.reached_per_position) == (
+        21, (1, 0, 0, 20), (20, 20, 10))
+    with_it, without = (AcceptanceEstimator(CONFIG, num_positions=3) for _ in range(2))
+    with_it.observe(stats, versions(0))
+    without.observe(vllm_stats(steps[1:], k_max=3, detailed=True), versions(0))
+    assert with_it.estimate().evidence_drafts == (20.0, 20.0, 10.0)
+    assert with_it.rates() == pytest.approx(without.rates(), rel=0.01)  # no evidence in it
+
+
 def test_a_short_list_is_padded_with_rejections() -> None:
     """K = 3 drafted, nothing accepted past position 0: positions 1 and 2 were reached
     by the drafts accepting position 0 and rejected."""
