@@ -49,7 +49,9 @@ def sglang_config(opts: argparse.Namespace, max_concurrency: int) -> ServiceConf
 
 
 def launch_command(cfg: ServiceConfig, port: int) -> list[str]:
-    """``sglang.launch_server`` as the service launches it for ``cfg``."""
+    """``sglang.launch_server`` on ``cfg``'s engine arguments, as a user runs SGLang's own
+    server: without what the service adds to the server it launches
+    (``SERVICE_SERVER_ARGS``: no access log, as the service writes its own)."""
     spec = engine_spec(cfg)
     return build_launch_command(spec.model_path, spec.engine_kwargs, spec.mtp,
                                 host="127.0.0.1", port=port)

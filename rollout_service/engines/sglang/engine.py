@@ -47,8 +47,8 @@ from rollout_service.engines.sglang.features import INFO_TIMEOUT_S
 from rollout_service.engines.sglang.group_receiver import ServiceRank
 from rollout_service.engines.sglang.http_client import AiohttpServer, Reply, ServerHTTP
 from rollout_service.engines.sglang.launch import (
-    build_launch_command,
     free_port_below_ephemeral,
+    service_launch_command,
     start_server,
     stop_process,
 )
@@ -148,11 +148,11 @@ class SGLangEngine(SGLangWeights, ServiceRank):
         share a machine).
 
         Raises:
-            ValueError: bad engine kwargs (see :func:`build_launch_command`).
+            ValueError: bad engine kwargs (see :func:`service_launch_command`).
             EngineUnavailableError: the server exited or was not healthy in time.
         """
         port = port or free_port_below_ephemeral(host)
-        command = build_launch_command(model_path, engine_kwargs, mtp, host=host, port=port)
+        command = service_launch_command(model_path, engine_kwargs, mtp, host=host, port=port)
         base_url = f"http://{host}:{port}"
         http = AiohttpServer(base_url)  # one pool: the health polls', then the engine's
         try:

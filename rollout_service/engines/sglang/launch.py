@@ -22,6 +22,7 @@ import socket
 import sys
 import time
 from collections.abc import Mapping
+from types import MappingProxyType
 from typing import Any
 
 from rollout_service.engines.base import EngineUnavailableError
@@ -86,6 +87,24 @@ def build_launch_command(model_path: str, engine_kwargs: Mapping[str, Any], mtp:
         else:
             command += [flag, str(value)]
     return command
+
+
+SERVICE_SERVER_ARGS: Mapping[str, Any] = MappingProxyType({"log_level_http": "warning"})
+"""What a server the service launches gets under the user's ``engine_kwargs`` (which win).
+
+``log_level_http: warning`` keeps the server's uvicorn from logging each request: the
+service logs every client request itself (``http_access_log``), and a second line per
+request would be written on the event loop that also runs SGLang's tokenizer manager,
+which every request of a burst passes through. SGLang's own loggers, the scheduler's
+batch lines among them, keep ``log_level``."""
+
+
+def service_launch_command(model_path: str, engine_kwargs: Mapping[str, Any], mtp: MTPSettings,
+                           *, host: str, port: int) -> list[str]:
+    """The command the service runs: :func:`build_launch_command` with
+    :data:`SERVICE_SERVER_ARGS` under the user's kwargs."""
+    return build_launch_command(model_path, {**SERVICE_SERVER_ARGS, **engine_kwargs}, mtp,
+                                host=host, port=port)
 
 
 async def start_server(command: list[str], http: ServerHTTP, *,

@@ -25,7 +25,7 @@ from bench.serving_sglang import launch_command, sglang_config
 from bench.sglang_server import EAGER_SERVER_ARGS
 from rollout_service.config import EMBEDDED_SGLANG_ENGINE_KWARGS, load_config
 from rollout_service.embedded import ensure_model
-from rollout_service.engines.sglang.launch import build_launch_command
+from rollout_service.engines.sglang.launch import build_launch_command, service_launch_command
 from rollout_service.engines.speculative import MTPSettings
 from rollout_service.local import engine_spec
 
@@ -54,8 +54,8 @@ def resolved(command: list[str]) -> dict[str, Any]:
 def service_command(mtp: dict[str, Any], server_args: dict[str, Any]) -> list[str]:
     spec = engine_spec(load_config(model="embedded:tiny", engine="sglang", mtp=mtp,
                                    engine_kwargs=server_args))
-    return build_launch_command(spec.model_path, spec.engine_kwargs, spec.mtp, host="127.0.0.1",
-                                port=25000)
+    return service_launch_command(spec.model_path, spec.engine_kwargs, spec.mtp,
+                                  host="127.0.0.1", port=25000)
 
 
 def test_the_test_targets_service_launches_eagle_over_the_mtp_layer() -> None:
@@ -69,6 +69,7 @@ def test_the_test_targets_service_launches_eagle_over_the_mtp_layer() -> None:
     assert (args["attention_backend"], args["sampling_backend"], args["context_length"],
             args["dtype"], args["disable_cuda_graph"]) == ("fa3", "pytorch", 1024, "auto", True)
     assert args["max_running_requests"] == 48  # SGLang's cap under speculative decoding
+    assert args["log_level_http"] == "warning"  # the service logs each request itself
 
 
 def test_the_live_tests_own_server_and_a_server_without_speculation() -> None:

@@ -21,7 +21,12 @@ import pytest
 from rollout_service.engines.base import EngineUnavailableError
 from rollout_service.engines.sglang.engine import SGLangEngine
 from rollout_service.engines.sglang.http_client import AiohttpServer
-from rollout_service.engines.sglang.launch import build_launch_command, start_server, stop_process
+from rollout_service.engines.sglang.launch import (
+    build_launch_command,
+    service_launch_command,
+    start_server,
+    stop_process,
+)
 from rollout_service.engines.sglang.server_facts import has_pushable_drafter
 from rollout_service.engines.speculative import MTPSettings
 from tests.support.sglang_on_fake import MTP, VERSIONS, connect, greedy, make_fake
@@ -68,6 +73,17 @@ def test_launch_command_carries_the_speculative_server_args() -> None:
     assert tree[tree.index("--speculative-num-draft-tokens") + 1] == "7"  # steps * topk + 1
     no_mtp = build_launch_command("/ckpt", {}, MTPSettings(enabled=False), host="h", port=1)
     assert not any(arg.startswith("--speculative") for arg in no_mtp)
+
+
+def test_the_service_launches_its_server_without_a_second_access_log() -> None:
+    """The service logs each client request; its server's uvicorn would log it again."""
+    command = service_launch_command("/ckpt", {"tp_size": 2}, MTP, host="h", port=1)
+    assert command[command.index("--log-level-http") + 1] == "warning"
+    assert command[command.index("--tp-size") + 1] == "2"
+    mine = service_launch_command("/ckpt", {"log_level_http": "info"}, MTP, host="h", port=1)
+    assert mine[mine.index("--log-level-http") + 1] == "info"  # the user's kwargs win
+    own = build_launch_command("/ckpt", {}, MTP, host="h", port=1)  # SGLang's own defaults
+    assert "--log-level-http" not in own
 
 
 def test_launch_command_refuses_bad_kwargs() -> None:
