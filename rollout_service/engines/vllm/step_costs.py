@@ -23,11 +23,15 @@ A step is a clean decode step, and becomes a sample, when:
 - its K is uniform: no drafts (K = 0), or one draft per request of exactly K tokens each
   (``num_draft_tokens == K * num_drafts``, ``num_drafts == B``); a request whose draft was
   cut short (near ``max_tokens`` or the context end) makes it non-uniform;
-- the previous step was clean with the same K: its outputs' timestamps are then this
-  step's start, and a step after a change of K still verifies the old K's drafts. B may
+- the previous step was clean: its outputs' timestamps are then this step's start. B may
   have fallen by the requests that finished in the previous step: the interval is still
   this step's work at its own B. (Requiring the same B as well left a decaying rollout,
   where requests finish nearly every step, with no sample above the calibration.)
+- the next step is clean with the same K. A step verifies the drafts the step before
+  proposed and proposes those the next one verifies (vLLM's model runner drafts at the
+  K scheduled for the step), so after a change of K one step verifies the old K and
+  drafts the new: its sample leaves when the next step shows what it drafted, and only if
+  that is its own K. Each sample reaches the subscribers one step late.
 
 Its cost is the median of the step's inter-token latencies. Limits: B is the number of
 requests in the step, not their context lengths (a step at long contexts costs more, and
@@ -90,8 +94,11 @@ class StepCostMonitor:
 
     def __init__(self) -> None:
         self._sinks: list[StepCostSink] = []
-        self._previous_k: int | None = None
-        """K of the previous step if it was a clean decode step."""
+        self._is_previous_clean = False
+        """Whether the previous step was a clean decode step."""
+        self._held: StepCostSample | None = None
+        """The previous step's sample, if the step before it was clean too: sent once this
+        step shows it drafted its own K."""
         self.batch_size = 0
         """Requests that produced an output in the last step with outputs."""
         self.num_steps = 0
@@ -110,13 +117,15 @@ class StepCostMonitor:
                 self.batch_size = num_outputs
                 self.num_steps += 1
         sample = decode_step(scheduler_stats, iteration_stats)
-        previous_k, self._previous_k = self._previous_k, None if sample is None else sample.k
-        if sample is not None and sample.k == previous_k:
+        held = self._held
+        self._held = sample if self._is_previous_clean else None
+        self._is_previous_clean = sample is not None
+        if held is not None and sample is not None and sample.k == held.k:
             for sink in self._sinks:
                 try:
-                    sink(sample)
+                    sink(held)
                 except Exception:  # an exception here would kill vLLM's output handler
-                    logger.exception("step-cost subscriber failed on %s", sample)
+                    logger.exception("step-cost subscriber failed on %s", held)
 
     def logger_factory(self) -> Callable[..., StatLoggerBase]:
         """A per-engine ``StatLoggerFactory`` for ``AsyncLLM(stat_loggers=[...])``."""

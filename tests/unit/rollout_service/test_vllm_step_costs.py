@@ -69,27 +69,39 @@ def test_a_draft_cut_short_makes_k_non_uniform() -> None:
 
 
 def test_only_steady_steps_reach_the_subscribers() -> None:
-    """A step counts only after a clean step of the same K: its start is then the
-    previous step's output, and a change of K is not half in it. A batch that lost the
-    requests finished in the previous step still counts, at its own B."""
+    """A step counts between two clean steps, the next one verifying its own K: its start
+    is then the previous step's output, and it drafted the K it verified. A batch that lost
+    the requests finished in the previous step still counts, at its own B."""
     monitor = StepCostMonitor()
     seen: list[StepCostSample] = []
     monitor.subscribe(seen.append)
-    for stats in [step([STEP_S] * 2, k=2),  # first of its kind: no previous step
-                  step([STEP_S] * 2, k=2),  # steady
-                  step([STEP_S] * 2, k=1),  # K changed: verifies the old K's drafts
-                  step([STEP_S] * 2, k=1),  # steady again
-                  step([STEP_S], num_first_tokens=1, num_prompt_tokens=8),  # prefill
-                  step([STEP_S] * 2, k=1),  # after a prefill: not steady
-                  step([STEP_S] * 2, k=1),
-                  step([STEP_S], k=1)]:  # one request finished in the step before
+    for stats in [step([STEP_S] * 2, k=2),  # 1: no previous step
+                  step([STEP_S] * 2, k=2),  # 2: verifies 2, drafts 1 (3 verifies 1)
+                  step([STEP_S] * 2, k=1),  # 3: steady at 1 -> sent at 4
+                  step([STEP_S] * 2, k=1),  # 4: what it drafted is unknown (5: prefill)
+                  step([STEP_S], num_first_tokens=1, num_prompt_tokens=8),  # 5: prefill
+                  step([STEP_S] * 2, k=1),  # 6: after a prefill
+                  step([STEP_S] * 2, k=1),  # 7: steady -> sent at 8
+                  step([STEP_S], k=1),  # 8: one request finished in 7 -> sent at 9
+                  step([STEP_S], k=1)]:  # 9: the last: held until a next step
         monitor.record(*stats)
-    assert seen == [StepCostSample(k=2, batch_size=2, step_s=STEP_S),
-                    StepCostSample(k=1, batch_size=2, step_s=STEP_S),
+    assert seen == [StepCostSample(k=1, batch_size=2, step_s=STEP_S),
                     StepCostSample(k=1, batch_size=2, step_s=STEP_S),
                     StepCostSample(k=1, batch_size=1, step_s=STEP_S)]
     assert monitor.batch_size == 1
-    assert monitor.num_steps == 8
+    assert monitor.num_steps == 9
+
+
+def test_the_step_that_verifies_the_old_k_and_drafts_the_new_is_no_sample() -> None:
+    """After K 2 -> 0 one step still verifies two drafts but drafts none: neither K's
+    cost. The first step at K = 0 throughout is a sample."""
+    monitor = StepCostMonitor()
+    seen: list[StepCostSample] = []
+    monitor.subscribe(seen.append)
+    for k, step_s in [(2, 0.030), (2, 0.030), (2, 0.024), (0, 0.020), (0, 0.020)]:
+        monitor.record(*step([step_s] * 4, k=k))
+    assert seen == [StepCostSample(k=2, batch_size=4, step_s=0.030),
+                    StepCostSample(k=0, batch_size=4, step_s=0.020)]
 
 
 def test_steps_without_outputs_are_not_counted() -> None:
@@ -112,7 +124,7 @@ def test_a_failing_subscriber_never_reaches_vllm() -> None:
 
     monitor.subscribe(broken)
     monitor.subscribe(seen.append)
-    for _ in range(2):
+    for _ in range(3):
         monitor.record(*step([STEP_S]))
     assert seen == [StepCostSample(k=0, batch_size=1, step_s=STEP_S)]
 
@@ -122,6 +134,6 @@ def test_the_stat_logger_factory_feeds_the_monitor() -> None:
     seen: list[StepCostSample] = []
     monitor.subscribe(seen.append)
     logger = monitor.logger_factory()(None, 0)  # as vLLM's per-engine adapter calls it
-    for _ in range(2):
+    for _ in range(3):
         logger.record(*step([STEP_S] * 3, k=1), mm_cache_stats=None, engine_idx=0)
     assert seen == [StepCostSample(k=1, batch_size=3, step_s=STEP_S)]
