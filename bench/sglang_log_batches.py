@@ -34,12 +34,11 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-PREFILL = re.compile(r"Prefill batch, #new-seq: (\d+)(?:.*?#running-req: (\d+))?")
-"""A prefill line: its new requests and, where the line gives it, the requests running."""
-DECODE = re.compile(r"Decode batch, #running-req: (\d+)")
-LINE = re.compile(f"{PREFILL.pattern}|{DECODE.pattern}")
-DECODE_RATE = re.compile(r"Decode batch, #running-req: (\d+).*?gen throughput \(token/s\): "
-                         r"([\d.]+)")
+LINE = re.compile(r"Prefill batch, #new-seq: (\d+)(?:.*?#running-req: (\d+))?"
+                  r"|Decode batch, #running-req: (\d+)(?:.*?gen throughput \(token/s\): "
+                  r"([\d.]+))?")
+"""A prefill line (its new requests and, where the line gives it, the requests running) or
+a decode line (the requests running and, where given, SGLang's generation rate)."""
 
 
 @dataclass(frozen=True)
@@ -75,25 +74,32 @@ class Batching:
 
 
 def read_batching(text: str) -> Batching:
-    """The batching of one SGLang server log's text."""
-    prefills = [int(n) for n, _ in PREFILL.findall(text)]
+    """The batching of one SGLang server log's text, read in one pass."""
+    prefills: list[int] = []
     refills: list[Refill] = []
+    rates: list[tuple[int, float]] = []  # (running, gen throughput) of the decode lines
+    num_decode_lines = 0
     current: list[int] | None = None  # the open refill's prefill batches' #new-seq
-    for new_seq, running, _ in LINE.findall(text):
+    for new_seq, running, decode_running, rate in LINE.findall(text):
         starts = bool(new_seq) and running == "0"
         if current is not None and (not new_seq or starts):  # a decode line ends it
             refills.append(Refill(len(current), sum(current)))
             current = None
-        if starts:
-            current = [int(new_seq)]
-        elif new_seq and current is not None:
-            current.append(int(new_seq))
+        if new_seq:
+            prefills.append(int(new_seq))
+            if starts:
+                current = [int(new_seq)]
+            elif current is not None:
+                current.append(int(new_seq))
+        else:
+            num_decode_lines += 1
+            if rate:
+                rates.append((int(decode_running), float(rate)))
     if current is not None:
         refills.append(Refill(len(current), sum(current)))
-    rates = [(int(running), float(rate)) for running, rate in DECODE_RATE.findall(text)]
     full = max((running for running, _ in rates), default=0)
     return Batching(prefill_batches=len(prefills), prefilled_requests=sum(prefills),
-                    decode_lines=len(DECODE.findall(text)), refills=tuple(refills),
+                    decode_lines=num_decode_lines, refills=tuple(refills),
                     full_batch_rates=tuple(rate for running, rate in rates if running == full))
 
 
