@@ -95,9 +95,10 @@ class SpeculationControlSettings(BaseModel):
         "Relative throughput a better K must win by before it replaces the K in force."))
     num_confirmations: int = Field(4, ge=1, description=(
         "Consecutive decisions (one per finished sequence) the win must last."))
-    collapse_window_observations: int = Field(8, ge=1, description=(
-        "Drafted sequences pooled by the collapse rule; also the bound, in drafted "
-        "sequences, on reaching K = 0 once acceptance collapses."))
+    collapse_window_drafts: int = Field(128, ge=1, description=(
+        "Drafts pooled by the collapse rule (the last drafted sequences that hold this "
+        "many); also the bound, in drafts of a broken drafter, on reaching K = 0. Fewer "
+        "misjudge a working drafter where sequences draft little (a rollout's tail)."))
     collapse_threshold_rate: float = Field(0.1, gt=0, lt=1, description=(
         "Pooled first-position acceptance below which the drafter counts as broken."))
     reprobe_after_s: float | None = Field(300.0, gt=0, description=(

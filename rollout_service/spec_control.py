@@ -79,7 +79,7 @@ def controller_config(settings: SpeculationControlSettings, k_max: int) -> Contr
         k_max=k_max, batch_size_buckets=tuple(settings.batch_size_buckets),
         hysteresis=HysteresisConfig(margin=settings.margin,
                                     num_confirmations=settings.num_confirmations),
-        collapse=CollapseConfig(window_observations=settings.collapse_window_observations,
+        collapse=CollapseConfig(window_drafts=settings.collapse_window_drafts,
                                 threshold_rate=settings.collapse_threshold_rate,
                                 reprobe_after_s=settings.reprobe_after_s),
         probe=ProbeConfig(max_batch_size=settings.probe_max_batch_size,
@@ -174,14 +174,28 @@ class SpeculationControl:
         costed = self.costed(stats, batch_size)
         if costed is not stats:
             result = dataclasses.replace(result, spec_decode=costed)
+        was_collapsed = self._controller.is_collapsed
         try:
             self._controller.observe(stats, self._versions(), batch_size=batch_size,
                                      now=time.monotonic())
         except ValueError:
             logger.exception("speculation control: observation skipped")
             return result
+        if self._controller.is_collapsed != was_collapsed:
+            self._log_collapse()
         self._schedule_changed()
         return result
+
+    def _log_collapse(self) -> None:
+        """K = 0 everywhere, or back: in the log beside ``rollout_speculation_collapsed``."""
+        state = self._controller.state()
+        if state.is_collapsed:
+            logger.warning("speculation control: acceptance collapsed (pooled first-position "
+                           "rate %.3f): K = 0 everywhere until a drafter push or a re-probe "
+                           "(reprobe_after_s %s)", state.collapse_rate or 0.0,
+                           self._settings.reprobe_after_s)
+        else:
+            logger.info("speculation control: collapse ended, probing the drafter again")
 
     def costed(self, stats: SpecDecodeStats | None, batch_size: int
                ) -> SpecDecodeStats | None:

@@ -27,8 +27,8 @@ Probing starts with the controller, with every new drafter version and with a re
 (``collapse.reprobe_after_s`` after a collapse); it ends once the drafter has
 ``probe.num_drafts`` drafts. A collapse puts K = 0 in force in every bucket's hysteresis,
 so after recovery each bucket climbs back through the hysteresis. Bounds (default
-configs): K = 0 everywhere within ``collapse.window_observations`` = 8 drafted sequences
-after acceptance falls below ``collapse.threshold_rate``; after a push of a working
+configs): K = 0 everywhere within ``collapse.window_drafts`` = 128 drafts of a drafter
+whose acceptance fell below ``collapse.threshold_rate``; after a push of a working
 drafter, K >= 1 in the probed buckets from its first observation on (until the new
 drafter has ``probe.num_drafts`` drafts), and the model's own K > 0 after
 ``hysteresis.num_confirmations`` = 4 observations once the estimate shows a gain above the
@@ -236,6 +236,11 @@ class SpeculationController:
     def _bucket_index(self, batch_size: int) -> int:
         edges = self._config.batch_size_buckets
         return min(bisect.bisect_left(edges, batch_size), len(edges) - 1)
+
+    @property
+    def is_collapsed(self) -> bool:
+        """Acceptance collapsed: K = 0 everywhere (as in :meth:`state`, without its copy)."""
+        return self._collapse.is_collapsed
 
     def state(self) -> SpeculationState:
         """A frozen snapshot: K and reason per bucket, and the estimates."""

@@ -19,15 +19,21 @@ more than the margin, within the model.
 
 Collapse (:class:`CollapseDetector`): a drafter that no longer matches the main model
 (left behind by a push, or broken) must not wait for the smoothed estimate and the
-hysteresis. The detector pools the position-0 acceptance of the last
-``window_observations`` sequences that drafted; once the window is full and the pooled
-rate is below ``threshold_rate``, it collapses: the controller runs K = 0 everywhere.
-Bound: if acceptance drops below the threshold, the controller reaches K = 0 within
-``window_observations`` drafted sequences (8 by default; at the start of a rollout step,
-with hundreds of sequences in flight, that is seconds; in the tail it is as long as 8
-sequences take to finish, since stats arrive per finished sequence). A sequence without
-drafts ran with K = 0 and lost nothing to the drafter, so it does not count. The state is
-sticky: only the controller clears it, on a new drafter version or a re-probe.
+hysteresis. The detector pools the position-0 acceptance of the last sequences that
+drafted, as many as hold ``window_drafts`` drafts; once it holds that many and the
+pooled rate is below ``threshold_rate``, it collapses: the controller runs K = 0
+everywhere. The window counts drafts, not sequences: where sequences draft a few times
+each (a rollout's tail, the K > 0 steps after a run at K = 0), a window of 8 sequences
+holds a handful of drafts. On an H100 (commit 91b7212) such a window pooled 0.0 for a
+working drafter, estimated at 0.33-0.39 at position 0, and switched it off for
+``reprobe_after_s``. Bound: if
+acceptance drops below the threshold, the controller reaches K = 0 once the broken
+drafter has drafted ``window_drafts`` times (128 by default: at K >= 1 a sequence drafts
+about once per generated token, so one or two sequences; at the start of a rollout step,
+with hundreds of sequences in flight, that is seconds; stats arrive per finished
+sequence). A sequence without drafts ran with K = 0 and lost nothing to the drafter, so
+it does not count. The state is sticky: only the controller clears it, on a new drafter
+version or a re-probe.
 
 Recovery (:class:`ProbeConfig`): with K = 0 nothing is drafted, so nothing could show
 that acceptance is back. After a new drafter version (and after ``reprobe_after_s`` in
@@ -152,8 +158,10 @@ class Hysteresis:
 class CollapseConfig:
     """When acceptance has collapsed, and when to look again (see the module docstring)."""
 
-    window_observations: int = 8
-    """Drafted sequences pooled; also the bound, in drafted sequences, on reaching K = 0."""
+    window_drafts: int = 128
+    """Drafts pooled (the last drafted sequences that hold this many); also the bound, in
+    drafts of a broken drafter, on reaching K = 0. Few drafts misjudge a working drafter:
+    a first-position rate of 0.35 reads 0 in 8 drafts now and then."""
     threshold_rate: float = 0.1
     """Pooled position-0 acceptance below which the drafter counts as broken: a drafter
     whose first token is accepted less than 1 time in 10 adds under 0.1 token per K=1
@@ -164,9 +172,9 @@ class CollapseConfig:
     drafter version ends a collapse."""
 
     def __post_init__(self) -> None:
-        if self.window_observations < 1 or not 0 < self.threshold_rate < 1:
+        if self.window_drafts < 1 or not 0 < self.threshold_rate < 1:
             raise ValueError(
-                f"need window_observations >= 1 and 0 < threshold_rate < 1, got {self}")
+                f"need window_drafts >= 1 and 0 < threshold_rate < 1, got {self}")
         if self.reprobe_after_s is not None and self.reprobe_after_s <= 0:
             raise ValueError(f"reprobe_after_s must be > 0 or None, got {self.reprobe_after_s}")
 
@@ -198,28 +206,41 @@ class ProbeConfig:
 
 
 class CollapseDetector:
-    """Pools position-0 acceptance of the last drafted sequences; sticky once collapsed."""
+    """Pools position-0 acceptance of the last drafted sequences that hold
+    ``window_drafts`` drafts; sticky once collapsed."""
 
     def __init__(self, config: CollapseConfig) -> None:
         self._config = config
-        self._window: deque[tuple[int, int]] = deque(maxlen=config.window_observations)
+        self._window: deque[tuple[int, int]] = deque()
+        self._num_accepted = self._num_drafts = 0
         self.is_collapsed = False
 
     def observe(self, stats: SpecDecodeStats | None) -> bool:
         """Count one sequence (only those that drafted, with per-position counts); returns
         whether acceptance has collapsed."""
         if stats is not None and stats.has_speculation and stats.has_per_position:
-            self._window.append((stats.accepted_per_position[0], stats.num_drafts))
-            if len(self._window) == self._window.maxlen and not self.is_collapsed:
-                self.is_collapsed = self.pooled_rate() < self._config.threshold_rate
+            self._push(stats.accepted_per_position[0], stats.num_drafts)
+            if self._num_drafts >= self._config.window_drafts and not self.is_collapsed:
+                self.is_collapsed = self._num_accepted < (
+                    self._config.threshold_rate * self._num_drafts)
         return self.is_collapsed
+
+    def _push(self, accepted: int, drafts: int) -> None:
+        """Add a sequence; the oldest leave while the rest still hold the window's drafts."""
+        self._window.append((accepted, drafts))
+        self._num_accepted += accepted
+        self._num_drafts += drafts
+        while self._num_drafts - self._window[0][1] >= self._config.window_drafts:
+            old_accepted, old_drafts = self._window.popleft()
+            self._num_accepted -= old_accepted
+            self._num_drafts -= old_drafts
 
     def pooled_rate(self) -> float | None:
         """Position-0 acceptance pooled over the window; None while it is empty."""
-        num_drafts = sum(drafts for _, drafts in self._window)
-        return sum(accepted for accepted, _ in self._window) / num_drafts if num_drafts else None
+        return self._num_accepted / self._num_drafts if self._num_drafts else None
 
     def reset(self) -> None:
         """Forget the window and the collapse (a new drafter, or a re-probe)."""
         self._window.clear()
+        self._num_accepted = self._num_drafts = 0
         self.is_collapsed = False

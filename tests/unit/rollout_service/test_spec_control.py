@@ -231,6 +231,23 @@ async def test_inconsistent_counts_are_skipped_not_raised(control: SpeculationCo
     assert control.status().num_observations == 0
 
 
+async def test_a_collapse_is_logged_and_shown(control: SpeculationControl,
+                                             registry: CollectorRegistry,
+                                             caplog: pytest.LogCaptureFixture) -> None:
+    """K = 0 everywhere is an operator's business: a warning with the pooled rate, the
+    gauge at 1, and nothing logged while it stays collapsed."""
+    for _ in range(3):
+        control.observe(sequence(0.6))
+    assert "collapsed" not in caplog.text
+    with caplog.at_level("WARNING", logger="rollout_service.spec_control"):
+        for _ in range(4):  # 400 drafts of a broken drafter: beyond the 128 of the window
+            control.observe(sequence(0.0))
+    collapses = [r for r in caplog.records if "acceptance collapsed" in r.getMessage()]
+    assert len(collapses) == 1 and "rate 0.000" in collapses[0].getMessage()
+    assert registry.get_sample_value("rollout_speculation_collapsed",
+                                     {"model": "m", "engine": "fake"}) == 1
+
+
 def test_a_service_without_the_controller_shows_vllms_fixed_k(
         registry: CollectorRegistry) -> None:
     metrics = SpeculationMetrics(registry=registry, model="m", engine="fake", buckets=BUCKETS,
