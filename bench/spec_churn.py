@@ -234,8 +234,7 @@ def start_engine(model: str, *, k_max: int, drafter_at_k0: str, engine_kwargs: d
     args = build_engine_args(spec.model_path, spec.engine_kwargs, spec.mtp,
                              spec.checkpoint_config, served_model_name=spec.served_model_name)
     if static is None:
-        if spec.skip_drafter_at_k0:
-            skip_module.check_engine_args(args)
+        skip_module.resolve(spec.drafter_at_k0, args)  # run or skip, as asked
         args = with_startup_schedule(args, full_cuda_graphs=spec.full_cuda_graphs)
     else:
         os.environ["VLLM_PLUGINS"] = "none"  # nothing of this project in vLLM's processes

@@ -299,7 +299,7 @@ def main() -> None:
                         "as static modes (default: 0 .. k-max)")
     parser.add_argument("--full-cuda-graphs", choices=("align", "as_is"), default="align",
                         help="speculation_control.full_cuda_graphs of the spec engines")
-    parser.add_argument("--drafter-at-k0", default="run",
+    parser.add_argument("--drafter-at-k0", default="auto",
                         help="comma-separated speculation_control.drafter_at_k0 values, one "
                              "spec engine each (run,skip: the A/B on one run; skip: "
                              "model runner V2 on CUDA only)")

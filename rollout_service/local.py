@@ -56,7 +56,7 @@ def engine_spec(config: ServiceConfig) -> EngineSpec:
                       weights_load=config.weights_load, engine_url=config.engine_url,
                       verify_cost_batch_size=config.telemetry.verify_cost_batch_size,
                       runtime_spec_schedule=config.speculation_control.enabled,
-                      skip_drafter_at_k0=config.speculation_control.drafter_at_k0 == "skip",
+                      drafter_at_k0=config.speculation_control.drafter_at_k0,
                       full_cuda_graphs=config.speculation_control.full_cuda_graphs)
 
 

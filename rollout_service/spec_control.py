@@ -275,7 +275,8 @@ class SpeculationControl:
         """The state for ``/health``."""
         state = self._controller.state()
         return SpeculationControlStatus(
-            k_max=self._k_max, drafter_at_k0=self._settings.drafter_at_k0,
+            k_max=self._k_max,
+            drafter_at_k0="skip" if self._engine.skips_drafter_at_k0 else "run",
             buckets=[BucketStatus(batch_size=b.batch_size, k=self._k_in_force(b.batch_size),
                                   reason=PINNED if self._pinned else b.reason.value,
                                   controller_k=b.k, tokens_per_s=list(b.tokens_per_s))

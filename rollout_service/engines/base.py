@@ -33,6 +33,10 @@ from rollout_service.speculation.cost import StepCostSample
 WeightsLoad = Literal["auto", "reload"]
 """How an engine loads a push: ``ServiceConfig.weights_load`` documents both."""
 
+DrafterAtK0 = Literal["auto", "run", "skip"]
+"""The drafter on steps at K = 0: ``SpeculationControlSettings.drafter_at_k0`` documents
+each value."""
+
 FullGraphPolicy = Literal["refuse", "align", "as_is"]
 """A run-time K schedule and FULL CUDA graphs: ``SpeculationControlSettings.full_cuda_graphs``
 documents each value."""
@@ -163,9 +167,9 @@ class EngineSpec:
     """Start so that the number of draft tokens per batch size can change at run time
     (:class:`SpecScheduleEngine`), and measure step costs; the speculation control
     (``speculation_control.enabled``) needs it."""
-    skip_drafter_at_k0: bool = False
-    """vLLM: steps at K = 0 run nothing of the drafter
-    (``speculation_control.drafter_at_k0: skip``; ``engines/vllm/drafter_at_k0.py``)."""
+    drafter_at_k0: DrafterAtK0 = "run"
+    """vLLM with ``runtime_spec_schedule``: whether steps at K = 0 run the drafter
+    (``speculation_control.drafter_at_k0``; ``engines/vllm/drafter_at_k0.py``)."""
     full_cuda_graphs: FullGraphPolicy = "align"
     """vLLM on CUDA: a run-time schedule's FULL CUDA graphs
     (``speculation_control.full_cuda_graphs``; ``engines/vllm/graph_policy.py``)."""
@@ -305,6 +309,9 @@ class SpecScheduleEngine(Protocol):
     control."""
 
     info: EngineInfo
+    skips_drafter_at_k0: bool
+    """Steps at K = 0 run nothing of the drafter (``drafter_at_k0`` as the engine resolved
+    it at its start)."""
 
     async def apply_spec_schedule(self, schedule: Mapping[int, int]) -> dict[int, int]:
         """Run ``schedule`` (bucket upper edge -> K; past the last edge, the last K) from

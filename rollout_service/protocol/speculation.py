@@ -87,7 +87,8 @@ class SpeculationControlStatus(BaseModel):
 
     k_max: int = Field(description="The engine's num_speculative_tokens: the largest K.")
     drafter_at_k0: Literal["run", "skip"] = Field("run", description=(
-        "Whether steps at K = 0 still run the drafter (speculation_control.drafter_at_k0)."))
+        "Whether steps at K = 0 still run the drafter: speculation_control.drafter_at_k0 as "
+        "the engine resolved it at its start (auto: skip where the engine can, else run)."))
     buckets: list[BucketStatus]
     is_collapsed: bool = Field(description="Acceptance collapsed: K = 0 everywhere.")
     is_probing: bool = Field(description="Small buckets run K >= 1 to measure a drafter.")

@@ -29,17 +29,25 @@ the class whose K = 0 path is the one described above, only when ``propose`` sti
 the arguments the wrapper reads, and not with data or context parallelism (whose ranks
 step the drafter together) or adaptive verification (which reads the drafter's
 confidences each step).
-Anything else refuses with the reason, and the service does not start.
+Anything else refuses with the reason, and the service does not start. ``auto`` (the
+default) skips where both checks pass and runs the drafter otherwise, with the reason in
+the log (:func:`resolve`, and ``SpecScheduleMethods.skip_drafter_at_k0`` with
+``required=False``).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import inspect
+import logging
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from vllm.engine.arg_utils import AsyncEngineArgs
+
+    from rollout_service.engines.base import DrafterAtK0
+
+logger = logging.getLogger(__name__)
 
 SUPPORTED_VLLM_VERSIONS = ("0.32.0",)
 _MARK = "_rollout_skips_drafter_at_k0"
@@ -48,6 +56,29 @@ _ARGUMENTS = ("input_batch", "num_speculative_tokens", "dummy_run", "is_profile"
 
 class DrafterSkipUnsupported(RuntimeError):
     """This worker's vLLM, model runner or speculator is not the one the change is for."""
+
+
+def resolve(choice: DrafterAtK0, args: AsyncEngineArgs) -> bool:
+    """Whether the engine is to skip the drafter at K = 0, decided before it starts.
+
+    ``run``: no. ``skip``: yes, or the reason :func:`check_engine_args` gives. ``auto``:
+    yes where that check passes; otherwise no, with the reason logged (the workers still
+    check the rest once they run).
+
+    Raises:
+        ValueError: ``skip`` on an engine that cannot, naming the field and the reason.
+    """
+    if choice == "run":
+        return False
+    try:
+        check_engine_args(args)
+    except ValueError as exc:
+        if choice == "skip":
+            raise
+        logger.info("speculation control: steps at K = 0 run the drafter (drafter_at_k0: "
+                    "auto): %s", exc)
+        return False
+    return True
 
 
 def check_engine_args(args: AsyncEngineArgs) -> None:

@@ -92,8 +92,8 @@ async def start(spec: EngineSpec) -> VLLMEngine:
     args = build_engine_args(spec.model_path, spec.engine_kwargs, spec.mtp,
                              spec.checkpoint_config, served_model_name=spec.served_model_name,
                              weights_transport=spec.weights_transport)
-    if spec.skip_drafter_at_k0:
-        drafter_at_k0.check_engine_args(args)
+    skip_at_k0 = spec.runtime_spec_schedule and drafter_at_k0.resolve(spec.drafter_at_k0,
+                                                                        args)
     if not spec.runtime_spec_schedule:
         args = with_user_schedule_graphs(args, spec.full_cuda_graphs)
         engine = VLLMEngine.start(args, served_model_name=spec.served_model_name,
@@ -106,8 +106,8 @@ async def start(spec: EngineSpec) -> VLLMEngine:
     try:
         if spec.runtime_spec_schedule:
             await engine.check_spec_schedule()
-        if spec.skip_drafter_at_k0:
-            await engine.skip_drafter_at_k0()
+        if skip_at_k0:
+            await engine.skip_drafter_at_k0(required=spec.drafter_at_k0 == "skip")
         await engine.measure_verify_cost(spec.verify_cost_batch_size)
     except BaseException:
         await engine.shutdown()

@@ -36,6 +36,8 @@ class SpecScheduleMethods:
     _llm: AsyncLLM
     info: EngineInfo
     _step_costs: StepCostMonitor | None
+    skips_drafter_at_k0: bool = False
+    """Steps at K = 0 run nothing of the drafter (after :meth:`skip_drafter_at_k0`)."""
 
     async def apply_spec_schedule(self, schedule: Mapping[int, int]) -> dict[int, int]:
         """Run ``schedule`` (bucket upper edge -> K) from the engine core's next step on.
@@ -72,20 +74,30 @@ class SpecScheduleMethods:
                     " (V1 follows the scheduler's K every step; on CPU every K runs eager)")
         return facts
 
-    async def skip_drafter_at_k0(self) -> None:
+    async def skip_drafter_at_k0(self, *, required: bool = True) -> bool:
         """Every worker's speculator skips the drafter on steps at K = 0
-        (``drafter_at_k0.py``).
+        (``drafter_at_k0.py``); ``required=False`` (``auto``): a worker's refusal is
+        logged, and the drafter keeps running at K = 0.
+
+        Returns:
+            Whether steps at K = 0 skip the drafter now (:attr:`skips_drafter_at_k0`).
 
         Raises:
-            ValueError: naming ``speculation_control.drafter_at_k0`` and why this engine
-                cannot (a CPU engine, another vLLM, another speculator).
+            ValueError: ``required``, naming ``speculation_control.drafter_at_k0`` and why
+                this engine cannot (a CPU engine, another vLLM, another speculator).
         """
         try:
             names = await self._llm.collective_rpc("rollout_skip_drafter_at_k0")
         except Exception as exc:
-            raise ValueError(f"speculation_control.drafter_at_k0: 'skip' is not possible "
-                             f"on this engine: {exc}") from exc
+            if required:
+                raise ValueError(f"speculation_control.drafter_at_k0: 'skip' is not "
+                                 f"possible on this engine: {exc}") from exc
+            logger.warning("speculation control: steps at K = 0 run the drafter "
+                           "(drafter_at_k0: auto; a worker refused to skip it): %s", exc)
+            return False
+        self.skips_drafter_at_k0 = True
         logger.info("speculation control: steps at K = 0 skip the drafter (%s)", names[0])
+        return True
 
     async def _call_core(self, method: str, *args: Any) -> Any:
         try:

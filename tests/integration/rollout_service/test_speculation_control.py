@@ -20,6 +20,7 @@ import httpx
 import pytest
 import torch
 from safetensors.torch import load_file
+from vllm.platforms import current_platform
 
 from rollout_service.client import RolloutClient, ServiceError
 from rollout_service.embedded import ensure_model
@@ -102,7 +103,8 @@ async def test_the_calibration_filled_the_cost_table(client: RolloutClient) -> N
     covered = [b for b in status.buckets if b.batch_size <= CALIBRATED_BATCH_SIZES[-1]]
     assert covered and all(None not in b.tokens_per_s for b in covered)
     assert status.k_max == NUM_SPECULATIVE_TOKENS and status.num_refused == 0
-    assert status.drafter_at_k0 == "run"  # vLLM's own K = 0, the default
+    # drafter_at_k0: auto, the default: skip on CUDA (model runner V2), run on the CPU (V1)
+    assert status.drafter_at_k0 == ("skip" if current_platform.is_cuda() else "run")
 
 
 async def test_the_pinned_k_is_the_drafted_k_and_greedy_outputs_do_not_change(

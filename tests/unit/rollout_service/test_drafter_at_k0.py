@@ -18,6 +18,7 @@ from rollout_service.engines.vllm.drafter_at_k0 import (
     DrafterSkipUnsupported,
     skip_drafter_at_k0,
 )
+from rollout_service.engines.vllm.schedule_methods import SpecScheduleMethods
 
 MAX_REQS, K_MAX = 4, 3
 
@@ -83,7 +84,28 @@ def test_anything_but_the_supported_setup_is_refused_with_the_reason(change: Any
         skip_drafter_at_k0(r)
 
 
-def test_skip_needs_the_controller() -> None:
+def test_skip_needs_the_controller_and_auto_is_the_default() -> None:
     with pytest.raises(ValueError, match="drafter_at_k0: 'skip' .* needs enabled: true"):
         SpeculationControlSettings(drafter_at_k0="skip")
     assert SpeculationControlSettings(enabled=True, drafter_at_k0="skip").drafter_at_k0 == "skip"
+    assert SpeculationControlSettings().drafter_at_k0 == "auto"  # also without the controller
+
+
+class RefusingLLM:
+    """An ``AsyncLLM`` whose workers refuse the change, as a V1 worker does."""
+
+    async def collective_rpc(self, method: str) -> list[str]:
+        raise RuntimeError(f"{method}: ModelRunner has no speculator")
+
+
+async def test_a_workers_refusal_fails_skip_and_leaves_auto_running_the_drafter(
+        caplog: pytest.LogCaptureFixture) -> None:
+    engine = SpecScheduleMethods()
+    engine._llm = RefusingLLM()  # type: ignore[assignment]
+    with pytest.raises(ValueError, match="drafter_at_k0: 'skip' is not possible on this "
+                                         "engine: .*has no speculator"):
+        await engine.skip_drafter_at_k0()
+    with caplog.at_level("WARNING"):
+        assert await engine.skip_drafter_at_k0(required=False) is False
+    assert "a worker refused to skip it" in caplog.text
+    assert engine.skips_drafter_at_k0 is False

@@ -242,6 +242,7 @@ class ScheduledFakeEngine(FakeEngine):
         super().__init__(info, spec_decode)
         self.sinks: list[StepCostSink] = []
         self.batch_size = 1
+        self.skips_drafter_at_k0 = False
 
     async def apply_spec_schedule(self, schedule: Mapping[int, int]) -> dict[int, int]:
         return dict(schedule)

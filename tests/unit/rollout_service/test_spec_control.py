@@ -55,6 +55,7 @@ class FakeScheduleEngine:
         self.gate.set()
         self.sinks: list[StepCostSink] = []
         self.batch_size = 1
+        self.skips_drafter_at_k0 = False
 
     async def apply_spec_schedule(self, schedule: Mapping[int, int]) -> dict[int, int]:
         self.requested.append(dict(schedule))
@@ -229,6 +230,15 @@ async def test_inconsistent_counts_are_skipped_not_raised(control: SpeculationCo
                           num_verify_steps=10, accepted_per_position=(3, 6))  # not a prefix
     control.observe(dataclasses.replace(sequence(0.5), spec_decode=bad))
     assert control.status().num_observations == 0
+
+
+async def test_the_status_says_how_the_engine_resolved_drafter_at_k0(
+        control: SpeculationControl) -> None:
+    """The settings say ``auto``; ``/health`` says what the engine runs."""
+    assert control._settings.drafter_at_k0 == "auto"
+    assert control.status().drafter_at_k0 == "run"
+    fake(control).skips_drafter_at_k0 = True
+    assert control.status().drafter_at_k0 == "skip"
 
 
 async def test_a_collapse_is_logged_and_shown(control: SpeculationControl,

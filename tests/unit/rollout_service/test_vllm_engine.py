@@ -171,3 +171,18 @@ def test_skipping_the_drafter_at_k0_is_refused_before_a_v1_engine_starts() -> No
     with pytest.raises(ValueError, match="speculation_control.drafter_at_k0: 'skip' changes "
                                          "model runner V2's speculator.*runs model runner V1"):
         check_engine_args(service_args(MTPSettings(num_speculative_tokens=2)))
+
+
+def test_auto_runs_the_drafter_at_k0_where_skip_is_refused(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """``drafter_at_k0: auto`` (the default) on the CPU engine: the drafter runs at K = 0,
+    and the log says why; ``skip`` refuses; ``run`` asks nothing."""
+    from rollout_service.engines.vllm.drafter_at_k0 import resolve
+
+    args = service_args(MTPSettings(num_speculative_tokens=2))
+    with caplog.at_level("INFO", logger="rollout_service.engines.vllm.drafter_at_k0"):
+        assert resolve("auto", args) is False
+    assert "runs model runner V1" in caplog.text
+    with pytest.raises(ValueError, match="'skip' changes model runner V2's speculator"):
+        resolve("skip", args)
+    assert resolve("run", args) is False
