@@ -127,7 +127,7 @@ for s in "$@"; do
     churn)  # random K schedules every 3 steps under 256 requests (bench/spec_churn.py)
       step churn 300 env CUDA_LAUNCH_BLOCKING="${BLOCKING:-1}" python3 -m bench.spec_churn \
         --model embedded:1b --k-max 3 --concurrency 256 --changes "${CHANGES:-1000}" \
-        --drafter-at-k0 "${DRAFTER_AT_K0:-run}" ;;
+        --drafter-at-k0 "${DRAFTER_AT_K0:-auto}" ;;
     churn-modes)  # which graphs the illegal memory access needs, and vLLM alone
       for mode in PIECEWISE FULL_DECODE_ONLY; do
         step "churn-$mode" 200 python3 -m bench.spec_churn --model embedded:1b --k-max 3 \
@@ -173,13 +173,14 @@ for s in "$@"; do
     spec-bench)  # the benchmark, one drafter a call (NOISE, default 0.1; STALE=1:
       # that drafter made stale instead): c = LEVELS (1,16,64,256) and the decaying rollout
       # of PROMPTS (512; 0: none), to split a drafter over two calls if one is too long;
-      # DRAFTER_AT_K0=run,skip: both controllers (a third engine; the skip's acceptance in
-      # the rollout's tail, after its K = 0 start, is what decides its default)
+      # DRAFTER_AT_K0=run,skip: both controllers (a third engine). Three engines on an H100
+      # need two calls: LEVELS=1,16,64 PROMPTS=0, then LEVELS=256 (c = 1..64 took the whole
+      # 570 s at 91b7212); `python -m bench.speculation_log` reads both logs into one report
       step "spec-bench-${NOISE:-0.1}${STALE:+-stale}" 570 python3 -m bench.speculation \
         --model embedded:1b --draft-noise "${NOISE:-0.1}" --k-max 3 \
         --concurrency "${LEVELS:-1,16,64,256}" --max-tokens 256 --rounds 3 \
         --rollout-prompts "${PROMPTS:-512}" --rollout-max-tokens 1024 \
-        --drafter-at-k0 "${DRAFTER_AT_K0:-run}" ${STALE:+--stale-only} \
+        --drafter-at-k0 "${DRAFTER_AT_K0:-auto}" ${STALE:+--stale-only} \
         --logs "$out/spec-bench-logs" ;;
     spec-profile) step spec-profile 420 python3 -m bench.speculation --model embedded:1b \
             --draft-noise 0.1 --k-max 3 --static-k 0,1 --concurrency 16 --max-tokens 256 \
