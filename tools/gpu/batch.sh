@@ -127,7 +127,7 @@ for s in "$@"; do
     churn)  # random K schedules every 3 steps under 256 requests (bench/spec_churn.py)
       step churn 300 env CUDA_LAUNCH_BLOCKING="${BLOCKING:-1}" python3 -m bench.spec_churn \
         --model embedded:1b --k-max 3 --concurrency 256 --changes "${CHANGES:-1000}" \
-        --drafter-at-k0 "${DRAFTER_AT_K0:-auto}" ;;
+        --drafter-at-k0 "${DRAFTER_AT_K0:-run}" ;;
     churn-modes)  # which graphs the illegal memory access needs, and vLLM alone
       for mode in PIECEWISE FULL_DECODE_ONLY; do
         step "churn-$mode" 200 python3 -m bench.spec_churn --model embedded:1b --k-max 3 \
