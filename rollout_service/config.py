@@ -144,7 +144,7 @@ class SpeculationControlSettings(BaseModel):
 
     @model_validator(mode="after")
     def _skip_needs_the_controller(self) -> SpeculationControlSettings:
-        if self.drafter_at_k0 == "skip" and not self.enabled:  # auto: run, nothing to say
+        if self.drafter_at_k0 == "skip" and not self.enabled:  # auto there: run, as it must
             raise ValueError("drafter_at_k0: 'skip' acts on the steps the controller puts at "
                              "K = 0; it needs enabled: true")
         return self
