@@ -128,6 +128,9 @@ def service_config(opts: argparse.Namespace, model: Path, *,
     if opts.device == "cuda":
         overrides["engine_kwargs"] = {"dtype": "bfloat16", "enforce_eager": opts.eager,
                                       "gpu_memory_utilization": opts.gpu_memory_utilization}
+        if opts.max_capture_tokens is not None:  # every engine, spec-off's too
+            overrides["engine_kwargs"]["compilation_config"] = {
+                "max_cudagraph_capture_size": opts.max_capture_tokens}
     else:  # what "embedded:<size>" would get; the checkpoint here is a generated directory
         overrides["engine_kwargs"] = dict(EMBEDDED_ENGINE_KWARGS)
     return load_config(model=str(model), **overrides)
@@ -319,6 +322,10 @@ def main() -> None:
     parser.add_argument("--rollout-max-tokens", type=int, default=1024)
     parser.add_argument("--rounds", type=int, default=3, help="timed rounds per mode")
     parser.add_argument("--temperature", type=float, default=1.0)
+    parser.add_argument("--max-capture-tokens", type=int, default=None,
+                        help="CUDA: vLLM's max_cudagraph_capture_size for every engine (its "
+                             "default 512 tokens leaves K = 2 at 256 requests without a "
+                             "graph: 768 tokens a step)")
     parser.add_argument("--calibration-max-batch-size", type=int, default=32,
                         help="the controller's start-up calibration grid goes up to this")
     add_device_arguments(parser, gpu_memory_utilization=None, engines=(

@@ -175,12 +175,18 @@ for s in "$@"; do
       # of PROMPTS (512; 0: none), to split a drafter over two calls if one is too long;
       # DRAFTER_AT_K0=run,skip: both controllers (a third engine). Three engines on an H100
       # need two calls: LEVELS=1,16,64 PROMPTS=0, then LEVELS=256 (c = 1..64 took the whole
-      # 570 s at 91b7212); `python -m bench.speculation_log` reads both logs into one report
+      # 570 s at 91b7212); `python -m bench.speculation_log` reads both logs into one report.
+      # CAPTURE_TOKENS (vLLM's max_cudagraph_capture_size, 512 by default: above it a step
+      # runs without a graph; at 91b7212 K = 2 cost 7.32 ms at 170 requests, 19.32 ms at
+      # 198) and CALIBRATE_TO (the calibration's largest batch, 32 by default) for the
+      # c = 256 and rollout A/Bs
       step "spec-bench-${NOISE:-0.1}${STALE:+-stale}" 570 python3 -m bench.speculation \
         --model embedded:1b --draft-noise "${NOISE:-0.1}" --k-max 3 \
         --concurrency "${LEVELS:-1,16,64,256}" --max-tokens 256 --rounds 3 \
         --rollout-prompts "${PROMPTS:-512}" --rollout-max-tokens 1024 \
         --drafter-at-k0 "${DRAFTER_AT_K0:-auto}" ${STALE:+--stale-only} \
+        ${CAPTURE_TOKENS:+--max-capture-tokens "$CAPTURE_TOKENS"} \
+        ${CALIBRATE_TO:+--calibration-max-batch-size "$CALIBRATE_TO"} \
         --logs "$out/spec-bench-logs" ;;
     spec-profile) step spec-profile 420 python3 -m bench.speculation --model embedded:1b \
             --draft-noise 0.1 --k-max 3 --static-k 0,1 --concurrency 16 --max-tokens 256 \
