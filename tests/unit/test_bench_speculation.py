@@ -4,6 +4,7 @@ reproducible) and the check of the controller's model against the pinned modes."
 from __future__ import annotations
 
 import statistics
+from pathlib import Path
 
 import pytest
 from rich.console import Console
@@ -76,3 +77,21 @@ def test_skip_and_run_are_compared_round_by_round() -> None:
     assert "k=0 skip / k=0 run" in text and "1.200" in text  # 1.25, 1.0, 1.2
     assert "controller skip / controller run" in text and "1.200" in text.split(
         "controller skip / controller run")[1]  # 1.2, 0.5, 3.0
+
+
+def test_the_capture_ceiling_reaches_every_cuda_engine(tmp_path: Path) -> None:
+    """``--max-capture-tokens``: spec-off and the spec engines get the same ceiling (an
+    A/B of graphs, not of engines); unset, vLLM's own."""
+    from argparse import Namespace
+
+    from bench.speculation import service_config
+
+    opts = Namespace(k_max=3, full_cuda_graphs="align", calibration_max_batch_size=32,
+                     device="cuda", eager=False, gpu_memory_utilization=0.28,
+                     max_capture_tokens=2048)
+    for drafter_at_k0 in (None, "auto"):
+        kwargs = service_config(opts, tmp_path, drafter_at_k0=drafter_at_k0).engine_kwargs
+        assert kwargs["compilation_config"] == {"max_cudagraph_capture_size": 2048}
+    opts.max_capture_tokens = None
+    assert "compilation_config" not in service_config(opts, tmp_path,
+                                                      drafter_at_k0="auto").engine_kwargs
