@@ -142,6 +142,16 @@ class SpeculationControlSettings(BaseModel):
             raise ValueError(f"must be >= 1 and strictly increasing, got {buckets}")
         return buckets
 
+    @model_validator(mode="before")
+    @classmethod
+    def _renamed(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "collapse_window_observations" in data:
+            raise ValueError("collapse_window_observations (sequences) was replaced by "
+                             "collapse_window_drafts (drafts, 128 by default): a window of "
+                             "sequences that draft a few times each misread a working "
+                             "drafter as collapsed")
+        return data
+
     @model_validator(mode="after")
     def _skip_needs_the_controller(self) -> SpeculationControlSettings:
         if self.drafter_at_k0 == "skip" and not self.enabled:  # auto there: run, as it must

@@ -284,6 +284,8 @@ def test_the_calibration_grid_and_prompts() -> None:
     ({"mtp": {"enabled": False}}, "speculation_control.enabled: needs speculative decoding"),
     ({"speculation_control": {"enabled": True, "batch_size_buckets": [4, 2]}},
      "strictly increasing"),
+    ({"speculation_control": {"collapse_window_observations": 8}},
+     "collapse_window_observations .* replaced by collapse_window_drafts"),
     ({"speculation_control": {"enabled": True, "calibration": {"num_steps": 2}}},
      "num_steps"),
 ])
