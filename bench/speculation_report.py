@@ -57,11 +57,16 @@ def print_report(console: Console, drafter: str,
             if f"k=0{suffix}" in rates:  # the floor: what the drafter costs at K = 0
                 ratio(label, f"k=0{suffix} / spec-off (floor)", rates[f"k=0{suffix}"],
                       rates["spec-off"], None)
-        # drafter_at_k0 skip against run, paired per round (the same round's load)
-        for mode in ("k=0", "controller"):
+        # drafter_at_k0 skip against run, paired per round (the same round's load); a
+        # pinned K >= 1 is the control: skip changes nothing there, so its ratio is the
+        # two engines' own difference
+        statics = sorted(m.removesuffix(" skip") for m in rates
+                         if m.startswith("k=") and m.endswith(" skip") and m != "k=0 skip")
+        for mode in ("k=0", "controller", *statics):
             if f"{mode} skip" in rates and f"{mode} run" in rates:
-                ratio(label, f"{mode} skip / {mode} run", rates[f"{mode} skip"],
-                      rates[f"{mode} run"], None)
+                ratio(label, f"{mode} skip / {mode} run" + (" (control)" if mode in statics
+                                                             else ""),
+                      rates[f"{mode} skip"], rates[f"{mode} run"], None)
     console.print(table)
     console.print(ratios)
 

@@ -72,11 +72,15 @@ def test_skip_and_run_are_compared_round_by_round() -> None:
     print_report(console, "noise 0.1", {"c=64": {
         "spec-off": [100.0, 100.0, 100.0],
         "k=0 run": [80.0, 90.0, 100.0], "k=0 skip": [100.0, 90.0, 120.0],
+        "k=1 run": [100.0, 100.0, 100.0], "k=1 skip": [90.0, 95.0, 130.0],
         "controller run": [50.0, 200.0, 100.0], "controller skip": [60.0, 100.0, 300.0]}})
     text = console.export_text()
     assert "k=0 skip / k=0 run" in text and "1.200" in text  # 1.25, 1.0, 1.2
     assert "controller skip / controller run" in text and "1.200" in text.split(
         "controller skip / controller run")[1]  # 1.2, 0.5, 3.0
+    # the control: at K >= 1 skip changes nothing, so the engines' own difference
+    assert "0.950" in text.split("k=1 skip / k=1 run (control)")[1]  # 0.9, 0.95, 1.3
+    assert "k=0 skip / k=0 run (control)" not in text
 
 
 def test_the_capture_ceiling_reaches_every_cuda_engine(tmp_path: Path) -> None:
