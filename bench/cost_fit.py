@@ -26,13 +26,27 @@ from rollout_service.speculation.cost import CostConfig, StepCostSample, StepCos
 from rollout_service.speculation.decision import best_k, throughputs
 
 
+def read_state(parser: argparse.ArgumentParser, path: Path) -> SpeculationControlStatus:
+    """A saved controller state, or the parser's error naming the file."""
+    try:
+        return SpeculationControlStatus.model_validate_json(path.read_text())
+    except (OSError, ValidationError) as exc:
+        parser.error(f"state: {path} is not a controller state: {exc}")
+
+
+def measured_costs(state: SpeculationControlStatus) -> StepCostTable:
+    """The state's measured step costs, in a table that fits and prices them as the
+    controller's does now."""
+    return StepCostTable(CostConfig(), (StepCostSample(k=p.k, batch_size=p.batch_size,
+                                                       step_s=p.step_s)
+                                        for p in state.cost_table))
+
+
 def fitted_choices(state: SpeculationControlStatus) -> dict[int, dict[int, float]]:
     """Expected tokens/s per K at each bucket edge, from the state's measured costs as
     the table prices them now (K's beyond the calibration extrapolated as live, from the
     bucket below)."""
-    costs = StepCostTable(CostConfig(), (StepCostSample(k=p.k, batch_size=p.batch_size,
-                                                        step_s=p.step_s)
-                                         for p in state.cost_table))
+    costs = measured_costs(state)
     reach = extrapolation_reach([b.batch_size for b in state.buckets])
     return {edge: throughputs(state.acceptance, costs, batch_size=edge, k_max=state.k_max,
                               reach_from=from_size) for edge, from_size in reach.items()}
@@ -64,10 +78,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("state", type=Path, help="a controller-*.json of bench.speculation")
     opts = parser.parse_args()
-    try:
-        state = SpeculationControlStatus.model_validate_json(opts.state.read_text())
-    except (OSError, ValidationError) as exc:
-        parser.error(f"state: {opts.state} is not a controller state: {exc}")
+    state = read_state(parser, opts.state)
     console = Console()
     console.print(f"acceptance per position: {[round(p, 3) for p in state.acceptance]}")
     console.print(report(state))

@@ -31,13 +31,13 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from pydantic import ValidationError
 from rich.console import Console
 from rich.table import Table
 
+from bench.cost_fit import measured_costs, read_state
 from bench.speculation_rounds import rollout_lengths
 from rollout_service.protocol.speculation import SpeculationControlStatus
-from rollout_service.speculation.cost import CostConfig, StepCostSample, StepCostTable
+from rollout_service.speculation.cost import StepCostTable
 from rollout_service.speculation.decision import best_k, expected_tokens
 
 Policy = Callable[[int], int]
@@ -106,9 +106,7 @@ def tail_start(lengths: Sequence[int], batch_size: int) -> int:
 
 
 def report(state: SpeculationControlStatus, lengths: Sequence[int]) -> Table:
-    costs = StepCostTable(CostConfig(), (StepCostSample(k=p.k, batch_size=p.batch_size,
-                                                        step_s=p.step_s)
-                                         for p in state.cost_table))
+    costs = measured_costs(state)
     rates, k_max = state.acceptance, state.k_max
     covered = covered_batch_size(costs, k_max)
     start = tail_start(lengths, covered)
@@ -134,10 +132,7 @@ def main() -> None:
     parser.add_argument("--rollout-prompts", type=int, default=512)
     parser.add_argument("--rollout-max-tokens", type=int, default=1024)
     opts = parser.parse_args()
-    try:
-        state = SpeculationControlStatus.model_validate_json(opts.state.read_text())
-    except (OSError, ValidationError) as exc:
-        parser.error(f"state: {opts.state} is not a controller state: {exc}")
+    state = read_state(parser, opts.state)
     console = Console()
     console.print(f"acceptance per position: {[round(p, 3) for p in state.acceptance]}")
     console.print(report(state, rollout_lengths(opts.rollout_prompts,

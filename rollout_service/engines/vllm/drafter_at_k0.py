@@ -37,7 +37,6 @@ the log (:func:`resolve`, and ``SpecScheduleMethods.skip_drafter_at_k0`` with
 
 from __future__ import annotations
 
-import dataclasses
 import inspect
 import logging
 from typing import TYPE_CHECKING, Any
@@ -90,13 +89,13 @@ def check_engine_args(args: AsyncEngineArgs) -> None:
     """
     from vllm import __version__ as vllm_version
 
-    from rollout_service.engines.vllm.usage_context import serving_usage_context
+    from rollout_service.engines.vllm.graph_policy import resolve as resolve_config
 
     field = "speculation_control.drafter_at_k0"
     if vllm_version not in SUPPORTED_VLLM_VERSIONS:
         raise ValueError(f"{field}: 'skip' supports vLLM {SUPPORTED_VLLM_VERSIONS}, not "
                          f"{vllm_version}")
-    config = dataclasses.replace(args).create_engine_config(serving_usage_context())
+    config = resolve_config(args)
     if not config.use_v2_model_runner:
         raise ValueError(f"{field}: 'skip' changes model runner V2's speculator, and this "
                          "engine runs model runner V1 (vLLM's CPU engine always does); "
