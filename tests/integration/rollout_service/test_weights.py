@@ -26,6 +26,7 @@ from tests.integration.conftest import weights_status as status
 from tests.integration.rollout_service.weights_support import (
     DRAFT_PARAM,
     MAIN_PARAM,
+    HeldBack,
     accept_rate,
     begin_body,
     generated_tokens,
@@ -147,13 +148,12 @@ async def test_keep_mode_freezes_requests_and_spans_show_the_switch(
     switch where the push came.
 
     That needs requests that have tokens and are still running when the push pauses the
-    engine. On the busy 2-core CI machine the test process was seen frozen for seconds on
-    either side of the push: once every token came after it, once every request had
-    finished before it (vLLM's counter at +16000 and no request in the engine; once even
-    before the wait for their first 32 tokens saw them running). Neither
-    tests keep mode, and the push says which happened: ``num_requests_held`` counts the
-    requests it froze. An attempt in which no request with tokens was frozen is repeated,
-    three attempts at most; everything an attempt shows is checked in every attempt.
+    engine. The push sends all but its last bucket before the requests start
+    (:class:`HeldBack`), so its pause follows the requests' first 32 tokens by one update
+    call. The test process can still be frozen for the requests' whole generation on a
+    busy machine, and the push says so: ``num_requests_held`` counts the requests it froze.
+    An attempt in which no request with tokens was frozen is repeated, three attempts at
+    most; everything an attempt shows is checked in every attempt.
     """
     attempts: list[str] = []
     for _ in range(3):
@@ -174,25 +174,39 @@ async def test_keep_mode_freezes_requests_and_spans_show_the_switch(
 async def _keep_mode_push(service: ServiceProcess, client: RolloutClient, pusher: WeightPusher,
                           original: dict[str, torch.Tensor]
                           ) -> tuple[int, list[list[messages.WeightVersionSpan]], int, str]:
-    """Sixteen long requests, a ``keep`` push once vLLM has counted 32 of their tokens:
-    the requests the push held, each request's version spans, the pushed version and the
-    version served before."""
+    """A ``keep`` push staged first, then sixteen long requests, then the push's last bucket
+    and ``finish`` once vLLM has counted 32 of their tokens: the requests the push held,
+    each request's version spans, the pushed version and the version served before."""
     version = next_version(service)
     num_tokens = 1000
     # New tokens carry the served main version's label, or no switch could show.
     probe = await client.generate(messages.GenerateRequest(prompt_token_ids=[5, 6], max_tokens=2))
     served = str(status(service).main_version or "default")
     assert [span.version for span in probe.outputs[0].weight_versions] == [served]
-    # Requests of earlier tests still in the engine would generate the tokens counted
-    # below while these wait: start from an idle engine.
-    await until(lambda: requests_in_engine(client), lambda n: n == 0, timeout_s=120)
-    before = await generated_tokens(client)
-    pending = asyncio.gather(*(client.generate(messages.GenerateRequest(
-        prompt_token_ids=[4 + i, 11], max_tokens=num_tokens, temperature=1.0, seed=i,
-        ignore_eos=True)) for i in range(16)))
-    await tokens_generated_reach(client, before + 32, pending)  # mid-generation, normally
-    report = await asyncio.to_thread(pusher.push, original.items(), version=version,
-                                     pause_mode="keep")
+    held_back = HeldBack(original)
+    push = asyncio.ensure_future(asyncio.to_thread(
+        pusher.push, iter(held_back), specs=held_back.specs, version=version,
+        pause_mode="keep"))
+
+    async def staged_or_ended() -> bool:
+        return held_back.staged.is_set() or push.done()
+
+    try:
+        await until(staged_or_ended, bool, timeout_s=120, interval_s=0.05)
+        if push.done():
+            push.result()  # it cannot finish before the release: this raises its error
+        # Requests of earlier tests still in the engine would generate the tokens counted
+        # below while these wait: start from an idle engine.
+        await until(lambda: requests_in_engine(client), lambda n: n == 0, timeout_s=120)
+        before = await generated_tokens(client)
+        pending = asyncio.gather(*(client.generate(messages.GenerateRequest(
+            prompt_token_ids=[4 + i, 11], max_tokens=num_tokens, temperature=1.0, seed=i,
+            ignore_eos=True)) for i in range(16)))
+        await tokens_generated_reach(client, before + 32, pending)  # mid-generation, normally
+    finally:
+        held_back.release()
+        await asyncio.wait([push])
+    report = push.result()
     responses = await pending
     assert all(len(r.outputs[0].token_ids) == num_tokens for r in responses)  # none aborted
     return (report.server.num_requests_held,

@@ -5,6 +5,8 @@ wait on (``test_weights.py``, ``test_weights_refused.py``; others import a few).
 from __future__ import annotations
 
 import asyncio
+import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -34,6 +36,40 @@ def trainer_pusher(service: ServiceProcess) -> WeightPusher:
     """The trainer's pusher in the service's transport, small buckets (many per push)."""
     return WeightPusher(service.url, WEIGHTS_TOKEN, bucket_bytes=256 * 1024,
                         transport=TARGET.transport)  # type: ignore[arg-type]
+
+
+class HeldBack:
+    """A push's tensors, the last (smallest) one held back until :meth:`release`.
+
+    A test that needs a push's pause (its ``finish`` call) to land at a chosen moment
+    cannot start the whole push then: the tiny model in 256 KiB buckets is dozens of
+    update calls, and on a busy 2-core CI machine they outlasted sixteen 1000-token
+    requests in three attempts in a row. Iterated by the pusher (with :attr:`specs`, so
+    it is not materialized first), this sends every bucket but the last before
+    :attr:`staged` is set; after :meth:`release` the pause is one update call away.
+
+    Args:
+        tensors: the tensors to push.
+        timeout_s: how long the pusher's thread waits for the release before it fails
+            the push (which the pusher then aborts).
+    """
+
+    def __init__(self, tensors: dict[str, torch.Tensor], *, timeout_s: float = 120.0) -> None:
+        self._items = sorted(tensors.items(), key=lambda item: item[1].nbytes, reverse=True)
+        self.specs = [param_spec(name, t) for name, t in self._items]
+        self.staged = threading.Event()
+        self._released = threading.Event()
+        self._timeout_s = timeout_s
+
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        yield from self._items[:-1]
+        self.staged.set()
+        if not self._released.wait(self._timeout_s):
+            raise TimeoutError(f"the push's last tensor was not released in {self._timeout_s} s")
+        yield self._items[-1]
+
+    def release(self) -> None:
+        self._released.set()
 
 
 def http(service: ServiceProcess, token: str | None = WEIGHTS_TOKEN) -> httpx.Client:
