@@ -7,12 +7,8 @@ their field names per version (``PROFILES``, from ``fake_sglang_profiles``, whic
 how they are checked against SGLang's own sources). Responses mirror the dicts SGLang's
 tokenizer manager builds (``meta_info`` keys, finish reasons, logprob triples).
 
-The toy model: token ``t`` reads as ``chr(ord("a") + t % 26)``; text tokenizes one
-token per character; each generated token is the previous one plus 1 (mod the
-vocabulary); ``eos_token_id`` ends a sequence unless ``ignore_eos``. Speculative counts
-follow SGLang's formulas for a drafter that gets ``accept_per_step`` tokens accepted per
-verify step. Every call is recorded in ``calls``; tensor payloads are recorded, never
-unpickled.
+The toy model (what it generates, the speculative counts) is ``fake_sglang_model``'s.
+Every call is recorded in ``calls``; tensor payloads are recorded, never unpickled.
 
 ``"stream": true`` on ``/generate`` answers as SGLang does (``engines/sglang/answers.py``):
 server-sent events, one per decode step (the prefill's token, then each verify step's
@@ -36,6 +32,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from pydantic import BaseModel
 
 from rollout_service.protocol.sse import DONE_EVENT, encode_event
+from tests.support.fake_sglang_model import ToyModel
 from tests.support.fake_sglang_profiles import PROFILES, request_models
 
 
@@ -67,9 +64,7 @@ class FakeSGLang:
         self.speculative = speculative
         self.tp_size = tp_size
         self.base_gpu_id = 0  # SGLang's --base-gpu-id, reported in /server_info
-        self.vocab_size = 64
-        self.eos_token_id = 63
-        self.accept_per_step = 1
+        self.model = ToyModel()
         self.generate_delay_s = 0.0
         self.stream_step_s = 0.0
         """Pause between the events of a stream."""
@@ -174,24 +169,18 @@ class FakeSGLang:
         return PlainTextResponse("", status_code=200 if self.is_healthy else 503)
 
     async def _tokenize(self, request: Request) -> dict[str, Any]:
-        tokens = self.encode((await request.json())["prompt"])
+        tokens = self.model.encode((await request.json())["prompt"])
         return {"tokens": tokens, "count": len(tokens), "max_model_len": self.context_length}
 
     # --- generation ---
-
-    def encode(self, text: str) -> list[int]:
-        """The toy tokenizer: one token per character."""
-        return [ord(c) % 26 for c in text]
-
-    def decode(self, token_ids: list[int]) -> str:
-        return "".join(chr(ord("a") + t % 26) for t in token_ids if t != self.eos_token_id)
 
     async def _generate(self, obj: dict[str, Any]) -> Any:
         if obj["input_ids"] is None and obj["text"] is None:
             return JSONResponse({"error": {"message": "Either text or input_ids should be "
                                                       "provided."}}, status_code=400)
         await self._resumed.wait()  # SGLang holds new requests while paused
-        prompt_ids = obj["input_ids"] if obj["input_ids"] is not None else self.encode(obj["text"])
+        prompt_ids = (obj["input_ids"] if obj["input_ids"] is not None
+                      else self.model.encode(obj["text"]))
         if len(prompt_ids) >= self.context_length:
             error = {"error": {"message": f"The input ({len(prompt_ids)} tokens) is longer than "
                                          "the model's context length"}}
@@ -222,7 +211,7 @@ class FakeSGLang:
             finish = {"type": "abort", "message": "Abort in waiting queue", "status_code": None,
                       "err_type": None}
         else:
-            output_ids, text, finish = self._decode(prompt_ids, params)
+            output_ids, text, finish = self.model.complete(prompt_ids, params)
         meta = self._meta_info(obj, prompt_ids, output_ids, finish)
         out = {"text": text, "output_ids": output_ids, "meta_info": meta}
         if obj.get("return_prompt_token_ids"):
@@ -233,25 +222,18 @@ class FakeSGLang:
                                      media_type="text/event-stream")
         return out
 
-    def _steps(self, num_tokens: int) -> list[int]:
-        """Token counts after each decode step: the prefill's token, then accepted + 1."""
-        ends = [min(1, num_tokens)]
-        while ends[-1] < num_tokens:
-            ends.append(min(num_tokens, ends[-1] + self.accept_per_step + 1))
-        return ends
-
     async def _stream(self, rid: str, out: dict[str, Any]) -> Any:
         """``out`` as SGLang streams it (module docstring)."""
         ids, meta = out["output_ids"], out["meta_info"]
         logprobs = meta.get("output_token_logprobs")
         is_delta = self.incremental_streaming_output
-        ends = self._steps(len(ids))
+        ends = self.model.steps(len(ids))
         self.num_streaming += 1
         sent = 0
         try:
             for end in ends:
                 is_last = end == ends[-1]
-                text = out["text"] if is_last else self.decode(ids[:end])
+                text = out["text"] if is_last else self.model.decode(ids[:end])
                 start = sent if is_delta else 0
                 step_meta = dict(meta) if is_last else {
                     "id": rid, "finish_reason": None, "prompt_tokens": meta["prompt_tokens"],
@@ -259,7 +241,7 @@ class FakeSGLang:
                     "cached_tokens": 0}
                 if logprobs is not None:
                     step_meta["output_token_logprobs"] = logprobs[start:end]
-                event = {"text": text[len(self.decode(ids[:sent])):] if is_delta else text,
+                event = {"text": text[len(self.model.decode(ids[:sent])):] if is_delta else text,
                          "output_ids": ids[start:end], "meta_info": step_meta}
                 yield encode_event(json.dumps(event))
                 sent = end
@@ -271,23 +253,6 @@ class FakeSGLang:
             raise
         finally:
             self.num_streaming -= 1
-
-    def _decode(self, prompt_ids: list[int], params: dict[str, Any]
-                ) -> tuple[list[int], str, dict[str, Any]]:
-        output_ids: list[int] = []
-        token = prompt_ids[-1]
-        stops = params.get("stop") or []
-        stops = [stops] if isinstance(stops, str) else stops
-        for _ in range(params.get("max_new_tokens", 128)):
-            token = (token + 1) % self.vocab_size
-            output_ids.append(token)
-            if token == self.eos_token_id and not params.get("ignore_eos", False):
-                return output_ids, self.decode(output_ids), {"type": "stop", "matched": token}
-            text = self.decode(output_ids)
-            for stop in stops:
-                if stop in text:  # the stop string is trimmed from the text
-                    return output_ids, text[:text.index(stop)], {"type": "stop", "matched": stop}
-        return output_ids, self.decode(output_ids), {"type": "length", "length": len(output_ids)}
 
     def _meta_info(self, obj: dict[str, Any], prompt_ids: list[int], output_ids: list[int],
                    finish: dict[str, Any]) -> dict[str, Any]:
@@ -301,36 +266,14 @@ class FakeSGLang:
             meta["input_token_logprobs"] = []
             meta["output_token_logprobs_length"] = len(output_ids)
         if self.speculative and self.is_reporting_spec:
-            meta.update(self._spec_meta_info(len(output_ids)))
+            meta.update(self.model.spec_meta_info(
+                len(output_ids), num_steps=self.speculative["speculative_num_steps"],
+                num_draft_tokens=self.speculative["speculative_num_draft_tokens"],
+                profile=self.profile))
         if self.profile.has_weight_version_spans:
             meta["weight_versions"] = [{"version": self.weight_version, "start": 0,
                                         "end": len(output_ids)}]
         meta["e2e_latency"] = 0.01
-        return meta
-
-    def _spec_meta_info(self, num_completion: int) -> dict[str, Any]:
-        """SGLang's per-request keys: the prefill's token, then each verify step's accepted
-        drafts plus one; a last run cut at ``max_new_tokens`` counts whole (live 0.5.23)."""
-        num_steps = self.speculative["speculative_num_steps"]
-        verify_ct = accepted = 0
-        histogram: list[int] = []
-        remaining = num_completion - 1
-        while remaining > 0:
-            step_accepted = min(self.accept_per_step, num_steps)
-            histogram += [0] * (step_accepted + 1 - len(histogram))
-            histogram[step_accepted] += 1
-            verify_ct += 1
-            accepted += step_accepted
-            remaining -= step_accepted + 1
-        if verify_ct == 0:
-            return {}  # SGLang reports nothing for a request without a verify step
-        proposed = verify_ct * (self.speculative["speculative_num_draft_tokens"] - 1)
-        meta: dict[str, Any] = {"spec_accept_rate": accepted / proposed,
-                                "spec_accept_length": num_completion / verify_ct}
-        for accepted_key, proposed_key in self.profile.spec_keys:
-            meta |= {accepted_key: accepted, proposed_key: proposed}
-        meta["spec_verify_ct"] = verify_ct
-        meta[self.profile.histogram_key] = histogram
         return meta
 
     # --- control ---

@@ -74,7 +74,7 @@ async def test_generate_with_text(version: str, route: str, checkpoint: str) -> 
     fake = make_fake(version, checkpoint)
     engine = await connect(fake)
     result = await engine.generate("abc", greedy(2), "req-t")
-    assert result.prompt_token_ids == tuple(fake.encode("abc"))
+    assert result.prompt_token_ids == tuple(fake.model.encode("abc"))
     assert result.token_ids == (result.prompt_token_ids[-1] + 1, result.prompt_token_ids[-1] + 2)
     [body] = sent(fake, "/generate")
     if version == "0.5.23":
@@ -82,7 +82,7 @@ async def test_generate_with_text(version: str, route: str, checkpoint: str) -> 
         assert "input_ids" not in body
     else:
         assert sent(fake, route) == [{"prompt": "abc"}]
-        assert body["input_ids"] == fake.encode("abc") and "text" not in body
+        assert body["input_ids"] == fake.model.encode("abc") and "text" not in body
 
 
 async def test_finish_reasons(checkpoint: str) -> None:
@@ -172,7 +172,7 @@ async def test_a_stream_merges_into_the_whole_answer(version: str, is_incrementa
                                                      checkpoint: str) -> None:
     """Cumulative events (SGLang's default) and deltas (incremental_streaming_output) alike."""
     fake = make_fake(version, checkpoint, incremental_streaming_output=is_incremental)
-    fake.accept_per_step = 2
+    fake.model.accept_per_step = 2
     engine = await connect(fake)
     sampling = greedy(10, seed=3, logprobs=0, ignore_eos=True)
     whole = await engine.generate([5, 6, 7], sampling, "whole")
@@ -190,7 +190,7 @@ async def test_a_stream_of_text_sends_its_tokens(checkpoint: str) -> None:
     fake = make_fake("0.5.23", checkpoint)
     engine = await connect(fake)
     deltas = await streamed(engine, "abc", greedy(2), "r")
-    assert deltas[-1].result.prompt_token_ids == tuple(fake.encode("abc"))
+    assert deltas[-1].result.prompt_token_ids == tuple(fake.model.encode("abc"))
     assert sent(fake, "/v1/tokenize") == [{"prompt": "abc"}]
 
 

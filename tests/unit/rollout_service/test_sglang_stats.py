@@ -58,7 +58,7 @@ def test_stats_from_each_meta_info_generation(version: str) -> None:
 @pytest.mark.parametrize("version", VERSIONS)
 async def test_stats_end_to_end(version: str, checkpoint: str) -> None:
     fake = make_fake(version, checkpoint)
-    fake.accept_per_step = 2
+    fake.model.accept_per_step = 2
     engine = await connect(fake)
     result = await engine.generate([1], greedy(12), "spec")
     assert len(result.token_ids) == 12
