@@ -16,7 +16,7 @@ logger in this process. Nothing here waits on a request or makes one wait:
   the median of ``num_steps_per_cost_sample`` steps of its (K, B), which blends into the
   cost table.
 - :meth:`SpeculationControl.start`, before serving: the controller's first schedule, then
-  the calibration (:func:`calibrate`), then the schedule it leads to.
+  the calibration (``spec_calibration.calibrate``), then the schedule it leads to.
 - :meth:`SpeculationControl.pin`: an operator's (or a benchmark's) schedule overrides the
   controller, which keeps deciding; unpinned, its schedule returns.
 """
@@ -46,6 +46,7 @@ from rollout_service.protocol.speculation import (
     SpeculationControlStatus,
     StepCostPoint,
 )
+from rollout_service.spec_calibration import calibrate, synthetic_prompt
 from rollout_service.speculation.acceptance import WeightVersions
 from rollout_service.speculation.controller import (
     ControllerConfig,
@@ -90,20 +91,6 @@ def show_fixed_k(metrics: SpeculationMetrics, buckets: list[int], k: int) -> Non
     """A service without the controller: vLLM's fixed ``k`` in every bucket."""
     metrics.set_buckets(dict.fromkeys(buckets, k), dict.fromkeys(buckets, CONTROLLER_OFF))
     metrics.set_collapsed(False)
-
-
-def calibration_batch_sizes(max_batch_size: int) -> tuple[int, ...]:
-    """1, 2, 4, ... up to ``max_batch_size``, which is included even off the powers of 2
-    (the cost table interpolates in ``log B`` between them)."""
-    sizes = [1]
-    while sizes[-1] * 2 <= max_batch_size:
-        sizes.append(sizes[-1] * 2)
-    return tuple(sizes if sizes[-1] == max_batch_size else [*sizes, max_batch_size])
-
-
-def synthetic_prompt(index: int, num_tokens: int, vocab_size: int) -> list[int]:
-    """A deterministic prompt, distinct per ``index`` (no shared prefix to cache)."""
-    return [(7919 * (index + 1) + 104729 * j) % (vocab_size - 1) + 1 for j in range(num_tokens)]
 
 
 class SpeculationControl:
@@ -348,40 +335,6 @@ class SpeculationControl:
             {b: self._k_in_force(b) for b in buckets},
             {b.batch_size: PINNED if self._pinned else b.reason.value for b in state.buckets})
         self._metrics.set_collapsed(state.is_collapsed)
-
-
-async def calibrate(control: SpeculationControl, calibration: CalibrationSettings
-                    ) -> list[StepCostSample]:
-    """Measure c(K, B) for K in ``0..k_max`` and B on the geometric grid up to
-    ``calibration.max_batch_size``, record each point into the controller's table and
-    return them.
-
-    Each point runs B synthetic greedy requests (``ignore_eos``) at one K for every batch
-    size (every K in turn at one B, then the next B), long enough for ``num_steps`` decode
-    steps at the full batch, and takes the median of the clean decode steps at (K, B). A
-    first single request warms the engine up and is not counted. A point with fewer than
-    2 clean steps (B above the engine's ``max_num_seqs``, or a token budget that splits
-    the batch) is skipped with a warning: the table then interpolates around it, or
-    reports no cost data beyond.
-    """
-    sizes = calibration_batch_sizes(calibration.max_batch_size)
-    samples = []
-    await control.apply_for_calibration(0)
-    await control.run_calibration_batch(0, 1, calibration)  # warm-up
-    for batch_size in sizes:
-        # Every K back to back at one B: the decision reads ratios at equal B, and a
-        # machine whose load drifts during the calibration biases them least this way.
-        for k in range(control.k_max + 1):
-            await control.apply_for_calibration(k)
-            step_s = await control.run_calibration_batch(k, batch_size, calibration)
-            if step_s is None:
-                logger.warning("speculation control: no clean decode steps at K=%d, B=%d; "
-                               "point skipped", k, batch_size)
-                continue
-            sample = StepCostSample(k=k, batch_size=batch_size, step_s=step_s)
-            control.record_cost(sample)
-            samples.append(sample)
-    return samples
 
 
 def served_versions(weights: WeightPushManager) -> WeightVersions:

@@ -24,13 +24,8 @@ from rollout_service.engines.base import (
     StepCostSink,
 )
 from rollout_service.protocol.acceptance import SpecDecodeStats
-from rollout_service.spec_control import (
-    REASONS,
-    SpeculationControl,
-    calibration_batch_sizes,
-    show_fixed_k,
-    synthetic_prompt,
-)
+from rollout_service.spec_calibration import calibration_batch_sizes, synthetic_prompt
+from rollout_service.spec_control import REASONS, SpeculationControl, show_fixed_k
 from rollout_service.speculation.acceptance import WeightVersions
 from rollout_service.speculation.cost import StepCostSample
 from rollout_service.telemetry.speculation import SpeculationMetrics
