@@ -183,6 +183,10 @@ async def _keep_mode_push(service: ServiceProcess, client: RolloutClient, pusher
     probe = await client.generate(messages.GenerateRequest(prompt_token_ids=[5, 6], max_tokens=2))
     served = str(status(service).main_version or "default")
     assert [span.version for span in probe.outputs[0].weight_versions] == [served]
+    # Requests of earlier tests still in the engine would generate the tokens counted
+    # below while these wait: start from an idle engine (before the push, which the
+    # service aborts after push_timeout_s without a call).
+    await until(lambda: requests_in_engine(client), lambda n: n == 0, timeout_s=120)
     held_back = HeldBack(original)
     push = asyncio.ensure_future(asyncio.to_thread(
         pusher.push, iter(held_back), specs=held_back.specs, version=version,
@@ -192,12 +196,9 @@ async def _keep_mode_push(service: ServiceProcess, client: RolloutClient, pusher
         return held_back.staged.is_set() or push.done()
 
     try:
-        await until(staged_or_ended, bool, timeout_s=120, interval_s=0.05)
+        await until(staged_or_ended, bool, timeout_s=60, interval_s=0.05)
         if push.done():
             push.result()  # it cannot finish before the release: this raises its error
-        # Requests of earlier tests still in the engine would generate the tokens counted
-        # below while these wait: start from an idle engine.
-        await until(lambda: requests_in_engine(client), lambda n: n == 0, timeout_s=120)
         before = await generated_tokens(client)
         pending = asyncio.gather(*(client.generate(messages.GenerateRequest(
             prompt_token_ids=[4 + i, 11], max_tokens=num_tokens, temperature=1.0, seed=i,
