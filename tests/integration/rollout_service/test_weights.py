@@ -41,6 +41,7 @@ from tests.integration.rollout_service.weights_support import (
     trainer_pusher,
     with_change,
 )
+from tests.support.waiting import first_caught
 from trainer_client.push import WeightPusher, copy_into, layout, param_spec, spec_nbytes
 
 
@@ -150,13 +151,12 @@ async def test_keep_mode_freezes_requests_and_spans_show_the_switch(
     That needs requests that have tokens and are still running when the push pauses the
     engine. The push sends all but its last bucket before the requests start
     (:class:`HeldBack`), so its pause follows the requests' first 32 tokens by one update
-    call. The test process can still be frozen for the requests' whole generation on a
+    call. The test process can still be starved for the requests' whole generation on a
     busy machine, and the push says so: ``num_requests_held`` counts the requests it froze.
-    An attempt in which no request with tokens was frozen is repeated, three attempts at
-    most; everything an attempt shows is checked in every attempt.
+    An attempt in which no request with tokens was frozen is repeated (``first_caught``:
+    three attempts, more within 90 s); everything an attempt shows is checked in each.
     """
-    attempts: list[str] = []
-    for _ in range(3):
+    async def attempt() -> int | None:
         held, spans, version, served = await _keep_mode_push(service, client, pusher, original)
         crossed = [s for s in spans if s[-1].version == str(version)]
         switched = [s for s in crossed if len(s) == 2]
@@ -165,10 +165,9 @@ async def test_keep_mode_freezes_requests_and_spans_show_the_switch(
         for old, new in switched:
             assert (old.version, new.version) == (served, str(version)), (old, new)
             assert old.start == 0 and old.end == new.start, (old, new)
-        if switched:
-            return
-        attempts.append(f"version {version}: {held} requests held, spans {spans}")
-    pytest.fail("no attempt froze a request that had tokens:\n" + "\n".join(attempts))
+        return len(switched) or None
+
+    await first_caught(attempt, what="the push froze no request with tokens")
 
 
 async def _keep_mode_push(service: ServiceProcess, client: RolloutClient, pusher: WeightPusher,
