@@ -65,6 +65,7 @@ class FakeSGLang:
         self.tp_size = tp_size
         self.base_gpu_id = 0  # SGLang's --base-gpu-id, reported in /server_info
         self.model = ToyModel()
+        """What it generates and the speculative counts it reports (tests change its fields)."""
         self.generate_delay_s = 0.0
         self.stream_step_s = 0.0
         """Pause between the events of a stream."""

@@ -42,11 +42,12 @@ class HeldBack:
     """A push's tensors, the last (smallest) one held back until :meth:`release`.
 
     A test that needs a push's pause (its ``finish`` call) to land at a chosen moment
-    cannot start the whole push then: the tiny model in 256 KiB buckets is dozens of
-    update calls, and on a busy 2-core CI machine they outlasted sixteen 1000-token
-    requests in three attempts in a row. Iterated by the pusher (with :attr:`specs`, so
-    it is not materialized first), this sends every bucket but the last before
-    :attr:`staged` is set; after :meth:`release` the pause is one update call away.
+    should not start the whole push then: the test pusher sends an update call per
+    256 KiB bucket first. On a busy 2-core CI machine, sixteen 1000-token requests
+    finished before such a push paused the engine, three attempts in a row. Iterated by
+    the pusher (with :attr:`specs`, so it is not materialized first), this sends every
+    bucket but the last before :attr:`staged` is set; after :meth:`release` the pause is
+    one update call away.
 
     Args:
         tensors: the tensors to push.
