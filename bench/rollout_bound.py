@@ -21,7 +21,7 @@ scheduler decide). The report says what share of the rollout's tokens that tail 
 A model, not a measurement: prefill, the front end and the noise of real steps are not in
 it; it bounds what the throughput model can promise.
 
-    python -m bench.rollout_bound tests/data/controller-h100-1b-skip-after-rollout.json
+    python -m bench.rollout_bound tests/data/controller-h100-1b-skip-rollout.json
 """
 
 from __future__ import annotations

@@ -13,9 +13,9 @@ from prometheus_client.parser import text_string_to_metric_families
 def sample_sum(metrics_text: str, name: str, **labels: str) -> float:
     """Sum of the samples called ``name`` whose labels include ``labels``.
 
-    Only the lines that start with ``name`` are parsed. A service's page with vLLM's
-    metrics is about 100 KB, and on a busy 2-core machine its whole parse took a test
-    process seconds: long enough for the requests it waited on to finish meanwhile.
+    Only the lines that start with ``name`` are parsed: a service's page carries all of
+    vLLM's metrics, and on a busy 2-core machine a test that parsed it whole to read one
+    counter saw the requests it waited on finish meanwhile.
     """
     lines = "".join(f"{line}\n" for line in metrics_text.splitlines() if line.startswith(name))
     return sum(sample.value for family in text_string_to_metric_families(lines)
