@@ -21,8 +21,9 @@ machine hits every mode alike; a pin is applied before its mode's round, untimed
 in force when the pin call returns; a round starts once the servers are back at rest,
 ``bench/quiet.py``):
 
-- fixed concurrency (``--concurrency``): c requests in flight, each exactly
-  ``--max-tokens`` tokens (``ignore_eos``); tokens/s;
+- fixed concurrency (``--concurrency``): c requests in flight (closed loop, c x
+  ``--waves`` requests a round), each exactly ``--max-tokens`` tokens (``ignore_eos``);
+  tokens/s;
 - a decaying rollout (``--rollout-prompts``, 0 skips it): every prompt sent at once, each
   with its own length from a long-tailed (Pareto) distribution capped at
   ``--rollout-max-tokens``, so concurrency decays from all prompts to one; the wall time
@@ -234,8 +235,9 @@ async def measure(opts: argparse.Namespace, services: Services, label: str,
         results: dict[str, dict[str, list[float]]] = {}
         for c in (int(c) for c in opts.concurrency.split(",")):
             results[f"c={c}"] = await interleaved(
-                modes(functools.partial(off.run_round, c, c),  # one wave of c
-                      lambda spec, c=c: functools.partial(spec.run_round, c, c), f"c{c}"),
+                modes(functools.partial(off.run_round, c, c * opts.waves),  # c in flight
+                      lambda spec, c=c: functools.partial(spec.run_round, c, c * opts.waves),
+                      f"c{c}"),
                 opts.rounds, f"{label} c={c}", console)
             await show_controller(f"c={c}", c)
         if opts.rollout_prompts:
@@ -291,7 +293,10 @@ async def run(opts: argparse.Namespace, noises: list[float], console: Console) -
             await server.close()
 
 
-def main() -> None:
+def parse_options(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[float]]:
+    """The command line, checked (``parser.error`` names the flag): the options, with
+    ``static_k``, ``drafter_at_k0`` and ``profile_modes`` as lists, and the drafter
+    noises."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="embedded:small",
                         help="embedded:<size> (tiny, small, 1b, 7b)")
@@ -305,7 +310,7 @@ def main() -> None:
     parser.add_argument("--drafter-at-k0", default="auto",
                         help="comma-separated speculation_control.drafter_at_k0 values, one "
                              "spec engine each (run,skip: the A/B on one run; skip: "
-                             "model runner V2 on CUDA only)")
+                             "model runner V2 on CUDA only; auto: skip where it can)")
     parser.add_argument("--profile-modes", default="",
                         help="comma-separated modes (spec-off, k=<K>, controller) to sample "
                              "with py-spy, service and engine core, every round")
@@ -317,6 +322,10 @@ def main() -> None:
                         "(the first noise's services, no fresh run before it)")
     parser.add_argument("--concurrency", default="1,4,16,64", help="comma-separated levels")
     parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--waves", type=int, default=1,
+                        help="a fixed-concurrency round sends c x WAVES requests, c in flight "
+                        "(closed loop): longer rounds, less spread (one wave of 16 x 256 "
+                        "tokens is under a second on a GPU)")
     parser.add_argument("--rollout-prompts", type=int, default=512,
                         help="prompts of the decaying rollout (0: no rollout)")
     parser.add_argument("--rollout-max-tokens", type=int, default=1024)
@@ -331,11 +340,11 @@ def main() -> None:
     add_device_arguments(parser, gpu_memory_utilization=None, engines=(
         "spec-off's and one per --drafter-at-k0 value at once; default: "
         f"{GPU_MEMORY_SHARED} shared among them, at most {GPU_MEMORY_PER_ENGINE} each"))
-    opts = parser.parse_args()
+    opts = parser.parse_args(argv)
     if not opts.model.startswith("embedded:"):
         parser.error("--model: embedded:<size> only (each drafter noise is generated)")
-    if opts.rounds < 1 or opts.k_max < 1:
-        parser.error("--rounds and --k-max must be >= 1")
+    if opts.rounds < 1 or opts.k_max < 1 or opts.waves < 1:
+        parser.error("--rounds, --k-max and --waves must be >= 1")
     try:
         noises = [float(x) for x in opts.draft_noise.split(",")]
     except ValueError:
@@ -348,9 +357,9 @@ def main() -> None:
     if any(not 0 <= k <= opts.k_max for k in opts.static_k):
         parser.error(f"--static-k: each K in 0 .. --k-max ({opts.k_max})")
     opts.drafter_at_k0 = opts.drafter_at_k0.split(",")
-    if not opts.drafter_at_k0 or set(opts.drafter_at_k0) - {"run", "skip"} or len(
+    if not opts.drafter_at_k0 or set(opts.drafter_at_k0) - {"run", "skip", "auto"} or len(
             set(opts.drafter_at_k0)) != len(opts.drafter_at_k0):
-        parser.error("--drafter-at-k0: distinct values among run, skip")
+        parser.error("--drafter-at-k0: distinct values among run, skip, auto")
     opts.profile_modes = [m for m in opts.profile_modes.split(",") if m]
     known = {"spec-off", *(mode_name(m, d, opts.drafter_at_k0) for d in opts.drafter_at_k0
                            for m in ("controller", *(f"k={k}" for k in opts.static_k)))}
@@ -361,6 +370,11 @@ def main() -> None:
             opts.gpu_memory_utilization, num_engines=1 + len(opts.drafter_at_k0))
     except ValueError as exc:
         parser.error(str(exc))
+    return opts, noises
+
+
+def main() -> None:
+    opts, noises = parse_options()
     resolve_device(opts)
     # The services read it from the environment (a config file would carry it masked).
     os.environ[WEIGHTS_TOKEN_ENV] = WEIGHTS_TOKEN

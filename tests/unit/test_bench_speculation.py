@@ -99,3 +99,22 @@ def test_the_capture_ceiling_reaches_every_cuda_engine(tmp_path: Path) -> None:
     opts.max_capture_tokens = None
     assert "compilation_config" not in service_config(opts, tmp_path,
                                                       drafter_at_k0="auto").engine_kwargs
+
+
+def test_the_defaults_parse_and_bad_flags_are_refused_by_name(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """The default ``--drafter-at-k0`` (``auto``, the service's default) is a valid
+    choice; ``batch.sh spec-bench`` runs it. Bad values exit naming their flag."""
+    from bench.speculation import parse_options
+
+    opts, noises = parse_options([])
+    assert opts.drafter_at_k0 == ["auto"] and opts.waves == 1 and noises == [0.25]
+    opts, _ = parse_options(["--drafter-at-k0", "run,skip", "--waves", "4"])
+    assert opts.drafter_at_k0 == ["run", "skip"] and opts.waves == 4
+    for argv, flag in ((["--waves", "0"], "--waves"),
+                       (["--drafter-at-k0", "run,run"], "--drafter-at-k0"),
+                       (["--drafter-at-k0", "sometimes"], "--drafter-at-k0"),
+                       (["--static-k", "4", "--k-max", "3"], "--static-k")):
+        with pytest.raises(SystemExit):
+            parse_options(argv)
+        assert flag in capsys.readouterr().err

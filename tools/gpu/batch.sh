@@ -179,10 +179,12 @@ for s in "$@"; do
       # CAPTURE_TOKENS (vLLM's max_cudagraph_capture_size, 512 by default: above it a step
       # runs without a graph; at 91b7212 K = 2 cost 7.32 ms at 170 requests, 19.32 ms at
       # 198) and CALIBRATE_TO (the calibration's largest batch, 32 by default) for the
-      # c = 256 and rollout A/Bs
+      # c = 256 and rollout A/Bs. ROUNDS (3) and WAVES (1: a round is one wave of c
+      # requests, under a second at c = 16) for less spread
       step "spec-bench-${NOISE:-0.1}${STALE:+-stale}" 570 python3 -m bench.speculation \
         --model embedded:1b --draft-noise "${NOISE:-0.1}" --k-max 3 \
-        --concurrency "${LEVELS:-1,16,64,256}" --max-tokens 256 --rounds 3 \
+        --concurrency "${LEVELS:-1,16,64,256}" --max-tokens 256 --rounds "${ROUNDS:-3}" \
+        --waves "${WAVES:-1}" \
         --rollout-prompts "${PROMPTS:-512}" --rollout-max-tokens 1024 \
         --drafter-at-k0 "${DRAFTER_AT_K0:-auto}" ${STALE:+--stale-only} \
         ${CAPTURE_TOKENS:+--max-capture-tokens "$CAPTURE_TOKENS"} \
