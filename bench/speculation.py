@@ -262,7 +262,8 @@ async def run(opts: argparse.Namespace, noises: list[float], console: Console) -
     checkpoints = [ensure_model(size, init=WeightInit(draft_noise=n)) for n in noises]
     levels = [int(c) for c in opts.concurrency.split(",")]
     max_level = max([*levels, opts.rollout_prompts])
-    prompts = tuple(p for p, _ in arithmetic_prompts(max_level))
+    prompts = tuple(p for p, _ in arithmetic_prompts(max(max(levels) * opts.waves,
+                                                         opts.rollout_prompts)))
     workload = Workload(prompts=prompts, max_tokens=opts.max_tokens,
                         temperature=opts.temperature)
     scratch = Path(opts.logs or tempfile.mkdtemp(prefix="bench-speculation-"))
