@@ -49,7 +49,6 @@ import argparse
 import asyncio
 import contextlib
 import dataclasses
-import functools
 import os
 import tempfile
 from collections.abc import Callable
@@ -67,7 +66,9 @@ from bench.speculation_rounds import (
     Rollout,
     Round,
     interleaved,
+    level_round,
     profiled,
+    prompts_needed,
     rollout_lengths,
     rollout_round,
     with_pin,
@@ -235,9 +236,8 @@ async def measure(opts: argparse.Namespace, services: Services, label: str,
         results: dict[str, dict[str, list[float]]] = {}
         for c in (int(c) for c in opts.concurrency.split(",")):
             results[f"c={c}"] = await interleaved(
-                modes(functools.partial(off.run_round, c, c * opts.waves),  # c in flight
-                      lambda spec, c=c: functools.partial(spec.run_round, c, c * opts.waves),
-                      f"c{c}"),
+                modes(level_round(off, c, opts.waves),
+                      lambda spec, c=c: level_round(spec, c, opts.waves), f"c{c}"),
                 opts.rounds, f"{label} c={c}", console)
             await show_controller(f"c={c}", c)
         if opts.rollout_prompts:
@@ -262,8 +262,8 @@ async def run(opts: argparse.Namespace, noises: list[float], console: Console) -
     checkpoints = [ensure_model(size, init=WeightInit(draft_noise=n)) for n in noises]
     levels = [int(c) for c in opts.concurrency.split(",")]
     max_level = max([*levels, opts.rollout_prompts])
-    prompts = tuple(p for p, _ in arithmetic_prompts(max(max(levels) * opts.waves,
-                                                         opts.rollout_prompts)))
+    prompts = tuple(p for p, _ in arithmetic_prompts(
+        prompts_needed(levels, opts.waves, opts.rollout_prompts)))
     workload = Workload(prompts=prompts, max_tokens=opts.max_tokens,
                         temperature=opts.temperature)
     scratch = Path(opts.logs or tempfile.mkdtemp(prefix="bench-speculation-"))

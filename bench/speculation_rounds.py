@@ -79,6 +79,18 @@ def profiled(mode: Mode, pid: int, out_dir: Path, label: str) -> Mode:
     return Mode(run=profiled_run, setup=mode.setup)
 
 
+def level_round(http: HttpMode, concurrency: int, waves: int) -> Round:
+    """``concurrency`` requests in flight (closed loop) for ``concurrency * waves``
+    requests: one wave is the whole round at ``waves=1``, under a second at c = 16 on a
+    GPU, so its prefill and its last requests' tail weigh in the spread."""
+    return lambda: http.run_round(concurrency, concurrency * waves)
+
+
+def prompts_needed(levels: list[int], waves: int, rollout_prompts: int) -> int:
+    """Distinct prompts for the largest level's round and for the rollout."""
+    return max(max(levels) * waves, rollout_prompts)
+
+
 def rollout_round(http: HttpMode, rollout: Rollout, temperature: float) -> Round:
     """Every prompt of ``rollout`` at once, each to its own length."""
 

@@ -118,3 +118,26 @@ def test_the_defaults_parse_and_bad_flags_are_refused_by_name(
         with pytest.raises(SystemExit):
             parse_options(argv)
         assert flag in capsys.readouterr().err
+
+
+def test_a_level_round_keeps_c_in_flight_for_c_times_waves_requests() -> None:
+    """``--waves``: the round at concurrency c sends c x waves requests, c at a time, and
+    the run's prompts cover that round and the rollout (a run with ``--waves 3`` once ran
+    out of prompts at its warm-up)."""
+    import asyncio
+
+    from bench.speculation_rounds import level_round, prompts_needed
+
+    class Recorder:  # the one method of HttpMode a round calls
+        calls: list[tuple[int, int]] = []
+
+        async def run_round(self, concurrency: int, num_requests: int) -> int:
+            self.calls.append((concurrency, num_requests))
+            return num_requests
+
+    recorder = Recorder()
+    assert asyncio.run(level_round(recorder, 16, 4)()) == 64  # type: ignore[arg-type]
+    assert asyncio.run(level_round(recorder, 1, 1)()) == 1  # type: ignore[arg-type]
+    assert recorder.calls == [(16, 64), (1, 1)]
+    assert prompts_needed([1, 16, 64], 3, 0) == 192
+    assert prompts_needed([1, 16], 4, 512) == 512
