@@ -51,6 +51,7 @@ import contextlib
 import dataclasses
 import os
 import tempfile
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -173,9 +174,12 @@ async def start_services(opts: argparse.Namespace, model: Path, workload: Worklo
                                     *((f"spec-{d}", d) for d in opts.drafter_at_k0)):
             console.print(f"starting the {name} service ...")
             (scratch / name).mkdir(parents=True, exist_ok=True)
+            began = time.perf_counter()
             started[name] = await start_http(
                 "service", service_config(opts, model, drafter_at_k0=drafter_at_k0),
                 workload, scratch / name, max_level)
+            console.print(f"  the {name} service is healthy after "
+                          f"{time.perf_counter() - began:.0f} s")
     except BaseException:
         for server in started.values():
             await server.close()

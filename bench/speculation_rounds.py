@@ -112,6 +112,7 @@ async def interleaved(modes: dict[str, Mode], num_rounds: int, label: str,
     timed round starts once the mode's setup is done and the bench's servers are back at
     rest (``bench/quiet.py``: the server of the round before may still be busy)."""
     names = list(modes)
+    began = time.perf_counter()
     for mode in modes.values():
         if mode.setup is not None:
             await mode.setup()
@@ -129,4 +130,8 @@ async def interleaved(modes: dict[str, Mode], num_rounds: int, label: str,
             rates[name].append(tokens / (time.perf_counter() - start))
         console.print(f"  {label} round {r + 1}: " + ", ".join(
             f"{m} {rates[m][-1]:.0f}" for m in names) + " tok/s")
+    # what a workload costs in wall-clock, warm-ups, pins and waits for rest included:
+    # what a device call's plan has to fit in
+    console.print(f"  {label}: warm-ups and {num_rounds} rounds of {len(names)} modes in "
+                  f"{time.perf_counter() - began:.0f} s")
     return rates
