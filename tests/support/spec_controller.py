@@ -3,7 +3,7 @@ shape: the helpers of the controller's unit tests (``test_speculation*.py``)."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from rollout_service.protocol.acceptance import SpecDecodeStats
 from rollout_service.speculation.acceptance import WeightVersions
@@ -25,12 +25,14 @@ CONFIRMATIONS = DEFAULTS.hysteresis.num_confirmations
 MARGIN = DEFAULTS.hysteresis.margin
 
 
-def chain_stats(num_drafts: int, rates: Sequence[float]) -> SpecDecodeStats:
+def chain_stats(num_drafts: int, rates: Sequence[float],
+                rounding: Callable[[float], int] = int) -> SpecDecodeStats:
     """A sequence drafting ``len(rates)`` tokens per step, position ``i`` accepted at
-    (at most) ``rates[i]`` among the drafts that accepted every earlier position."""
+    ``rates[i]`` among the drafts that accepted every earlier position (the count rounded
+    by ``rounding``: down by default, so at most that rate)."""
     per_position, reached = [], num_drafts
     for rate in rates:
-        reached = int(reached * rate)
+        reached = rounding(reached * rate)
         per_position.append(reached)
     return SpecDecodeStats(num_drafts=num_drafts, num_draft_tokens=len(rates) * num_drafts,
                            num_accepted_tokens=sum(per_position), num_verify_steps=num_drafts,

@@ -23,21 +23,15 @@ from rollout_service.speculation.cost import (
     batch_size_band,
     nondecreasing_fit,
 )
+from tests.support.spec_controller import chain_stats as rounded_chain
 from tests.support.spec_stats import chain_steps, vllm_chain, vllm_stats
 
 CONFIG = AcceptanceConfig()
 
 
 def chain_stats(num_drafts: int, rates: Sequence[float]) -> SpecDecodeStats:
-    """A sequence drafting ``len(rates)`` tokens per step, position ``i`` accepted at
-    ``rates[i]`` among the drafts that accepted every earlier position."""
-    per_position, reached = [], num_drafts
-    for rate in rates:
-        reached = round(reached * rate)
-        per_position.append(reached)
-    return SpecDecodeStats(num_drafts=num_drafts, num_draft_tokens=len(rates) * num_drafts,
-                           num_accepted_tokens=sum(per_position), num_verify_steps=num_drafts,
-                           accepted_per_position=tuple(per_position))
+    """:func:`tests.support.spec_controller.chain_stats`, each count rounded to nearest."""
+    return rounded_chain(num_drafts, rates, rounding=round)
 
 
 def versions(draft: int, main: int | None = None) -> WeightVersions:
