@@ -337,9 +337,9 @@ def parse_options(argv: list[str] | None = None) -> tuple[argparse.Namespace, li
     parser.add_argument("--rounds", type=int, default=3, help="timed rounds per mode")
     parser.add_argument("--temperature", type=float, default=1.0)
     parser.add_argument("--max-capture-tokens", type=int, default=None,
-                        help="CUDA: vLLM's max_cudagraph_capture_size for every engine (its "
-                             "default 512 tokens leaves K = 2 at 256 requests without a "
-                             "graph: 768 tokens a step)")
+                        help="CUDA: vLLM's max_cudagraph_capture_size for every engine "
+                             "(default: vLLM's 512 tokens for spec-off, the service's "
+                             "(k_max + 1) x 512 for the controlled engines)")
     parser.add_argument("--calibration-max-batch-size", type=int, default=32,
                         help="the controller's start-up calibration grid goes up to this")
     add_device_arguments(parser, gpu_memory_utilization=None, engines=(

@@ -176,15 +176,16 @@ for s in "$@"; do
       # DRAFTER_AT_K0=run,skip: both controllers (a third engine). Three engines on an H100
       # need two calls: LEVELS=1,16,64 PROMPTS=0, then LEVELS=256 (c = 1..64 took the whole
       # 570 s at 91b7212); `python -m bench.speculation_log` reads both logs into one report.
-      # CAPTURE_TOKENS (vLLM's max_cudagraph_capture_size, 512 by default: above it a step
-      # runs without a graph; at 91b7212 K = 2 cost 7.32 ms at 170 requests, 19.32 ms at
-      # 198) and CALIBRATE_TO (the calibration's largest batch, 32 by default) for the
-      # c = 256 and rollout A/Bs. ROUNDS (3) and WAVES (1: a round is one wave of c
-      # requests, under a second at c = 16) for less spread
+      # CAPTURE_TOKENS (vLLM's max_cudagraph_capture_size for every engine; by default
+      # vLLM's 512 for spec-off and the service's (k_max + 1) x 512 for the controlled
+      # engine) and CALIBRATE_TO (the calibration's largest batch, 32 by default; 256 took
+      # 4.9 s on an H100). ROUNDS (3) and WAVES (3: a round keeps c in flight for 3c
+      # requests; at 1 a round of c = 16 took under a second, and spec-off alone spread
+      # 5324-7851 tok/s over 3 rounds on an H100, at 3 7550-7770 over 4)
       step "spec-bench-${NOISE:-0.1}${STALE:+-stale}" 570 python3 -m bench.speculation \
         --model embedded:1b --draft-noise "${NOISE:-0.1}" --k-max 3 \
         --concurrency "${LEVELS:-1,16,64,256}" --max-tokens 256 --rounds "${ROUNDS:-3}" \
-        --waves "${WAVES:-1}" \
+        --waves "${WAVES:-3}" \
         --rollout-prompts "${PROMPTS:-512}" --rollout-max-tokens 1024 \
         --drafter-at-k0 "${DRAFTER_AT_K0:-auto}" ${STALE:+--stale-only} \
         ${CAPTURE_TOKENS:+--max-capture-tokens "$CAPTURE_TOKENS"} \

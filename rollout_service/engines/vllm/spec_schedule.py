@@ -20,6 +20,7 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
 from rollout_service.engines.base import FullGraphPolicy
+from rollout_service.engines.vllm.capture_ceiling import with_controlled_ceiling
 from rollout_service.engines.vllm.graph_ladder import query_lens_of
 from rollout_service.engines.vllm.graph_policy import (
     apply_full_graph_policy,
@@ -131,8 +132,10 @@ def with_startup_schedule(args: AsyncEngineArgs, *,
     ``0..num_speculative_tokens`` at some batch size (:func:`startup_ranges`), over the
     batch sizes vLLM will allow (its ``max_num_seqs``, resolved here as vLLM resolves it
     for the service: ``usage_context.py``), and per-request metrics with each step's
-    counts (``detailed``). FULL CUDA graphs as ``full_cuda_graphs`` says
-    (``graph_policy.py``: refused, aligned capture sizes, or vLLM's own).
+    counts (``detailed``). On CUDA, graphs captured up to ``k_max + 1`` times vLLM's
+    default ceiling unless the user chose the capture (``capture_ceiling.py``; not under
+    ``as_is``), and FULL CUDA graphs as ``full_cuda_graphs`` says (``graph_policy.py``:
+    refused, aligned capture sizes, or vLLM's own).
 
     Raises:
         ValueError: naming the field: no speculative decoding, a schedule of the user's
@@ -178,6 +181,8 @@ def with_startup_schedule(args: AsyncEngineArgs, *,
                                   speculative_config={
                                       **speculative,
                                       "num_speculative_tokens_per_batch_size": ranges})
+    if is_cuda and full_cuda_graphs != "as_is":  # as_is: vLLM's graphs as vLLM makes them
+        startup = with_controlled_ceiling(startup, config)
     if not (is_cuda and can_diverge(mode)):
         return startup
     return apply_full_graph_policy(startup, resolve(startup), policy=full_cuda_graphs,
