@@ -9,11 +9,11 @@ on compute capability 10.x), whatever K runs (``vllm/config/vllm.py``,
 ``_set_cudagraph_sizes``). A step above it runs without a graph. Without speculation that
 is 512 requests; at K = 3 each request is 4 tokens, so the graphs end at 128 requests.
 On one H100 (embedded 1B, draft noise 0.1, ``bench.speculation`` at c = 256) pinned
-K = 2 and 3 ran at 0.50-0.59 of pinned K = 0 with that ceiling, their step cost jumping
-from 7.32 to 19.32 ms where a step passed it; with a ceiling of 2048 tokens pinned K = 3
-ran at 1.34x K = 0 at the same concurrency (docs/speculation-control.md, Benchmark). So a
-controller on vLLM's ceiling can only choose K = 0 or 1 where a rollout starts, however
-good its drafter.
+K = 2 and 3 ran at 0.50-0.59 of pinned K = 0 with that ceiling (K = 2's step cost jumped
+from 7.32 ms at 170 requests to 19.32 ms at 198, past it); with a ceiling of 2048 tokens
+pinned K = 3 ran at 1.34x K = 0 at the same concurrency (docs/speculation-control.md,
+Benchmark). So a controller on vLLM's ceiling can only choose K = 0 or 1 where a rollout
+starts, however good its drafter.
 
 The service therefore raises the ceiling to ``(k_max + 1)`` times vLLM's default: every K
 then has graphs up to as many requests as vLLM gives a step without speculation (the
