@@ -150,11 +150,15 @@ class HttpMode:
 
     async def send(self, body: dict[str, Any]) -> int:
         """One request with this ``body``; the tokens it generated."""
+        return self._count(await self.answer(body))
+
+    async def answer(self, body: dict[str, Any]) -> dict[str, Any]:
+        """One request with this ``body``; the server's whole answer."""
         async with self._http.post(self._path, json=body) as response:
             if response.status >= 400:
                 raise RuntimeError(f"{self._path}: HTTP {response.status}: "
                                    f"{await response.text()}")
-            return self._count(await response.json())
+            return await response.json()
 
     async def run_round(self, concurrency: int, num_requests: int) -> int:
         return await closed_loop(self._one, concurrency, num_requests)

@@ -65,6 +65,7 @@ from bench.speculation_report import mode_name, model_check, print_report
 from bench.speculation_rounds import (
     Mode,
     Rollout,
+    RolloutTail,
     Round,
     interleaved,
     level_round,
@@ -203,13 +204,13 @@ async def measure(opts: argparse.Namespace, services: Services, label: str,
         clients = {d: await stack.enter_async_context(
             RolloutClient(s.url, weights_token=WEIGHTS_TOKEN)) for d, s in specs.items()}
 
-        def modes(on_off: Round, on_spec: Callable[[HttpMode], Round],
+        def modes(on_off: Round, on_spec: Callable[[HttpMode, str], Round],
                   level: str) -> dict[str, Mode]:
             chosen = {"spec-off": Mode(run=on_off)}
             for d, spec in specs.items():
                 for name, schedule in schedules.items():
-                    chosen[mode_name(name, d, opts.drafter_at_k0)] = with_pin(
-                        clients[d], schedule, on_spec(spec))
+                    mode = mode_name(name, d, opts.drafter_at_k0)
+                    chosen[mode] = with_pin(clients[d], schedule, on_spec(spec, mode))
             for name in opts.profile_modes:  # checked against the modes in main()
                 pid = (off if name == "spec-off" else specs[opts.drafter_at_k0[0]]).server.pid
                 chosen[name] = profiled(chosen[name], pid, Path(opts.profile_dir),
@@ -237,11 +238,14 @@ async def measure(opts: argparse.Namespace, services: Services, label: str,
                                                   concurrency, control,
                                                   results[f"c={concurrency}"], suffix))
 
+        def tail_printer(what: str) -> Callable[[RolloutTail], None]:
+            return lambda tail: console.print(f"  {what}: {tail}")
+
         results: dict[str, dict[str, list[float]]] = {}
         for c in (int(c) for c in opts.concurrency.split(",")):
             results[f"c={c}"] = await interleaved(
                 modes(level_round(off, c, opts.waves),
-                      lambda spec, c=c: level_round(spec, c, opts.waves), f"c{c}"),
+                      lambda spec, _, c=c: level_round(spec, c, opts.waves), f"c{c}"),
                 opts.rounds, f"{label} c={c}", console)
             await show_controller(f"c={c}", c)
         if opts.rollout_prompts:
@@ -249,8 +253,11 @@ async def measure(opts: argparse.Namespace, services: Services, label: str,
                               lengths=rollout_lengths(opts.rollout_prompts,
                                                       opts.rollout_max_tokens))
             results[f"rollout {opts.rollout_prompts}"] = await interleaved(
-                modes(rollout_round(off, rollout, opts.temperature),
-                      lambda spec: rollout_round(spec, rollout, opts.temperature), "rollout"),
+                modes(rollout_round(off, rollout, opts.temperature,
+                                    tail_printer(f"{label} rollout, spec-off")),
+                      lambda spec, mode: rollout_round(
+                          spec, rollout, opts.temperature,
+                          tail_printer(f"{label} rollout, {mode}")), "rollout"),
                 opts.rounds, f"{label} rollout", console)
             await show_controller("the rollout")
     return results

@@ -91,17 +91,63 @@ def prompts_needed(levels: list[int], waves: int, rollout_prompts: int) -> int:
     return max(max(levels) * waves, rollout_prompts)
 
 
-def rollout_round(http: HttpMode, rollout: Rollout, temperature: float) -> Round:
-    """Every prompt of ``rollout`` at once, each to its own length."""
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class RolloutTail:
+    """The end of one rollout round: a decaying rollout's time is its longest sequences'
+    time, so a mode that loses there loses the round."""
+
+    num_sequences: int
+    makespan_s: float
+    tail_s: float
+    """From the finish of the last sequence outside the tail to the round's end."""
+    num_tail: int
+    tail_drafts: int
+    tail_accepted: int
+
+    def __str__(self) -> str:
+        drafts = (f"accepting {self.tail_accepted / self.tail_drafts:.3f} of their "
+                  f"{self.tail_drafts} draft tokens" if self.tail_drafts else "no drafts")
+        return (f"the last {self.num_tail} of {self.num_sequences} sequences took the "
+                f"round's final {self.tail_s:.2f} of {self.makespan_s:.2f} s, {drafts}")
+
+
+def rollout_tail(finishes: list[tuple[float, dict[str, Any]]], num_tail: int = 4
+                 ) -> RolloutTail:
+    """The tail of a round from ``(finish time since the round's start, the service's
+    answer)`` per sequence: the ``num_tail`` last to finish."""
+    ordered = sorted(finishes, key=lambda finish: finish[0])
+    tail = ordered[-num_tail:]
+    before = ordered[-num_tail - 1][0] if len(ordered) > num_tail else 0.0
+    stats = [answer["outputs"][0].get("spec_decode") or {} for _, answer in tail]
+    return RolloutTail(num_sequences=len(ordered), makespan_s=ordered[-1][0],
+                       tail_s=ordered[-1][0] - before, num_tail=len(tail),
+                       tail_drafts=sum(s.get("num_draft_tokens", 0) for s in stats),
+                       tail_accepted=sum(s.get("num_accepted_tokens", 0) for s in stats))
+
+
+def rollout_round(http: HttpMode, rollout: Rollout, temperature: float,
+                  report: Callable[[RolloutTail], None] | None = None) -> Round:
+    """Every prompt of ``rollout`` at once, each to its own length; ``report`` gets each
+    round's :class:`RolloutTail` (the service's native API only: its answers carry the
+    drafts)."""
 
     def body(i: int) -> dict[str, Any]:
         return messages.GenerateRequest(
             prompt=rollout.prompts[i], max_tokens=rollout.lengths[i], temperature=temperature,
             seed=i, ignore_eos=True).model_dump(exclude_none=True)
 
+    async def one(i: int, start: float) -> tuple[float, dict[str, Any]]:
+        answer = await http.answer(body(i))
+        return time.perf_counter() - start, answer
+
     async def run() -> int:
-        return sum(await asyncio.gather(*(http.send(body(i))
-                                          for i in range(len(rollout.prompts)))))
+        if report is None:
+            return sum(await asyncio.gather(*(http.send(body(i))
+                                              for i in range(len(rollout.prompts)))))
+        start = time.perf_counter()
+        finishes = await asyncio.gather(*(one(i, start) for i in range(len(rollout.prompts))))
+        report(rollout_tail(list(finishes)))
+        return sum(len(answer["outputs"][0]["token_ids"]) for _, answer in finishes)
 
     return run
 

@@ -12,7 +12,7 @@ from rich.table import Table
 
 from bench.speculation import per_engine_memory
 from bench.speculation_report import model_check, print_report
-from bench.speculation_rounds import rollout_lengths
+from bench.speculation_rounds import rollout_lengths, rollout_tail
 from rollout_service.protocol.speculation import BucketStatus, SpeculationControlStatus
 
 
@@ -141,3 +141,23 @@ def test_a_level_round_keeps_c_in_flight_for_c_times_waves_requests() -> None:
     assert recorder.calls == [(16, 64), (1, 1)]
     assert prompts_needed([1, 16, 64], 3, 0) == 192
     assert prompts_needed([1, 16], 4, 512) == 512
+
+
+def test_a_rollouts_tail_is_its_last_finishers_and_their_drafts() -> None:
+    """The tail of a round: the last ``num_tail`` sequences to finish (in any answer
+    order), the time since the one before them, and their pooled acceptance; spec-off's
+    answers carry no drafts."""
+    def answer(drafts: int, accepted: int) -> dict[str, object]:
+        return {"outputs": [{"token_ids": [1], "spec_decode": {
+            "num_draft_tokens": drafts, "num_accepted_tokens": accepted}}]}
+
+    finishes = [(3.0, answer(30, 10)), (0.5, answer(100, 90)), (1.0, answer(10, 9)),
+                (2.0, answer(20, 5)), (0.2, answer(50, 50))]
+    tail = rollout_tail(finishes, num_tail=3)
+    assert (tail.num_sequences, tail.num_tail) == (5, 3)
+    assert tail.makespan_s == 3.0 and tail.tail_s == 2.5  # after the one at 0.5 s
+    assert (tail.tail_drafts, tail.tail_accepted) == (60, 24)
+    assert "0.400 of their 60 draft tokens" in str(tail)
+    off = rollout_tail([(t, {"outputs": [{"token_ids": [1], "spec_decode": None}]})
+                        for t in (1.0, 2.0)], num_tail=4)
+    assert off.tail_s == 2.0 and "no drafts" in str(off)
