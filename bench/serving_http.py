@@ -150,7 +150,11 @@ class HttpMode:
 
     async def send(self, body: dict[str, Any]) -> int:
         """One request with this ``body``; the tokens it generated."""
-        return self._count(await self.answer(body))
+        return self.count(await self.answer(body))
+
+    def count(self, answer: dict[str, Any]) -> int:
+        """The tokens one of this mode's answers generated (each dialect's own shape)."""
+        return self._count(answer)
 
     async def answer(self, body: dict[str, Any]) -> dict[str, Any]:
         """One request with this ``body``; the server's whole answer."""

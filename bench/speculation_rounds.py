@@ -126,7 +126,7 @@ def rollout_tail(finishes: list[tuple[float, dict[str, Any]]], num_tail: int = 4
 
 
 def rollout_round(http: HttpMode, rollout: Rollout, temperature: float,
-                  report: Callable[[RolloutTail], None] | None = None) -> Round:
+                  report: Callable[[RolloutTail], None]) -> Round:
     """Every prompt of ``rollout`` at once, each to its own length; ``report`` gets each
     round's :class:`RolloutTail` (the service's native API only: its answers carry the
     drafts)."""
@@ -141,13 +141,10 @@ def rollout_round(http: HttpMode, rollout: Rollout, temperature: float,
         return time.perf_counter() - start, answer
 
     async def run() -> int:
-        if report is None:
-            return sum(await asyncio.gather(*(http.send(body(i))
-                                              for i in range(len(rollout.prompts)))))
         start = time.perf_counter()
         finishes = await asyncio.gather(*(one(i, start) for i in range(len(rollout.prompts))))
         report(rollout_tail(list(finishes)))
-        return sum(len(answer["outputs"][0]["token_ids"]) for _, answer in finishes)
+        return sum(http.count(answer) for _, answer in finishes)
 
     return run
 

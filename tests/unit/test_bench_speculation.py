@@ -161,3 +161,30 @@ def test_a_rollouts_tail_is_its_last_finishers_and_their_drafts() -> None:
     off = rollout_tail([(t, {"outputs": [{"token_ids": [1], "spec_decode": None}]})
                         for t in (1.0, 2.0)], num_tail=4)
     assert off.tail_s == 2.0 and "no drafts" in str(off)
+
+
+def test_a_rollout_round_sends_each_prompt_its_length_and_counts_as_the_mode_does() -> None:
+    """A rollout round: every prompt at once, each with its own ``max_tokens`` and seed;
+    the tokens are the mode's own count of each answer (a dialect's answer has its own
+    shape), and the round's tail is reported once."""
+    import asyncio
+
+    from bench.speculation_rounds import Rollout, rollout_round
+
+    class Recorder:  # the two methods of HttpMode a rollout round calls
+        bodies: list[dict[str, object]] = []
+
+        async def answer(self, body: dict[str, object]) -> dict[str, object]:
+            self.bodies.append(body)
+            return {"n": body["max_tokens"], "outputs": [{"spec_decode": None}]}
+
+        def count(self, answer: dict[str, object]) -> int:
+            return int(answer["n"])  # type: ignore[call-overload]
+
+    recorder, tails = Recorder(), []
+    rollout = Rollout(prompts=("a", "b", "c"), lengths=(5, 1, 30))
+    assert asyncio.run(rollout_round(recorder, rollout, 0.0,  # type: ignore[arg-type]
+                                     tails.append)()) == 36
+    assert sorted((b["prompt"], b["max_tokens"], b["seed"]) for b in recorder.bodies) == [
+        ("a", 5, 0), ("b", 1, 1), ("c", 30, 2)]
+    assert len(tails) == 1 and tails[0].num_sequences == 3
