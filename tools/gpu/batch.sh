@@ -13,6 +13,8 @@
 #   bash tools/gpu/batch.sh spec-tests          # ~5-9 min (graphs captured per start)
 #   bash tools/gpu/batch.sh spec                # ~5 min (spec-full: ~9 min)
 #   bash tools/gpu/batch.sh spec-profile        # ~5 min: where K = 0 costs (py-spy)
+#   bash tools/gpu/batch.sh spec-floor          # ~4 min: K = 0's kernels vs spec-off's (torch
+#                                               #   profiler; BATCH 256, CAPTURE_TOKENS 2048)
 #   bash tools/gpu/batch.sh spec-skip           # ~6 min: spec with drafter_at_k0: skip
 #   bash tools/gpu/batch.sh spec-repro churn    # ~5 + 4 min: the illegal memory access
 #   bash tools/gpu/batch.sh churn-modes         # ~10 min: the crash with PIECEWISE or FULL
@@ -191,6 +193,12 @@ for s in "$@"; do
         ${CAPTURE_TOKENS:+--max-capture-tokens "$CAPTURE_TOKENS"} \
         ${CALIBRATE_TO:+--calibration-max-batch-size "$CALIBRATE_TO"} \
         --logs "$out/spec-bench-logs" ;;
+    spec-floor)  # where the K = 0 floor goes: both engines' kernels per generated token
+      # (bench/step_profile.py); the traces stay on the machine, the table is in the log
+      step spec-floor 420 python3 -m bench.step_profile --model embedded:1b \
+        --batch "${BATCH:-256}" --tokens 128 --rounds "${ROUNDS:-3}" \
+        --drafter-at-k0 "${DRAFTER_AT_K0:-auto}" --max-capture-tokens "${CAPTURE_TOKENS:-2048}" \
+        --profile-dir "/tmp/step-profile-$$" ;;
     spec-profile) step spec-profile 420 python3 -m bench.speculation --model embedded:1b \
             --draft-noise 0.1 --k-max 3 --static-k 0,1 --concurrency 16 --max-tokens 256 \
             --rounds 2 --rollout-prompts 0 --profile-modes spec-off,k=0 \
@@ -263,7 +271,7 @@ for s in "$@"; do
     spec-full) step spec-full 540 python3 -m bench.speculation --model embedded:1b \
             --draft-noise 0.1,0.6 --k-max 3 --concurrency 1,16,256 --max-tokens 256 \
             --rounds 2 --rollout-prompts 512 --stale-drafter --logs "$out/spec-logs" ;;
-    *) echo "unknown step: $s (tests spec-tests trainer starts serving serving-dialects sync sync7b load spec spec-skip spec-profile spec-full spec-repro spec-repro-eager churn churn-modes churn-pin churn-pin-static churn-upstream churn-align churn-tests spec-ab spec-bench sglang-smoke sglang-tests sglang-ipc-tests sglang-dialect-tests sglang-serving sglang-serving-128 sglang-serving-long sglang-serving-mixed sglang-sync rayserve rayserve-load)" >&2; exit 2 ;;
+    *) echo "unknown step: $s (tests spec-tests trainer starts serving serving-dialects sync sync7b load spec spec-skip spec-profile spec-floor spec-full spec-repro spec-repro-eager churn churn-modes churn-pin churn-pin-static churn-upstream churn-align churn-tests spec-ab spec-bench sglang-smoke sglang-tests sglang-ipc-tests sglang-dialect-tests sglang-serving sglang-serving-128 sglang-serving-long sglang-serving-mixed sglang-sync rayserve rayserve-load)" >&2; exit 2 ;;
   esac
 done
 clean

@@ -24,7 +24,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import AsyncIterator, Sequence
-from contextlib import aclosing
+from contextlib import aclosing, asynccontextmanager
 from dataclasses import asdict, replace
 
 from vllm import SamplingParams
@@ -318,6 +318,16 @@ class VLLMEngine(SpecScheduleMethods):
 
     async def reset_prefix_cache(self) -> bool:
         return bool(await self._llm.reset_prefix_cache())
+
+    @asynccontextmanager
+    async def profiled(self) -> AsyncIterator[None]:
+        """vLLM's own profiler around the block (the engine's ``profiler_config``; for
+        ``bench.step_profile``)."""
+        await self._llm.start_profile()
+        try:
+            yield
+        finally:
+            await self._llm.stop_profile()
 
     # ---- the nccl transport (broadcast_backend.py in the workers) -------------------
 
