@@ -27,7 +27,7 @@ in force when the pin call returns; a round starts once the servers are back at 
 - a decaying rollout (``--rollout-prompts``, 0 skips it): every prompt sent at once, each
   with its own length from a long-tailed (Pareto) distribution capped at
   ``--rollout-max-tokens``, so concurrency decays from all prompts to one; the wall time
-  to finish all, as tokens/s.
+  to finish all, as tokens/s (``--waves`` rollouts back to back a round).
 
 A stale drafter (``--stale-drafter``): one more run with the first ``--draft-noise``'s
 drafter (pushed back) after a ``main`` push of another seed's model to every service
@@ -254,10 +254,12 @@ async def measure(opts: argparse.Namespace, services: Services, label: str,
                                                       opts.rollout_max_tokens))
             results[f"rollout {opts.rollout_prompts}"] = await interleaved(
                 modes(rollout_round(off, rollout, opts.temperature,
-                                    tail_printer(f"{label} rollout, spec-off")),
+                                    tail_printer(f"{label} rollout, spec-off"),
+                                    waves=opts.waves),
                       lambda spec, mode: rollout_round(
                           spec, rollout, opts.temperature,
-                          tail_printer(f"{label} rollout, {mode}")), "rollout"),
+                          tail_printer(f"{label} rollout, {mode}"), waves=opts.waves),
+                      "rollout"),
                 opts.rounds, f"{label} rollout", console)
             await show_controller("the rollout")
     return results
@@ -336,8 +338,9 @@ def parse_options(argv: list[str] | None = None) -> tuple[argparse.Namespace, li
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--waves", type=int, default=1,
                         help="a fixed-concurrency round sends c x WAVES requests, c in flight "
-                        "(closed loop): longer rounds, less spread (one wave of 16 x 256 "
-                        "tokens is under a second on a GPU)")
+                        "(closed loop), a rollout round runs WAVES rollouts back to back: "
+                        "longer rounds, less spread (one wave of 16 x 256 tokens is under a "
+                        "second on a GPU)")
     parser.add_argument("--rollout-prompts", type=int, default=512,
                         help="prompts of the decaying rollout (0: no rollout)")
     parser.add_argument("--rollout-max-tokens", type=int, default=1024)

@@ -126,25 +126,31 @@ def rollout_tail(finishes: list[tuple[float, dict[str, Any]]], num_tail: int = 4
 
 
 def rollout_round(http: HttpMode, rollout: Rollout, temperature: float,
-                  report: Callable[[RolloutTail], None]) -> Round:
-    """Every prompt of ``rollout`` at once, each to its own length; ``report`` gets each
-    round's :class:`RolloutTail` (the service's native API only: its answers carry the
-    drafts)."""
+                  report: Callable[[RolloutTail], None], *, waves: int = 1) -> Round:
+    """``waves`` rollouts back to back, each every prompt of ``rollout`` at once, each to its
+    own length (wave w seeds prompt i with ``w * len(prompts) + i``); ``report`` gets each
+    wave's :class:`RolloutTail` (the service's native API only: its answers carry the
+    drafts). One wave of 512 prompts ran 2.5 s on an H100, and its rounds spread by 10%
+    or more."""
+    num = len(rollout.prompts)
 
-    def body(i: int) -> dict[str, Any]:
+    def body(i: int, wave: int) -> dict[str, Any]:
         return messages.GenerateRequest(
             prompt=rollout.prompts[i], max_tokens=rollout.lengths[i], temperature=temperature,
-            seed=i, ignore_eos=True).model_dump(exclude_none=True)
+            seed=wave * num + i, ignore_eos=True).model_dump(exclude_none=True)
 
-    async def one(i: int, start: float) -> tuple[float, dict[str, Any]]:
-        answer = await http.answer(body(i))
+    async def one(i: int, wave: int, start: float) -> tuple[float, dict[str, Any]]:
+        answer = await http.answer(body(i, wave))
         return time.perf_counter() - start, answer
 
     async def run() -> int:
-        start = time.perf_counter()
-        finishes = await asyncio.gather(*(one(i, start) for i in range(len(rollout.prompts))))
-        report(rollout_tail(list(finishes)))
-        return sum(http.count(answer) for _, answer in finishes)
+        tokens = 0
+        for wave in range(waves):
+            start = time.perf_counter()
+            finishes = await asyncio.gather(*(one(i, wave, start) for i in range(num)))
+            report(rollout_tail(list(finishes)))
+            tokens += sum(http.count(answer) for _, answer in finishes)
+        return tokens
 
     return run
 

@@ -164,9 +164,10 @@ def test_a_rollouts_tail_is_its_last_finishers_and_their_drafts() -> None:
 
 
 def test_a_rollout_round_sends_each_prompt_its_length_and_counts_as_the_mode_does() -> None:
-    """A rollout round: every prompt at once, each with its own ``max_tokens`` and seed;
-    the tokens are the mode's own count of each answer (a dialect's answer has its own
-    shape), and the round's tail is reported once."""
+    """A rollout round: ``waves`` rollouts one after the other, each every prompt at once
+    with its own ``max_tokens`` and a seed of its own; the tokens are the mode's own count
+    of each answer (a dialect's answer has its own shape), and each wave's tail is
+    reported."""
     import asyncio
 
     from bench.speculation_rounds import Rollout, rollout_round
@@ -184,7 +185,8 @@ def test_a_rollout_round_sends_each_prompt_its_length_and_counts_as_the_mode_doe
     recorder, tails = Recorder(), []
     rollout = Rollout(prompts=("a", "b", "c"), lengths=(5, 1, 30))
     assert asyncio.run(rollout_round(recorder, rollout, 0.0,  # type: ignore[arg-type]
-                                     tails.append)()) == 36
-    assert sorted((b["prompt"], b["max_tokens"], b["seed"]) for b in recorder.bodies) == [
-        ("a", 5, 0), ("b", 1, 1), ("c", 30, 2)]
-    assert len(tails) == 1 and tails[0].num_sequences == 3
+                                     tails.append, waves=2)()) == 72
+    sent = [(b["prompt"], b["max_tokens"], b["seed"]) for b in recorder.bodies]
+    assert sorted(sent[:3]) == [("a", 5, 0), ("b", 1, 1), ("c", 30, 2)]  # wave 1 first
+    assert sorted(sent[3:]) == [("a", 5, 3), ("b", 1, 4), ("c", 30, 5)]
+    assert [t.num_sequences for t in tails] == [3, 3]

@@ -182,8 +182,9 @@ for s in "$@"; do
       # vLLM's 512 for spec-off and the service's (k_max + 1) x 512 for the controlled
       # engine) and CALIBRATE_TO (the calibration's largest batch, 32 by default; 256 took
       # 4.9 s on an H100). ROUNDS (3) and WAVES (3: a round keeps c in flight for 3c
-      # requests; at 1 a round of c = 16 took under a second, and spec-off alone spread
-      # 5324-7851 tok/s over 3 rounds on an H100, at 3 7550-7770 over 4)
+      # requests, and runs the rollout 3 times back to back; at 1 a round of c = 16 took
+      # under a second, and spec-off alone spread 5324-7851 tok/s over 3 rounds on an H100,
+      # at 3 7550-7770 over 4; c = 256 and the rollout at 1 took 425 s with the starts)
       step "spec-bench-${NOISE:-0.1}${STALE:+-stale}" 570 python3 -m bench.speculation \
         --model embedded:1b --draft-noise "${NOISE:-0.1}" --k-max 3 \
         --concurrency "${LEVELS:-1,16,64,256}" --max-tokens 256 --rounds "${ROUNDS:-3}" \
