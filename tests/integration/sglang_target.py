@@ -17,6 +17,7 @@ RUN_ON_SGLANG = (f"{_DIR}test_api.py", f"{_DIR}test_weights.py", f"{_DIR}test_we
                  f"{_DIR}test_openai.py",
                  f"{_DIR}test_no_speculation.py", f"{_DIR}test_engine_start.py",
                  f"{_DIR}test_sglang_live.py", f"{_DIR}test_sglang_cuda_ipc_live.py",
+                 f"{_DIR}test_sglang_nccl_live.py",
                  f"{_DIR}test_sglang_service.py", f"{_DIR}test_dialect_weights.py")
 """The integration test files that apply to an SGLang service (less :data:`NOT_ON_SGLANG`).
 The others test vLLM itself (its patches, its engine core's K schedule, its CUDA IPC and

@@ -40,6 +40,7 @@
 #   bash tools/gpu/batch.sh sglang-tests        # ~5-9 min: ROLLOUT_TEST_TARGET=sglang
 #   bash tools/gpu/batch.sh sglang-ipc-tests    # ~2-4 min: cuda_ipc pushes into a live SGLang
 #   bash tools/gpu/batch.sh sglang-dialect-tests  # ~2-4 min: slime's gloo sync into SGLang
+#   bash tools/gpu/batch.sh sglang-nccl-tests   # ~2-4 min, two GPUs: nccl pushes into SGLang
 #   bash tools/gpu/batch.sh sglang-serving      # ~6-9 min: service vs SGLang's own server
 #   bash tools/gpu/batch.sh sglang-serving-128  # ~5-6 min: 128 in flight, 9 short rounds
 #   bash tools/gpu/batch.sh sglang-serving-long # ~5-7 min: 128 in flight, 8 waves, py-spy
@@ -244,6 +245,12 @@ for s in "$@"; do
         -q -p no:cacheprovider -rfEs --basetemp "$out/sglang-ipc-tests-tmp" \
         --junitxml "$out/sglang-ipc-tests.xml" \
         tests/integration/rollout_service/test_sglang_cuda_ipc_live.py ;;
+    sglang-nccl-tests)  # test_sglang_nccl_live.py, TWO GPUs: SGLang on GPU 0, the trainer's
+      # NCCL rank on GPU 1 (the project's WeightPusher, transport nccl); skipped on one GPU
+      STALL_S=100000 step sglang-nccl-tests 360 env ROLLOUT_TEST_TARGET=sglang python3 -m \
+        pytest -q -p no:cacheprovider -rfEs --basetemp "$out/sglang-nccl-tests-tmp" \
+        --junitxml "$out/sglang-nccl-tests.xml" \
+        tests/integration/rollout_service/test_sglang_nccl_live.py ;;
     sglang-dialect-tests)  # test_dialect_weights.py: slime's sync (SGLang's
       # /init_weights_update_group + /update_weights_from_distributed over gloo) into a
       # service-launched SGLang: loads, refusals, a second trainer, a trainer that dies
@@ -272,7 +279,7 @@ for s in "$@"; do
     spec-full) step spec-full 540 python3 -m bench.speculation --model embedded:1b \
             --draft-noise 0.1,0.6 --k-max 3 --concurrency 1,16,256 --max-tokens 256 \
             --rounds 2 --rollout-prompts 512 --stale-drafter --logs "$out/spec-logs" ;;
-    *) echo "unknown step: $s (tests spec-tests trainer starts serving serving-dialects sync sync7b load spec spec-skip spec-profile spec-floor spec-full spec-repro spec-repro-eager churn churn-modes churn-pin churn-pin-static churn-upstream churn-align churn-tests spec-ab spec-bench sglang-smoke sglang-tests sglang-ipc-tests sglang-dialect-tests sglang-serving sglang-serving-128 sglang-serving-long sglang-serving-mixed sglang-sync rayserve rayserve-load)" >&2; exit 2 ;;
+    *) echo "unknown step: $s (tests spec-tests trainer starts serving serving-dialects sync sync7b load spec spec-skip spec-profile spec-floor spec-full spec-repro spec-repro-eager churn churn-modes churn-pin churn-pin-static churn-upstream churn-align churn-tests spec-ab spec-bench sglang-smoke sglang-tests sglang-ipc-tests sglang-nccl-tests sglang-dialect-tests sglang-serving sglang-serving-128 sglang-serving-long sglang-serving-mixed sglang-sync rayserve rayserve-load)" >&2; exit 2 ;;
   esac
 done
 clean

@@ -1,7 +1,8 @@
 """What the live-SGLang modules share (``test_sglang_live.py``,
-``test_sglang_cuda_ipc_live.py``; GPU only: ``ROLLOUT_TEST_TARGET=sglang``, the sglang
-bundle): their marks, prompts and probe tensors, and each module's own SGLang server
-with a service driving it through ``engine_url``."""
+``test_sglang_cuda_ipc_live.py``, ``test_sglang_nccl_live.py``; GPU only:
+``ROLLOUT_TEST_TARGET=sglang``, the sglang bundle): their marks, prompts and probe
+tensors, greedy answers and their acceptance, and each module's own SGLang server with a
+service driving it through ``engine_url``."""
 
 from __future__ import annotations
 
@@ -15,9 +16,11 @@ import pytest
 import torch
 
 from bench.sglang_server import sglang_server
+from rollout_service.client import RolloutClient
 from rollout_service.config import EMBEDDED_SGLANG_ENGINE_KWARGS
 from rollout_service.embedded import ensure_model
 from rollout_service.engines.speculative import MTPSettings
+from rollout_service.protocol import messages
 from rollout_service.tools.launch import ServiceProcess
 from tests.integration.conftest import NUM_SPECULATIVE_TOKENS, TARGET, service_config
 
@@ -34,6 +37,38 @@ PROMPTS = [[5 + i, 17, 42, 9] for i in range(6)]
 DRAFT_PARAM = "model.mtp_layers.0.input_proj.weight"
 MAIN_ONLY_PARAM = "model.norm.weight"
 """The main model's final norm: the drafter has its own (``final_layernorm``)."""
+
+
+async def one_by_one(client: RolloutClient, max_tokens: int = 24
+                     ) -> list[messages.SequenceOutput]:
+    """Each of :data:`PROMPTS` greedily, one request at a time: SGLang computes them alike
+    from push to push (each prefilled in full, no batch shapes)."""
+    outputs = []
+    for prompt in PROMPTS:
+        answer = await client.generate(messages.GenerateRequest(
+            prompt_token_ids=prompt, max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
+        outputs.append(answer.outputs[0])
+    return outputs
+
+
+def accept_rate(outs: list[messages.SequenceOutput]) -> float:
+    return (sum(o.spec_decode.num_accepted_tokens for o in outs)
+            / sum(o.spec_decode.num_draft_tokens for o in outs))
+
+
+def changed(original: dict[str, torch.Tensor], seed: int) -> dict[str, torch.Tensor]:
+    """Fresh copies on the originals' device: the main model's final norm scaled, the
+    drafter's input projection replaced by noise three times its spread."""
+    device = original[MAIN_ONLY_PARAM].device
+    g = torch.Generator(device=device).manual_seed(seed)
+    tensors = {name: t.clone() for name, t in original.items()}
+    norm = tensors[MAIN_ONLY_PARAM]
+    tensors[MAIN_ONLY_PARAM] = (norm.float() * (0.5 + torch.rand(
+        norm.shape, generator=g, device=device))).to(norm.dtype)
+    draft = tensors[DRAFT_PARAM]
+    tensors[DRAFT_PARAM] = (torch.randn(draft.shape, generator=g, device=device)
+                            * draft.float().std() * 3).to(draft.dtype)
+    return tensors
 
 
 @contextmanager

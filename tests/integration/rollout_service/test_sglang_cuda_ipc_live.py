@@ -28,7 +28,6 @@ from safetensors.torch import load_file
 from bench.sglang_server import own_checksums
 from rollout_service.client import RolloutClient, ServiceError
 from rollout_service.embedded import ensure_model
-from rollout_service.protocol import messages
 from rollout_service.protocol.cuda_ipc import CudaIpcHandle, export_handle
 from rollout_service.tools.launch import ServiceProcess
 from tests.integration.conftest import (
@@ -39,10 +38,11 @@ from tests.integration.conftest import (
     weights_status,
 )
 from tests.integration.rollout_service.sglang_live import (
-    DRAFT_PARAM,
     LIVE_SGLANG,
     MAIN_ONLY_PARAM,
-    PROMPTS,
+    accept_rate,
+    changed,
+    one_by_one,
     own_sglang,
     service_on,
 )
@@ -97,31 +97,6 @@ def pushing(request: pytest.FixtureRequest, live: ServiceProcess,
         yield Pushing(pusher=p, is_staged=request.param)
         p.push(original.items(), version=served_version(live) + 1, target="both")
     assert weights_checksums(live) == baseline
-
-
-async def one_by_one(client: RolloutClient) -> list[messages.SequenceOutput]:
-    return [(await client.generate(messages.GenerateRequest(
-        prompt_token_ids=p, max_tokens=24, temperature=0.0, ignore_eos=True))).outputs[0]
-        for p in PROMPTS]
-
-
-def accept_rate(outs: list[messages.SequenceOutput]) -> float:
-    return (sum(o.spec_decode.num_accepted_tokens for o in outs)
-            / sum(o.spec_decode.num_draft_tokens for o in outs))
-
-
-def changed(original: dict[str, torch.Tensor], seed: int) -> dict[str, torch.Tensor]:
-    """Fresh copies on the GPU: the main model's final norm scaled, the drafter's input
-    projection replaced by noise three times its spread."""
-    g = torch.Generator(device="cuda:0").manual_seed(seed)
-    tensors = {name: t.clone() for name, t in original.items()}
-    norm = tensors[MAIN_ONLY_PARAM]
-    tensors[MAIN_ONLY_PARAM] = (norm.float() * (0.5 + torch.rand(
-        norm.shape, generator=g, device=norm.device))).to(norm.dtype)
-    draft = tensors[DRAFT_PARAM]
-    tensors[DRAFT_PARAM] = (torch.randn(draft.shape, generator=g, device=draft.device)
-                            * draft.float().std() * 3).to(draft.dtype)
-    return tensors
 
 
 def ipc_counters(handles: list[CudaIpcHandle]) -> dict[str, int]:

@@ -44,6 +44,8 @@ from tests.integration.rollout_service.sglang_live import (
     LIVE_SGLANG,
     MAIN_ONLY_PARAM,
     PROMPTS,
+    accept_rate,
+    one_by_one,
     own_sglang,
     service_on,
 )
@@ -96,11 +98,6 @@ def greedy(prompt: list[int], max_tokens: int = 24) -> messages.GenerateRequest:
                                     temperature=0.0, ignore_eos=True)
 
 
-async def one_by_one(client: RolloutClient, max_tokens: int = 24
-                     ) -> list[messages.SequenceOutput]:
-    return [(await client.generate(greedy(p, max_tokens))).outputs[0] for p in PROMPTS]
-
-
 def direct(url: str, body: dict) -> dict:
     response = httpx.post(f"{url}/generate", json=body, timeout=120)
     assert response.status_code == 200, response.text
@@ -112,11 +109,6 @@ def scaled(original: dict[str, torch.Tensor], name: str, seed: int) -> dict[str,
     g = torch.Generator().manual_seed(seed)
     factor = 0.5 + torch.rand(original[name].shape, generator=g)
     return {**original, name: (original[name].float() * factor).to(original[name].dtype)}
-
-
-def accept_rate(outs: list[messages.SequenceOutput]) -> float:
-    return (sum(o.spec_decode.num_accepted_tokens for o in outs)
-            / sum(o.spec_decode.num_draft_tokens for o in outs))
 
 
 async def test_health_names_sglang_and_its_drafter(client: RolloutClient) -> None:
