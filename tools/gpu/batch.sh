@@ -219,10 +219,11 @@ for s in "$@"; do
         tests/integration/rollout_service/test_openai.py \
         tests/integration/rollout_service/test_engine_start.py \
         tests/integration/rollout_service/test_no_speculation.py ;;
-    sglang-serving)  # ROUNDS (3): about 5 fit the limit on an H100 (the 3 starts take ~300 s,
-      # a round ~30 s at 512 and ~8 s at 128 for the 3 modes)
+    sglang-serving)  # ROUNDS (3) x WAVES (2): about 5 x 2 fit the limit on an H100 (the 3
+      # starts take ~300 s, a round of 2 waves ~30 s at 512 and ~8 s at 128 for the 3 modes)
       step sglang-serving 540 python3 -m bench.serving --engine sglang \
-        --model embedded:small --concurrency 128,512 --max-tokens 256 --rounds "${ROUNDS:-3}" --waves 2 \
+        --model embedded:small --concurrency "${LEVELS:-128,512}" --max-tokens 256 \
+        --rounds "${ROUNDS:-3}" --waves "${WAVES:-2}" \
         --logs "$out/sglang-serving-logs" ;;
     sglang-serving-128)  # 128 in flight only, 9 rounds: rounds are short (2 waves, ~3 s a
       # mode) beside the servers' start, and 3 rounds spread wider than any gap
