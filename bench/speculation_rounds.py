@@ -93,13 +93,13 @@ def prompts_needed(levels: list[int], waves: int, rollout_prompts: int) -> int:
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
 class RolloutTail:
-    """The end of one rollout round: a decaying rollout's time is its longest sequences'
-    time, so a mode that loses there loses the round."""
+    """The end of one rollout (a round's wave): a decaying rollout's time is its longest
+    sequences' time, so a mode that loses there loses the round."""
 
     num_sequences: int
     makespan_s: float
     tail_s: float
-    """From the finish of the last sequence outside the tail to the round's end."""
+    """From the finish of the last sequence outside the tail to the rollout's end."""
     num_tail: int
     tail_drafts: int
     tail_accepted: int
@@ -108,12 +108,12 @@ class RolloutTail:
         drafts = (f"accepting {self.tail_accepted / self.tail_drafts:.3f} of their "
                   f"{self.tail_drafts} draft tokens" if self.tail_drafts else "no drafts")
         return (f"the last {self.num_tail} of {self.num_sequences} sequences took the "
-                f"round's final {self.tail_s:.2f} of {self.makespan_s:.2f} s, {drafts}")
+                f"rollout's final {self.tail_s:.2f} of {self.makespan_s:.2f} s, {drafts}")
 
 
 def rollout_tail(finishes: list[tuple[float, dict[str, Any]]], num_tail: int = 4
                  ) -> RolloutTail:
-    """The tail of a round from ``(finish time since the round's start, the service's
+    """The tail of a rollout from ``(finish time since the rollout's start, the service's
     answer)`` per sequence: the ``num_tail`` last to finish."""
     ordered = sorted(finishes, key=lambda finish: finish[0])
     tail = ordered[-num_tail:]
