@@ -150,8 +150,10 @@ def config(opts: argparse.Namespace, mode: str, profile_dir: Path) -> ServiceCon
     kwargs: dict[str, Any] = {"profiler_config": {
         "profiler": "torch", "torch_profiler_dir": str(profile_dir.resolve()),
         "ignore_frontend": True, "torch_profiler_with_stack": False}}
-    if opts.device == "cuda":
+    if opts.device == "cuda":  # vLLM's GPU defaults, as bench.speculation's engines run,
+        # not the embedded model's CPU ones (eager, a 512 MiB cache, 1024 tokens)
         kwargs |= {"dtype": "bfloat16", "enforce_eager": opts.eager,
+                   "kv_cache_memory_bytes": None, "max_model_len": None,
                    "gpu_memory_utilization": opts.gpu_memory_utilization}
         if opts.max_capture_tokens is not None:
             kwargs["compilation_config"] = {"max_cudagraph_capture_size": opts.max_capture_tokens}
