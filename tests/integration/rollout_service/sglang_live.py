@@ -1,8 +1,8 @@
 """What the live-SGLang modules share (``test_sglang_live.py``,
 ``test_sglang_cuda_ipc_live.py``, ``test_sglang_nccl_live.py``; GPU only:
 ``ROLLOUT_TEST_TARGET=sglang``, the sglang bundle): their marks, prompts and probe
-tensors, greedy answers and their acceptance, and each module's own SGLang server with a
-service driving it through ``engine_url``."""
+tensors, greedy answers and their acceptance, a refused push, and each module's own SGLang
+server with a service driving it through ``engine_url``."""
 
 from __future__ import annotations
 
@@ -15,14 +15,21 @@ from typing import Any
 import pytest
 import torch
 
-from bench.sglang_server import sglang_server
-from rollout_service.client import RolloutClient
+from bench.sglang_server import own_checksums, sglang_server
+from rollout_service.client import RolloutClient, ServiceError
 from rollout_service.config import EMBEDDED_SGLANG_ENGINE_KWARGS
 from rollout_service.embedded import ensure_model
 from rollout_service.engines.speculative import MTPSettings
 from rollout_service.protocol import messages
 from rollout_service.tools.launch import ServiceProcess
-from tests.integration.conftest import NUM_SPECULATIVE_TOKENS, TARGET, service_config
+from tests.integration.conftest import (
+    NUM_SPECULATIVE_TOKENS,
+    TARGET,
+    served_version,
+    service_config,
+    weights_status,
+)
+from trainer_client.push import WeightPusher
 
 LIVE_SGLANG = [
     pytest.mark.gpu,
@@ -90,3 +97,17 @@ def service_on(engine_url: str, workdir: Path, **config: Any) -> Iterator[Servic
             workdir, engine_url=engine_url, **config)) as proc:
         proc.wait_healthy(timeout_s=300)
         yield proc
+
+
+def refuse_a_float32_push(sglang: str, service: ServiceProcess, pusher: WeightPusher,
+                          original: dict[str, torch.Tensor], name: str) -> None:
+    """Push ``original`` with ``name`` in float32, a dtype the service refuses: a 400 that
+    names the dtype, and SGLang's own checksums and both served versions as they were."""
+    before, state = own_checksums(sglang), weights_status(service)
+    bad = {**original, name: original[name].float()}
+    with pytest.raises(ServiceError, match="dtype") as refused:
+        pusher.push(bad.items(), version=served_version(service) + 1)
+    assert refused.value.status == 400
+    assert own_checksums(sglang) == before
+    after = weights_status(service)
+    assert (after.main_version, after.draft_version) == (state.main_version, state.draft_version)

@@ -26,7 +26,7 @@ import torch
 from safetensors.torch import load_file
 
 from bench.sglang_server import own_checksums
-from rollout_service.client import RolloutClient, ServiceError
+from rollout_service.client import RolloutClient
 from rollout_service.embedded import ensure_model
 from rollout_service.protocol.cuda_ipc import CudaIpcHandle, export_handle
 from rollout_service.tools.launch import ServiceProcess
@@ -44,6 +44,7 @@ from tests.integration.rollout_service.sglang_live import (
     changed,
     one_by_one,
     own_sglang,
+    refuse_a_float32_push,
     service_on,
 )
 from tests.support.waiting import until
@@ -189,12 +190,5 @@ async def test_a_push_of_main_and_drafter_moves_both(
 
 def test_a_refused_push_changes_nothing(sglang: str, live: ServiceProcess,
                                         original: dict[str, torch.Tensor]) -> None:
-    before, state = own_checksums(sglang), weights_status(live)
-    bad = {**original, MAIN_ONLY_PARAM: original[MAIN_ONLY_PARAM].float()}  # a dtype it refuses
     with WeightPusher(live.url, WEIGHTS_TOKEN, transport="cuda_ipc") as p:
-        with pytest.raises(ServiceError, match="dtype") as refused:
-            p.push(bad.items(), version=served_version(live) + 1)
-    assert refused.value.status == 400
-    assert own_checksums(sglang) == before
-    after = weights_status(live)
-    assert (after.main_version, after.draft_version) == (state.main_version, state.draft_version)
+        refuse_a_float32_push(sglang, live, p, original, MAIN_ONLY_PARAM)

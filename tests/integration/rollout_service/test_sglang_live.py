@@ -23,7 +23,7 @@ import torch
 from safetensors.torch import load_file
 
 from bench.sglang_server import counter, own_checksums
-from rollout_service.client import RolloutClient, ServiceError
+from rollout_service.client import RolloutClient
 from rollout_service.embedded import ensure_model
 from rollout_service.engines.sglang.stats import spec_stats_from_meta_info
 from rollout_service.protocol import messages
@@ -47,6 +47,7 @@ from tests.integration.rollout_service.sglang_live import (
     accept_rate,
     one_by_one,
     own_sglang,
+    refuse_a_float32_push,
     service_on,
 )
 from trainer_client.push import WeightPusher
@@ -253,15 +254,8 @@ async def test_draft_push_moves_acceptance(sglang: str, live: ServiceProcess,
 
 def test_a_refused_push_changes_nothing_in_sglangs_own_checker(
         sglang: str, live: ServiceProcess, original: dict[str, torch.Tensor]) -> None:
-    before, state = own_checksums(sglang), weights_status(live)
-    bad = {**original, SHARED_PARAM: original[SHARED_PARAM].float()}  # a dtype it refuses
     with WeightPusher(live.url, WEIGHTS_TOKEN, transport="shm") as p:
-        with pytest.raises(ServiceError, match="dtype") as refused:
-            p.push(bad.items(), version=served_version(live) + 1)
-    assert refused.value.status == 400
-    assert own_checksums(sglang) == before
-    after = weights_status(live)
-    assert (after.main_version, after.draft_version) == (state.main_version, state.draft_version)
+        refuse_a_float32_push(sglang, live, p, original, SHARED_PARAM)
 
 
 async def test_a_push_during_generation_shows_in_the_spans(

@@ -23,7 +23,7 @@ import torch
 from safetensors.torch import load_file
 
 from bench.sglang_server import own_checksums
-from rollout_service.client import RolloutClient, ServiceError
+from rollout_service.client import RolloutClient
 from rollout_service.embedded import ensure_model
 from rollout_service.tools.launch import ServiceProcess
 from tests.integration.conftest import (
@@ -40,6 +40,7 @@ from tests.integration.rollout_service.sglang_live import (
     changed,
     one_by_one,
     own_sglang,
+    refuse_a_float32_push,
     service_on,
 )
 from trainer_client.push import WeightPusher
@@ -121,14 +122,8 @@ def test_a_refused_push_changes_nothing_and_the_group_serves_the_next(
     """A dtype the service refuses: 400 naming it, SGLang's checksums and both versions as
     they were; the trainer's next push over the same transport loads."""
     sglang, live = served
-    before, state = own_checksums(sglang), weights_status(live)
-    bad = {**original, MAIN_ONLY_PARAM: original[MAIN_ONLY_PARAM].float()}
-    with pytest.raises(ServiceError, match="dtype") as refused:
-        pusher.push(bad.items(), version=served_version(live) + 1)
-    assert refused.value.status == 400
-    assert own_checksums(sglang) == before
-    after = weights_status(live)
-    assert (after.main_version, after.draft_version) == (state.main_version, state.draft_version)
+    before = own_checksums(sglang)
+    refuse_a_float32_push(sglang, live, pusher, original, MAIN_ONLY_PARAM)
     version = served_version(live) + 1
     pusher.push(changed(original, seed=version).items(), version=version, target="both")
     assert own_checksums(sglang)["draft"] != before["draft"]
