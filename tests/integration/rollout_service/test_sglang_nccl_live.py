@@ -54,6 +54,8 @@ TRAINER_GPU = 1
 
 @dataclass(frozen=True)
 class Live:
+    """What a test reaches: the server, the service on it, and a client of the service."""
+
     sglang: str
     """The module's own SGLang server (GPU 0)."""
     service: ServiceProcess
@@ -63,6 +65,8 @@ class Live:
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, ServiceProcess]]:
+    """The module's own SGLang server on GPU 0 and a ``nccl`` service on it: their URL and
+    process."""
     with own_sglang(tmp_path_factory.mktemp("sglang-nccl") / "sglang.log",
                     base_gpu_id=0) as url, service_on(
             url, tmp_path_factory.mktemp("nccl-service"), weights_transport="nccl") as proc:
