@@ -42,7 +42,7 @@ class Run:
     measured_ratio: float | None
 
 
-async def _batches(engine: Engine, prompts: list[str], *, batch: int, tokens: int,
+async def timed_batches(engine: Engine, prompts: list[str], *, batch: int, tokens: int,
                    temperature: float, tag: str) -> tuple[float, list]:
     """Seconds and results of generating every prompt, ``batch`` at a time."""
     seconds, results = 0.0, []
@@ -70,7 +70,7 @@ async def measure(ks: list[int], *, batch: int, tokens: int, rounds: int,
         for round_ in range(rounds):
             for temperature in (0.0, 1.0):
                 for k, engine in engines.items():
-                    took, results = await _batches(engine, prompts, batch=batch,
+                    took, results = await timed_batches(engine, prompts, batch=batch,
                                                    tokens=tokens, temperature=temperature,
                                                    tag=f"{round_}-{temperature}")
                     seconds[k, temperature] = seconds.get((k, temperature), 0.0) + took

@@ -25,7 +25,6 @@ import asyncio
 import gzip
 import json
 import statistics
-import time
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,9 +34,11 @@ from rich.console import Console
 from rich.table import Table
 
 from bench.engine_options import add_device_arguments, resolve_device
+from bench.spec_cost import timed_batches
+from bench.spread import median_spread
 from rollout_service.config import ServiceConfig
 from rollout_service.embedded.corpus import arithmetic_prompts
-from rollout_service.engines.base import Engine, SamplingOptions
+from rollout_service.engines.base import Engine
 from rollout_service.engines.vllm.engine import VLLMEngine
 from rollout_service.local import start_engine
 
@@ -166,12 +167,10 @@ def config(opts: argparse.Namespace, mode: str, profile_dir: Path) -> ServiceCon
 
 
 async def one_batch(engine: Engine, prompts: list[str], tokens: int, tag: str) -> float:
-    """Seconds for every prompt at once, ``tokens`` each."""
-    sampling = SamplingOptions(max_tokens=tokens, temperature=1.0, ignore_eos=True)
-    start = time.perf_counter()
-    await asyncio.gather(*(engine.generate(p, sampling, f"{tag}-{i}")
-                           for i, p in enumerate(prompts)))
-    return time.perf_counter() - start
+    """Seconds for every prompt at once, ``tokens`` each (temperature 1)."""
+    seconds, _ = await timed_batches(engine, prompts, batch=len(prompts), tokens=tokens,
+                                     temperature=1.0, tag=tag)
+    return seconds
 
 
 async def run(opts: argparse.Namespace, console: Console) -> None:
@@ -205,8 +204,7 @@ async def run(opts: argparse.Namespace, console: Console) -> None:
     console.print(f"{opts.batch} sequences x {opts.tokens} tokens, {opts.rounds} rounds: "
                   + ", ".join(f"{m} {tokens / statistics.median(s):.0f} tok/s"
                               for m, s in seconds.items())
-                  + f"; k=0 / spec-off per round {statistics.median(ratios):.3f} "
-                  f"({min(ratios):.3f}-{max(ratios):.3f})")
+                  + f"; k=0 / spec-off per round {median_spread(ratios)}")
     console.print(comparison(read_trace(out / "spec-off"), read_trace(out / "k=0"),
                              tokens=tokens, top=opts.top))
 
