@@ -185,13 +185,16 @@ for s in "$@"; do
       # 4.9 s on an H100). ROUNDS (3) and WAVES (3: a round keeps c in flight for 3c
       # requests, and runs the rollout 3 times back to back; at 1 a round of c = 16 took
       # under a second, and spec-off alone spread 5324-7851 tok/s over 3 rounds on an H100,
-      # at 3 7550-7770 over 4; c = 256 and the rollout at 1 took 425 s with the starts)
+      # at 3 7550-7770 over 4; c = 256 and the rollout at 1 took 425 s with the starts).
+      # STATIC_K (0,1,2,3): the pinned K modes; STATIC_K=0 keeps only the floor, for the
+      # controller / spec-off target of a drafter in one call
       step "spec-bench-${NOISE:-0.1}${STALE:+-stale}" 570 python3 -m bench.speculation \
         --model embedded:1b --draft-noise "${NOISE:-0.1}" --k-max 3 \
         --concurrency "${LEVELS:-1,16,64,256}" --max-tokens 256 --rounds "${ROUNDS:-3}" \
         --waves "${WAVES:-3}" \
         --rollout-prompts "${PROMPTS:-512}" --rollout-max-tokens 1024 \
         --drafter-at-k0 "${DRAFTER_AT_K0:-auto}" ${STALE:+--stale-only} \
+        ${STATIC_K:+--static-k "$STATIC_K"} \
         ${CAPTURE_TOKENS:+--max-capture-tokens "$CAPTURE_TOKENS"} \
         ${CALIBRATE_TO:+--calibration-max-batch-size "$CALIBRATE_TO"} \
         --logs "$out/spec-bench-logs" ;;
