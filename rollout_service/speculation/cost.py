@@ -17,14 +17,28 @@ H100 (embedded 1B, CUDA graphs) steps of 2.4-6.0 ms scattered by a fifth between
 neighbouring batch sizes: c(0, 2) measured 3.7 ms and c(0, 3) 2.4 ms, c(1, 16) 3.6 ms
 below c(0, 16) 3.9 ms. Taken as measured, those points had neighbouring buckets choose K
 = 3, 2, 1 (K = 0 by the model at B = 4), 3, 1, 3 for the same drafter while pinned static
-K told K = 1..3 apart by less than their spread; the fit chose K = 3, 2, 2, 2, 2, 3 from
-the same table (docs/speculation-control.md). Points that already rise are kept as
-measured.
+K told K = 1..3 apart by less than their spread; the fitted curves alone chose K = 3, 2,
+2, 2, 2, 3 from the same table, and with the ratios below 3, 2, 2, 3, 3, 3
+(docs/speculation-control.md). Points that already rise are kept as measured.
 
 Interpolation: for each K, piecewise linear in ``log B`` between the fitted batch
 sizes. It never overshoots, so the monotone curve stays monotone, and a step's cost is
 roughly affine in B while batch sizes are measured on a geometric grid (1, 2, 4, ...).
 Outside the measured range of a K, :meth:`StepCostTable.step_s` raises.
+
+Relative cost, for the decision (:meth:`StepCostTable.estimate_s`): within the batch
+sizes measured for a K > 0, ``c(K, B)`` is the fitted ``c(0, B)`` times the median of
+K's ratios ``c(K, B') / c(0, B')`` over the batch sizes B' within a factor
+``ratio_window`` of B where both were measured, as measured (the calibration measures
+such pairs back to back). The decision reads only that ratio. Read from the fitted
+curves at B alone, one noisy point decides it, and the fit spreads that point to its
+neighbours: on an H100 (embedded 1B, a drafter accepting 0.18 at position 0), live
+steps moved c(0, 16) from the calibration's 2.22 ms to 2.93 and c(1, 16) from 2.92 to
+2.54, which put K = 1 at 1.15x K = 0 at B = 16. The pairs at B = 8, 16 and 32 (ratios
+1.34, 0.87, 1.22) price it at 0.97x, and the controller, which ran K = 1 there, ran at
+0.93x pinned K = 0 (docs/speculation-control.md, the drafters table). The ratio moves
+slowly with B (drafting costs relatively less as a step grows), so the median over the
+neighbours drops such a point and keeps a real trend.
 
 Extrapolation, for the decision only (:meth:`StepCostTable.estimate_s`): where K = 0 is
 measured at B but K is not, ``c(K, B)`` is ``c(0, B)`` times K's measured ratio
@@ -84,10 +98,16 @@ class CostConfig:
     blend_weight: float = 0.25
     """Weight of a new sample of an already measured ``(K, B)``: 1 replaces the old
     value, 0.25 follows a lasting change within a few samples."""
+    ratio_window: float = 2.0
+    """The decision prices K > 0 at B from the median of its ratios to K = 0 at the
+    batch sizes measured within this factor of B (2: B/2 to 2B, the grid's neighbours);
+    1 reads the ratio at B alone (the module docstring says why)."""
 
     def __post_init__(self) -> None:
         if not 0 < self.blend_weight <= 1:
             raise ValueError(f"blend_weight must be in (0, 1], got {self.blend_weight}")
+        if not self.ratio_window >= 1:
+            raise ValueError(f"ratio_window must be >= 1, got {self.ratio_window}")
 
 
 def nondecreasing_fit(values: Sequence[float]) -> list[float]:
@@ -167,13 +187,18 @@ class StepCostTable:
         return costs[at - 1] + t * (costs[at] - costs[at - 1])
 
     def estimate_s(self, k: int, batch_size: int, *, reach_from: int = 1) -> float | None:
-        """``c(k, batch_size)`` for the decision: :meth:`step_s` where measured; otherwise,
-        where K = 0 is measured at ``batch_size``, extrapolated from K's ratio to K = 0 at
-        the nearest batch size measured for both (the module docstring says why). None:
-        K = 0 is not measured at ``batch_size``, K and K = 0 share no measured range, or
-        that nearest batch size lies below ``reach_from``."""
+        """``c(k, batch_size)`` for the decision. Within K's measured batch sizes: K = 0's
+        cost times K's median ratio to it nearby (:meth:`relative_cost`), or
+        :meth:`step_s` where K = 0 is not measured. Beyond them, where K = 0 is measured
+        at ``batch_size``: extrapolated from K's ratio to K = 0 at the nearest batch size
+        measured for both (the module docstring says why). None: K = 0 is not measured at
+        ``batch_size``, K and K = 0 share no measured range, or that nearest batch size
+        lies below ``reach_from``."""
         if self.covers(k, batch_size):
-            return self.step_s(k, batch_size)
+            ratio = self.relative_cost(k, batch_size) if k and self.covers(0, batch_size) else None
+            if ratio is None:
+                return self.step_s(k, batch_size)
+            return self.step_s(0, batch_size) * ratio
         if not self.covers(0, batch_size) or k not in self._batch_sizes:
             return None
         k_sizes, plain_sizes = self._batch_sizes[k], self._batch_sizes[0]
@@ -185,6 +210,18 @@ class StepCostTable:
             return None
         ratio = self.step_s(k, nearest) / self.step_s(0, nearest)
         return self.step_s(0, batch_size) * ratio
+
+    def relative_cost(self, k: int, batch_size: int) -> float | None:
+        """The median of ``c(k, B') / c(0, B')`` as measured (blended, not fitted) over
+        the batch sizes B' within ``ratio_window`` of ``batch_size`` where both ``k`` and
+        K = 0 have a point: pairs, as the calibration measures them back to back. None
+        where there is no such pair."""
+        window = self._config.ratio_window
+        plain = dict(zip(self._batch_sizes.get(0, ()), self._step_s.get(0, ()), strict=True))
+        ratios = [cost / plain[b] for b, cost in zip(self._batch_sizes.get(k, ()),
+                                                     self._step_s.get(k, ()), strict=True)
+                  if b in plain and batch_size <= b * window and b <= batch_size * window]
+        return statistics.median(ratios) if ratios else None
 
     def verify_cost_ratio(self, drafts_per_k: Sequence[int], batch_size: int
                           ) -> float | None:
