@@ -1,6 +1,6 @@
 """The speculation controller's choice per bucket from a saved state: as it chose live,
-and as its cost table prices the same points now (fitted non-decreasing in B,
-``rollout_service/speculation/cost.py``).
+and as its cost table prices the same points now (fitted non-decreasing in B, each K > 0
+against K = 0 from the measured pairs nearby; ``rollout_service/speculation/cost.py``).
 
 ``bench/speculation.py --logs DIR`` writes the controller's whole state after each
 workload (``controller-<run>-after-<workload>.json``, the ``/speculation`` body). This
@@ -61,8 +61,8 @@ def best(rates: dict[int, float] | list[float | None]) -> int | None:
 
 
 def report(state: SpeculationControlStatus) -> Table:
-    table = Table("B <=", "live K (reason)", "live tok/s per K", "fitted K",
-                  "fitted tok/s per K", title="the controller's K per bucket, live and fitted")
+    table = Table("B <=", "live K (reason)", "live tok/s per K", "K now",
+                  "tok/s per K now", title="the controller's K per bucket, live and priced now")
     fitted = fitted_choices(state)
     for bucket in state.buckets:
         now = fitted[bucket.batch_size]
