@@ -26,11 +26,11 @@ sizes. It never overshoots, so the monotone curve stays monotone, and a step's c
 roughly affine in B while batch sizes are measured on a geometric grid (1, 2, 4, ...).
 Outside the measured range of a K, :meth:`StepCostTable.step_s` raises.
 
-Relative cost, for the decision (:meth:`StepCostTable.estimate_s`): within the batch
-sizes measured for a K > 0, ``c(K, B)`` is the fitted ``c(0, B)`` times the median of
-K's ratios ``c(K, B') / c(0, B')`` over the batch sizes B' within a factor
-``ratio_window`` of B where both were measured, as measured (the calibration measures
-such pairs back to back). The decision reads only that ratio. Read from the fitted
+Relative cost (:meth:`StepCostTable.cost_ratio`, for the decision and the verify cost):
+``c(K, B) / c(0, B)`` is the median of K's ratios to K = 0 as measured at the batch sizes
+B' within a factor ``ratio_window`` of B where both were measured (the calibration
+measures such pairs back to back); ``c(K, B)`` is the fitted ``c(0, B)`` times it. The
+decision reads only that ratio. Read from the fitted
 curves at B alone, one noisy point decides it, and the fit spreads that point to its
 neighbours: on an H100 (embedded 1B, a drafter accepting 0.18 at position 0), live
 steps moved c(0, 16) from the calibration's 2.22 ms to 2.93 and c(1, 16) from 2.92 to
@@ -41,8 +41,8 @@ slowly with B (drafting costs relatively less as a step grows), so the median ov
 neighbours drops such a point and keeps a real trend.
 
 Extrapolation, for the decision only (:meth:`StepCostTable.estimate_s`): where K = 0 is
-measured at B but K is not, ``c(K, B)`` is ``c(0, B)`` times K's measured ratio
-``c(K, B') / c(0, B')`` at the nearest batch size B' measured for both, as long as B' is
+measured at B but K is not, ``c(K, B)`` is ``c(0, B)`` times K's ratio to K = 0 (as
+above) at the nearest batch size B' measured for both, as long as B' is
 at least ``reach_from`` (the caller's: the controller allows the bucket below). K = 0 runs
 wherever nothing better is known, so its live steps measure it at every batch size the
 load reaches, while a K > 0 is measured only where it runs: without this, a bucket beyond
@@ -54,7 +54,7 @@ bucket only once it has run in the one below.
 
 Verify cost: the table also prices a finished sequence's verify steps for the net
 speed-up (``protocol/acceptance.py``): :meth:`StepCostTable.verify_cost_ratio` is the mean
-of ``c(K, B) / c(0, B)`` over its steps, each at the K it ran. The baseline is a step at
+of :meth:`StepCostTable.cost_ratio` over its steps, each at the K it ran. The baseline is a step at
 K = 0 on the same engine, the one the controller weighs every K against; with
 ``drafter_at_k0: run`` that step still runs one drafter pass, so the figure says whether
 drafting beats K = 0 here, not whether it beats an engine without a drafter.
@@ -188,17 +188,15 @@ class StepCostTable:
 
     def estimate_s(self, k: int, batch_size: int, *, reach_from: int = 1) -> float | None:
         """``c(k, batch_size)`` for the decision. Within K's measured batch sizes: K = 0's
-        cost times K's median ratio to it nearby (:meth:`relative_cost`), or
-        :meth:`step_s` where K = 0 is not measured. Beyond them, where K = 0 is measured
-        at ``batch_size``: extrapolated from K's ratio to K = 0 at the nearest batch size
-        measured for both (the module docstring says why). None: K = 0 is not measured at
-        ``batch_size``, K and K = 0 share no measured range, or that nearest batch size
-        lies below ``reach_from``."""
+        cost times :meth:`cost_ratio` (or :meth:`step_s` where K = 0 is not measured).
+        Beyond them, where K = 0 is measured at ``batch_size``: extrapolated from K's
+        :meth:`cost_ratio` at the nearest batch size measured for both (the module
+        docstring says why). None: K = 0 is not measured at ``batch_size``, K and K = 0
+        share no measured range, or that nearest batch size lies below ``reach_from``."""
         if self.covers(k, batch_size):
-            ratio = self.relative_cost(k, batch_size) if k and self.covers(0, batch_size) else None
-            if ratio is None:
+            if not self.covers(0, batch_size):
                 return self.step_s(k, batch_size)
-            return self.step_s(0, batch_size) * ratio
+            return self.step_s(0, batch_size) * self.cost_ratio(k, batch_size)
         if not self.covers(0, batch_size) or k not in self._batch_sizes:
             return None
         k_sizes, plain_sizes = self._batch_sizes[k], self._batch_sizes[0]
@@ -208,25 +206,30 @@ class StepCostTable:
         nearest = min(max(batch_size, low), high)
         if nearest < reach_from:
             return None
-        ratio = self.step_s(k, nearest) / self.step_s(0, nearest)
-        return self.step_s(0, batch_size) * ratio
+        return self.step_s(0, batch_size) * self.cost_ratio(k, nearest)
 
-    def relative_cost(self, k: int, batch_size: int) -> float | None:
-        """The median of ``c(k, B') / c(0, B')`` as measured (blended, not fitted) over
-        the batch sizes B' within ``ratio_window`` of ``batch_size`` where both ``k`` and
-        K = 0 have a point: pairs, as the calibration measures them back to back. None
-        where there is no such pair."""
+    def cost_ratio(self, k: int, batch_size: int) -> float:
+        """``c(k, B) / c(0, B)`` as the decision reads it, where both are measured: the
+        median of the measured pairs within ``ratio_window`` of B (the module docstring
+        says why), or the fitted curves' ratio at B where no pair lies that close.
+
+        Raises:
+            ValueError: ``k`` or K = 0 is not measured at ``batch_size`` (:meth:`step_s`).
+        """
+        fitted = self.step_s(k, batch_size) / self.step_s(0, batch_size)
+        if k == 0:
+            return fitted
         window = self._config.ratio_window
-        plain = dict(zip(self._batch_sizes.get(0, ()), self._step_s.get(0, ()), strict=True))
-        ratios = [cost / plain[b] for b, cost in zip(self._batch_sizes.get(k, ()),
-                                                     self._step_s.get(k, ()), strict=True)
+        plain = dict(zip(self._batch_sizes[0], self._step_s[0], strict=True))
+        ratios = [cost / plain[b] for b, cost in zip(self._batch_sizes[k], self._step_s[k],
+                                                     strict=True)
                   if b in plain and batch_size <= b * window and b <= batch_size * window]
-        return statistics.median(ratios) if ratios else None
+        return statistics.median(ratios) if ratios else fitted
 
     def verify_cost_ratio(self, drafts_per_k: Sequence[int], batch_size: int
                           ) -> float | None:
-        """A sequence's verify steps in steps at K = 0: the mean of ``c(K, B) / c(0, B)``
-        over its drafts, ``drafts_per_k[K]`` of them at K, at ``batch_size``.
+        """A sequence's verify steps in steps at K = 0: the mean of :meth:`cost_ratio` over
+        its drafts, ``drafts_per_k[K]`` of them at K, at ``batch_size``.
 
         Returns:
             The ratio; None without drafts or where the table does not cover K = 0 or one
@@ -236,9 +239,8 @@ class StepCostTable:
         ks = [k for k, n in enumerate(drafts_per_k) if n]
         if not ks or not all(self.covers(k, batch_size) for k in (0, *ks)):
             return None
-        plain_s = self.step_s(0, batch_size)
-        verify_s = sum(drafts_per_k[k] * self.step_s(k, batch_size) for k in ks)
-        return verify_s / plain_s / sum(drafts_per_k)
+        verify = sum(drafts_per_k[k] * self.cost_ratio(k, batch_size) for k in ks)
+        return verify / sum(drafts_per_k)
 
     def points(self) -> dict[int, tuple[StepCostSample, ...]]:
         """The table as measured (blended) points, per K, before the fit."""

@@ -91,7 +91,7 @@ def test_one_noisy_pair_does_not_move_the_ratio(k0_factor: float, k1_factor: flo
     median of two is their mean)."""
     costs = consistent_table(at=at, k0_factor=k0_factor, k1_factor=k1_factor)
     for batch_size in (b for b in (at // 2, at, at * 2) if 2 <= b <= 128):
-        assert costs.relative_cost(1, batch_size) == pytest.approx(RATIO)
+        assert costs.cost_ratio(1, batch_size) == pytest.approx(RATIO)
         assert costs.estimate_s(1, batch_size) == pytest.approx(
             RATIO * costs.step_s(0, batch_size))
 
@@ -99,8 +99,9 @@ def test_one_noisy_pair_does_not_move_the_ratio(k0_factor: float, k1_factor: flo
 def test_a_window_of_1_reads_the_pair_at_the_batch_size() -> None:
     costs = consistent_table(at=16, k0_factor=1.3, k1_factor=0.9,
                              config=CostConfig(ratio_window=1.0))
-    assert costs.relative_cost(1, 16) == pytest.approx(RATIO * 0.9 / 1.3)
-    assert costs.relative_cost(1, 24) is None  # no pair at 24: the fitted curves price it
+    assert costs.cost_ratio(1, 16) == pytest.approx(RATIO * 0.9 / 1.3)
+    # no pair at 24: the fitted curves' ratio there
+    assert costs.cost_ratio(1, 24) == pytest.approx(costs.step_s(1, 24) / costs.step_s(0, 24))
 
 
 def test_a_ratio_that_moves_with_the_batch_size_is_followed() -> None:
@@ -108,7 +109,27 @@ def test_a_ratio_that_moves_with_the_batch_size_is_followed() -> None:
     samples = [StepCostSample(k=k, batch_size=b, step_s=k0_cost(b) * (1 + k * 0.5 / b))
                for b in (1, 2, 4, 8, 16, 32) for k in (0, 1)]
     costs = StepCostTable(CostConfig(), samples)
-    assert costs.relative_cost(1, 1) > costs.relative_cost(1, 4) > costs.relative_cost(1, 32)
+    assert costs.cost_ratio(1, 1) > costs.cost_ratio(1, 4) > costs.cost_ratio(1, 32)
+
+
+def test_a_sequences_verify_cost_reads_the_same_ratios() -> None:
+    """The net speed-up's verify cost prices K as the decision does: one noisy pair at 16
+    moves neither."""
+    costs = consistent_table(at=16, k0_factor=1.3, k1_factor=0.9)
+    assert costs.verify_cost_ratio([0, 10], 16) == pytest.approx(RATIO)
+    assert costs.verify_cost_ratio([10, 10], 16) == pytest.approx((1 + RATIO) / 2)
+
+
+def test_beyond_its_batch_sizes_a_k_is_priced_from_the_pairs_near_its_last() -> None:
+    """Extrapolation reads K's ratio at its nearest measured batch size as the decision
+    does there: the noisy pair at 64, K = 1's last, does not set it."""
+    sizes = (16, 24, 32, 48, 64)
+    samples = [StepCostSample(k=0, batch_size=b, step_s=k0_cost(b)) for b in (*sizes, 128)]
+    samples += [StepCostSample(k=1, batch_size=b, step_s=RATIO * k0_cost(b) * (0.7 if b == 64
+                                                                             else 1.0))
+                for b in sizes]
+    costs = StepCostTable(CostConfig(), samples)
+    assert costs.estimate_s(1, 128) == pytest.approx(RATIO * costs.step_s(0, 128))
 
 
 def test_a_window_below_1_is_refused() -> None:
