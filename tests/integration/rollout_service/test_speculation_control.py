@@ -163,8 +163,8 @@ async def test_a_sequence_is_priced_at_the_k_it_ran(client: RolloutClient,
     K = 1 is priced at c(1, 1) / c(0, 1) of the controller's own table, in the response and
     in the counters the slow-down alert reads (vLLM's output handler records a step's
     costs before the sequence it finished resumes, and nothing steps afterwards, so the
-    table read after it is the one it was priced with; the points as measured, fitted as
-    the controller fits them)."""
+    table read after it is the one it was priced with; the points as measured, K = 1
+    against K = 0 read as the controller reads it, ``StepCostTable.cost_ratio``)."""
     await client.pin_schedule({1: 1})
     before = await client.metrics_text()
     spec = (await sequence(client, PROMPTS[0])).spec_decode
@@ -174,7 +174,7 @@ async def test_a_sequence_is_priced_at_the_k_it_ran(client: RolloutClient,
     costs = StepCostTable(CostConfig(), (  # /health's points, priced as the controller does
         StepCostSample(k=p.k, batch_size=p.batch_size, step_s=p.step_s)
         for p in health.speculation_control.cost_table))
-    ratio = costs.step_s(1, 1) / costs.step_s(0, 1)
+    ratio = costs.cost_ratio(1, 1)
     assert spec is not None and spec.num_drafts > 0 and spec.num_draft_tokens == spec.num_drafts
     assert spec.verify_cost_ratio == pytest.approx(ratio, rel=1e-9)
     assert spec.verify_cost_ratio != health.speculation.verify_cost_ratio  # not k_max's
