@@ -62,7 +62,7 @@ def settled_k(throughput: dict[int, float]) -> int:
     return hysteresis.k
 
 
-def test_on_the_h100_table_no_k_beats_k0_at_16_where_k1_lost_to_it() -> None:
+def test_on_the_h100_table_the_bucket_of_16_holds_k0_where_k1_lost_to_it() -> None:
     state, costs = h100_state()
     throughput = throughputs(state.acceptance, costs, batch_size=16, k_max=state.k_max)
     assert settled_k(throughput) == 0, throughput
