@@ -33,10 +33,10 @@ measures such pairs back to back); ``c(K, B)`` is the fitted ``c(0, B)`` times i
 decision reads only that ratio. Read from the fitted
 curves at B alone, one noisy point decides it, and the fit spreads that point to its
 neighbours: on an H100 (embedded 1B, a drafter accepting 0.18 at position 0), live
-steps moved c(0, 16) from the calibration's 2.22 ms to 2.93 and c(1, 16) from 2.92 to
-2.54, which put K = 1 at 1.15x K = 0 at B = 16. The pairs at B = 8, 16 and 32 (ratios
-1.34, 0.87, 1.22) price it at 0.97x, and the controller, which ran K = 1 there, ran at
-0.93x pinned K = 0 (docs/speculation-control.md, the drafters table). The ratio moves
+steps raised c(0, 16) and lowered c(1, 16) until the model put K = 1 at 1.15x K = 0 at
+B = 16. The pairs at B = 8, 16 and 32 price it at 0.97x (``python -m bench.cost_fit
+tests/data/controller-h100-1b-noise0.6-after-c16.json``), and the controller, which ran
+K = 1 there, ran at 0.93x pinned K = 0 (docs/speculation-control.md). The ratio moves
 slowly with B (drafting costs relatively less as a step grows), so the median over the
 neighbours drops such a point and keeps a real trend.
 
@@ -141,6 +141,10 @@ class StepCostTable:
         """As measured (blended), per K in the order of ``_batch_sizes``."""
         self._fitted: dict[int, list[float]] = {}
         """``_step_s`` fitted non-decreasing in B: what prices a step."""
+        self._pairs: dict[int, tuple[list[int], list[float]]] = {}
+        """Per K > 0, the batch sizes measured for both K and K = 0 and K's ratio there:
+        built on first use after a record (the decision reads them for every bucket and K
+        at each finished sequence; samples arrive far less often)."""
         for sample in samples:
             self.record(sample)
 
@@ -156,6 +160,7 @@ class StepCostTable:
             batch_sizes.insert(at, sample.batch_size)
             costs.insert(at, sample.step_s)
         self._fitted[sample.k] = nondecreasing_fit(costs)
+        self._pairs.clear()
 
     def measured_ks(self) -> tuple[int, ...]:
         """The K values with at least one sample, ascending."""
@@ -216,15 +221,25 @@ class StepCostTable:
         Raises:
             ValueError: ``k`` or K = 0 is not measured at ``batch_size`` (:meth:`step_s`).
         """
-        fitted = self.step_s(k, batch_size) / self.step_s(0, batch_size)
-        if k == 0:
-            return fitted
-        window = self._config.ratio_window
-        plain = dict(zip(self._batch_sizes[0], self._step_s[0], strict=True))
-        ratios = [cost / plain[b] for b, cost in zip(self._batch_sizes[k], self._step_s[k],
-                                                     strict=True)
-                  if b in plain and batch_size <= b * window and b <= batch_size * window]
-        return statistics.median(ratios) if ratios else fitted
+        if k and self.covers(k, batch_size) and self.covers(0, batch_size):
+            window = self._config.ratio_window
+            sizes, ratios = self._paired(k)
+            nearby = ratios[bisect.bisect_left(sizes, batch_size / window):
+                            bisect.bisect_right(sizes, batch_size * window)]
+            if nearby:
+                return statistics.median(nearby)
+        return self.step_s(k, batch_size) / self.step_s(0, batch_size)
+
+    def _paired(self, k: int) -> tuple[list[int], list[float]]:
+        """The batch sizes measured for both ``k`` and K = 0, ascending, and K's ratio to
+        K = 0 at each, as measured."""
+        if k not in self._pairs:
+            plain = dict(zip(self._batch_sizes[0], self._step_s[0], strict=True))
+            pairs = [(b, cost / plain[b]) for b, cost in zip(self._batch_sizes[k],
+                                                             self._step_s[k], strict=True)
+                     if b in plain]
+            self._pairs[k] = ([b for b, _ in pairs], [r for _, r in pairs])
+        return self._pairs[k]
 
     def verify_cost_ratio(self, drafts_per_k: Sequence[int], batch_size: int
                           ) -> float | None:
