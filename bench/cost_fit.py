@@ -6,7 +6,8 @@ against K = 0 from the measured pairs nearby; ``rollout_service/speculation/cost
 workload (``controller-<run>-after-<workload>.json``, the ``/speculation`` body). This
 reads one, rebuilds the cost table from its measured points and the decision's model from
 its acceptance, and prints, per bucket edge, the K chosen and expected tokens/s per K both
-ways. No engine; the acceptance and costs are the state's own.
+ways, then the cost points as measured with their sample counts. No engine; the
+acceptance and costs are the state's own.
 
     python -m bench.cost_fit tests/data/controller-h100-1b-rollout.json
 """
@@ -74,6 +75,18 @@ def report(state: SpeculationControlStatus) -> Table:
     return table
 
 
+def points_report(state: SpeculationControlStatus) -> Table:
+    """The state's cost points as measured: a point of many samples is settled, one whose
+    latest sample lies far from it is moving (states saved before the counts read 1, -)."""
+    table = Table("K", "B", "ms per step (blended)", "samples", "latest ms",
+                  title="the cost table as measured")
+    for p in sorted(state.cost_table, key=lambda p: (p.k, p.batch_size)):
+        table.add_row(str(p.k), str(p.batch_size), f"{1e3 * p.step_s:.3f}",
+                      str(p.num_samples),
+                      "-" if p.last_step_s is None else f"{1e3 * p.last_step_s:.3f}")
+    return table
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("state", type=Path, help="a controller-*.json of bench.speculation")
@@ -82,6 +95,7 @@ def main() -> None:
     console = Console()
     console.print(f"acceptance per position: {[round(p, 3) for p in state.acceptance]}")
     console.print(report(state))
+    console.print(points_report(state))
 
 
 if __name__ == "__main__":

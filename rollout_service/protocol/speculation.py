@@ -80,6 +80,10 @@ class StepCostPoint(BaseModel):
     k: int
     batch_size: int
     step_s: float = Field(description="Seconds per engine step (blended measurements).")
+    num_samples: int = Field(1, description=(
+        "Measurements blended into step_s (the calibration's and the engine's live steps)."))
+    last_step_s: float | None = Field(None, description=(
+        "The latest of them, as measured: far from step_s, the point is still moving."))
 
 
 class SpeculationControlStatus(BaseModel):

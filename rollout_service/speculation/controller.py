@@ -50,7 +50,7 @@ from rollout_service.speculation.acceptance import (
     Observed,
     WeightVersions,
 )
-from rollout_service.speculation.cost import StepCostSample, StepCostTable
+from rollout_service.speculation.cost import CostPoint, StepCostSample, StepCostTable
 from rollout_service.speculation.decision import (
     CollapseConfig,
     CollapseDetector,
@@ -221,7 +221,7 @@ class SpeculationController:
         (:meth:`StepCostTable.verify_cost_ratio`); None where it has no measurement."""
         return self._costs.verify_cost_ratio(drafts_per_k, batch_size)
 
-    def cost_points(self) -> dict[int, tuple[StepCostSample, ...]]:
+    def cost_points(self) -> dict[int, tuple[CostPoint, ...]]:
         """The step-cost table as measured (blended) points, per K."""
         return self._costs.points()
 

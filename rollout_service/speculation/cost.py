@@ -92,6 +92,22 @@ class StepCostSample:
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
+class CostPoint:
+    """One point of the table as measured, with what it was made of: a point blended from
+    many samples is the table's settled view; one whose latest sample lies far from it is
+    moving (``/speculation`` shows both, to tell a noisy point from a real change)."""
+
+    k: int
+    batch_size: int
+    step_s: float
+    """Seconds per step, blended (what the fit starts from)."""
+    num_samples: int
+    """Samples blended into it (calibration's and live ones)."""
+    last_step_s: float
+    """The latest of them, as taken."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
 class CostConfig:
     """How the cost table takes in new samples."""
 
@@ -141,6 +157,9 @@ class StepCostTable:
         """As measured (blended), per K in the order of ``_batch_sizes``."""
         self._fitted: dict[int, list[float]] = {}
         """``_step_s`` fitted non-decreasing in B: what prices a step."""
+        self._num_samples: dict[int, list[int]] = {}
+        self._last_s: dict[int, list[float]] = {}
+        """Per point, as ``_step_s``: the samples blended in, and the latest one."""
         self._pairs: dict[int, tuple[list[int], list[float]]] = {}
         """Per K > 0, the batch sizes measured for both K and K = 0 and K's ratio there:
         built on first use after a record (the decision reads them for every bucket and K
@@ -152,13 +171,19 @@ class StepCostTable:
         """Blend one measurement into the table."""
         batch_sizes = self._batch_sizes.setdefault(sample.k, [])
         costs = self._step_s.setdefault(sample.k, [])
+        counts = self._num_samples.setdefault(sample.k, [])
+        last = self._last_s.setdefault(sample.k, [])
         at = bisect.bisect_left(batch_sizes, sample.batch_size)
         if at < len(batch_sizes) and batch_sizes[at] == sample.batch_size:
             weight = self._config.blend_weight
             costs[at] = (1 - weight) * costs[at] + weight * sample.step_s
+            counts[at] += 1
+            last[at] = sample.step_s
         else:
             batch_sizes.insert(at, sample.batch_size)
             costs.insert(at, sample.step_s)
+            counts.insert(at, 1)
+            last.insert(at, sample.step_s)
         self._fitted[sample.k] = nondecreasing_fit(costs)
         self._pairs.clear()
 
@@ -257,10 +282,12 @@ class StepCostTable:
         verify = sum(drafts_per_k[k] * self.cost_ratio(k, batch_size) for k in ks)
         return verify / sum(drafts_per_k)
 
-    def points(self) -> dict[int, tuple[StepCostSample, ...]]:
+    def points(self) -> dict[int, tuple[CostPoint, ...]]:
         """The table as measured (blended) points, per K, before the fit."""
-        return {k: tuple(StepCostSample(k=k, batch_size=b, step_s=c)
-                         for b, c in zip(self._batch_sizes[k], self._step_s[k], strict=True))
+        return {k: tuple(CostPoint(k=k, batch_size=b, step_s=c, num_samples=n, last_step_s=t)
+                         for b, c, n, t in zip(self._batch_sizes[k], self._step_s[k],
+                                               self._num_samples[k], self._last_s[k],
+                                               strict=True))
                 for k in self.measured_ks()}
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from bench.cost_fit import best, fitted_choices, report
+from bench.cost_fit import best, fitted_choices, points_report, report
 from rollout_service.protocol.speculation import SpeculationControlStatus
 
 STATE = Path(__file__).parents[1] / "data" / "controller-h100-1b-rollout.json"
@@ -30,3 +30,16 @@ def test_the_fitted_costs_choose_one_k_band_where_the_measured_points_flipped() 
 
 def test_the_report_has_a_row_per_bucket() -> None:
     assert report(state()).row_count == len(state().buckets)
+
+
+def test_the_points_report_has_a_row_per_point_with_its_sample_count() -> None:
+    h100 = state()
+    table = points_report(h100)
+    assert table.row_count == len(h100.cost_table)
+    # saved before the counts: every point reads one sample and no latest one
+    assert list(table.columns[3].cells) == ["1"] * len(h100.cost_table)
+    assert set(table.columns[4].cells) == {"-"}
+    settled = h100.model_copy(update={"cost_table": [
+        p.model_copy(update={"num_samples": 5, "last_step_s": 0.0042})
+        for p in h100.cost_table]})
+    assert set(points_report(settled).columns[4].cells) == {"4.200"}

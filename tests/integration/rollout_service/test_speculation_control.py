@@ -98,7 +98,8 @@ async def test_the_calibration_filled_the_cost_table(client: RolloutClient) -> N
     measured = {(p.k, p.batch_size) for p in status.cost_table}
     assert {(k, b) for k in range(NUM_SPECULATIVE_TOKENS + 1)
             for b in CALIBRATED_BATCH_SIZES} <= measured
-    assert all(p.step_s > 0 for p in status.cost_table)
+    assert all(p.step_s > 0 and p.num_samples >= 1 and p.last_step_s is not None
+               and p.last_step_s > 0 for p in status.cost_table)
     assert status.calibration_s is not None and status.calibration_s > 0
     covered = [b for b in status.buckets if b.batch_size <= CALIBRATED_BATCH_SIZES[-1]]
     assert covered and all(None not in b.tokens_per_s for b in covered)

@@ -280,7 +280,8 @@ def test_new_samples_blend_in() -> None:
     costs.record(StepCostSample(k=1, batch_size=8, step_s=2.0))
     assert costs.step_s(1, 8) == pytest.approx(1.25)
     costs.record(StepCostSample(k=1, batch_size=4, step_s=0.5))
-    assert [p.batch_size for p in costs.points()[1]] == [4, 8]
+    assert [(p.batch_size, p.step_s, p.num_samples, p.last_step_s)
+            for p in costs.points()[1]] == [(4, 0.5, 1, 0.5), (8, 1.25, 2, 2.0)]
 
 
 def test_bad_samples_are_refused() -> None:
