@@ -10,6 +10,8 @@ from this process with aiohttp:
 
 - ``direct``: SGLang's ``/generate`` body straight to the fake;
 - ``service``: the same request through the service's native ``/generate``;
+- ``service-sglang``: SGLang's own body through the same service process's ``/generate``
+  (its SGLang dialect: the serving bench's ``service-sglang``);
 - ``service-h11``: the same through a second service process whose uvicorn parses HTTP
   with h11, the pure-Python parser: the service as uvicorn's ``auto`` ran it on a GPU
   machine without httptools (``rollout_service/cli.py`` names httptools now);
@@ -50,7 +52,7 @@ from bench.spread import median_spread
 from rollout_service.embedded import ensure_model
 from rollout_service.tools.launch import ChildProcess, free_port, wait_http_ok
 
-MODES = ("direct", "service", "service-h11", "service-httpx")
+MODES = ("direct", "service", "service-sglang", "service-h11", "service-httpx")
 PROMPT_IDS = list(range(1, 65))
 MAX_TOKENS = 256
 BODIES = {
@@ -60,6 +62,7 @@ BODIES = {
                 "temperature": 1.0, "ignore_eos": True},
 }
 BODIES["service-h11"] = BODIES["service-httpx"] = BODIES["service"]
+BODIES["service-sglang"] = BODIES["direct"]
 """The same request in each mode's dialect: 64 prompt tokens, 256 generated."""
 
 
@@ -191,6 +194,7 @@ async def run(opts: argparse.Namespace, console: Console
                                         procs[mode], 120.0)
             services = {mode: psutil.Process(proc.pid) for mode, proc in procs.items()}
             urls = {"direct": f"{fake_url}/generate",
+                    "service-sglang": f"http://127.0.0.1:{ports['service']}/generate",
                     **{mode: f"http://127.0.0.1:{port}/generate" for mode, port in ports.items()}}
             rounds = []
             async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:

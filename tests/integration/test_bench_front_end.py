@@ -1,6 +1,7 @@
 """``bench/front_end.py`` end to end, cut short: each service process really serves its
 mode (its CPU per request is that of a request through it, not of the idle service the
-``direct`` mode leaves alone), the h11 one parses with h11, the httpx one's engine sends
+``direct`` mode leaves alone; the SGLang dialect's through the same process), the h11
+one parses with h11, the httpx one's engine sends
 through httpx, and every mode is timed every round."""
 
 from __future__ import annotations
@@ -25,10 +26,12 @@ def test_the_service_mode_goes_through_the_service_and_direct_does_not() -> None
 
     assert len(rounds) == 2
     for measured in rounds:
-        assert set(measured) == {"direct", "service", "service-h11", "service-httpx"}
+        assert set(measured) == {"direct", "service", "service-sglang", "service-h11",
+                                 "service-httpx"}
         assert all(latency > 0 for latency, _ in measured.values())
         # a request through the service costs it far more than one that passes it by
         assert measured["service"][1] > 5 * measured["direct"][1]
+        assert measured["service-sglang"][1] > 5 * measured["direct"][1]
         assert measured["service-h11"][1] > 5 * measured["direct"][1]
         assert measured["service-httpx"][1] > 5 * measured["direct"][1]
     assert "added by the service" in console.export_text()
