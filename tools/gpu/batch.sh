@@ -223,10 +223,12 @@ for s in "$@"; do
         tests/integration/rollout_service/test_engine_start.py \
         tests/integration/rollout_service/test_no_speculation.py ;;
     sglang-serving)  # ROUNDS (3) x WAVES (2): about 5 x 2 fit the limit on an H100 (the 3
-      # starts take ~300 s, a round of 2 waves ~30 s at 512 and ~8 s at 128 for the 3 modes)
+      # starts take ~300 s, a round of 2 waves ~30 s at 512 and ~8 s at 128 for the 3 modes;
+      # LEVELS=512 ROUNDS=4 took 480 s). MODES=service,sglang-server drops the dialect's mode
+      # (it costs the service what the native one does, bench.front_end): 1/3 more rounds
       step sglang-serving 540 python3 -m bench.serving --engine sglang \
         --model embedded:small --concurrency "${LEVELS:-128,512}" --max-tokens 256 \
-        --rounds "${ROUNDS:-3}" --waves "${WAVES:-2}" \
+        --rounds "${ROUNDS:-3}" --waves "${WAVES:-2}" ${MODES:+--modes "$MODES"} \
         --logs "$out/sglang-serving-logs" ;;
     sglang-serving-128)  # 128 in flight only, 9 rounds: rounds are short (2 waves, ~3 s a
       # mode) beside the servers' start, and 3 rounds spread wider than any gap
