@@ -273,8 +273,7 @@ class SpeculationControl:
             draft_version=state.acceptance.draft_version,
             num_observations=state.num_observations, last_batch_size=state.last_batch_size,
             pinned=_entries(self._pinned), engine_schedule=_entries(self._engine_schedule),
-            cost_table=[StepCostPoint(k=p.k, batch_size=p.batch_size, step_s=p.step_s,
-                                      num_samples=p.num_samples, last_step_s=p.last_step_s)
+            cost_table=[StepCostPoint.model_validate(p, from_attributes=True)
                         for points in self._controller.cost_points().values() for p in points],
             calibration_s=self._calibration_s, num_applied=self._num_applied,
             num_refused=self._num_refused, last_error=self._last_error)

@@ -68,6 +68,7 @@ longer contexts late in a step without jumping on one noisy timing); a sample of
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import math
 import statistics
 from collections.abc import Iterable, Sequence
@@ -152,14 +153,12 @@ class StepCostTable:
 
     def __init__(self, config: CostConfig, samples: Iterable[StepCostSample] = ()) -> None:
         self._config = config
+        self._points: dict[int, list[CostPoint]] = {}
+        """As measured (blended), per K in ascending B."""
         self._batch_sizes: dict[int, list[int]] = {}
-        self._step_s: dict[int, list[float]] = {}
-        """As measured (blended), per K in the order of ``_batch_sizes``."""
+        """The points' batch sizes, per K: what the lookups bisect."""
         self._fitted: dict[int, list[float]] = {}
-        """``_step_s`` fitted non-decreasing in B: what prices a step."""
-        self._num_samples: dict[int, list[int]] = {}
-        self._last_s: dict[int, list[float]] = {}
-        """Per point, as ``_step_s``: the samples blended in, and the latest one."""
+        """The points' costs fitted non-decreasing in B: what prices a step."""
         self._pairs: dict[int, tuple[list[int], list[float]]] = {}
         """Per K > 0, the batch sizes measured for both K and K = 0 and K's ratio there:
         built on first use after a record (the decision reads them for every bucket and K
@@ -169,22 +168,20 @@ class StepCostTable:
 
     def record(self, sample: StepCostSample) -> None:
         """Blend one measurement into the table."""
+        points = self._points.setdefault(sample.k, [])
         batch_sizes = self._batch_sizes.setdefault(sample.k, [])
-        costs = self._step_s.setdefault(sample.k, [])
-        counts = self._num_samples.setdefault(sample.k, [])
-        last = self._last_s.setdefault(sample.k, [])
         at = bisect.bisect_left(batch_sizes, sample.batch_size)
         if at < len(batch_sizes) and batch_sizes[at] == sample.batch_size:
-            weight = self._config.blend_weight
-            costs[at] = (1 - weight) * costs[at] + weight * sample.step_s
-            counts[at] += 1
-            last[at] = sample.step_s
+            old, weight = points[at], self._config.blend_weight
+            points[at] = dataclasses.replace(
+                old, step_s=(1 - weight) * old.step_s + weight * sample.step_s,
+                num_samples=old.num_samples + 1, last_step_s=sample.step_s)
         else:
             batch_sizes.insert(at, sample.batch_size)
-            costs.insert(at, sample.step_s)
-            counts.insert(at, 1)
-            last.insert(at, sample.step_s)
-        self._fitted[sample.k] = nondecreasing_fit(costs)
+            points.insert(at, CostPoint(k=sample.k, batch_size=sample.batch_size,
+                                        step_s=sample.step_s, num_samples=1,
+                                        last_step_s=sample.step_s))
+        self._fitted[sample.k] = nondecreasing_fit([p.step_s for p in points])
         self._pairs.clear()
 
     def measured_ks(self) -> tuple[int, ...]:
@@ -259,10 +256,9 @@ class StepCostTable:
         """The batch sizes measured for both ``k`` and K = 0, ascending, and K's ratio to
         K = 0 at each, as measured."""
         if k not in self._pairs:
-            plain = dict(zip(self._batch_sizes[0], self._step_s[0], strict=True))
-            pairs = [(b, cost / plain[b]) for b, cost in zip(self._batch_sizes[k],
-                                                             self._step_s[k], strict=True)
-                     if b in plain]
+            plain = {p.batch_size: p.step_s for p in self._points[0]}
+            pairs = [(p.batch_size, p.step_s / plain[p.batch_size]) for p in self._points[k]
+                     if p.batch_size in plain]
             self._pairs[k] = ([b for b, _ in pairs], [r for _, r in pairs])
         return self._pairs[k]
 
@@ -284,11 +280,7 @@ class StepCostTable:
 
     def points(self) -> dict[int, tuple[CostPoint, ...]]:
         """The table as measured (blended) points, per K, before the fit."""
-        return {k: tuple(CostPoint(k=k, batch_size=b, step_s=c, num_samples=n, last_step_s=t)
-                         for b, c, n, t in zip(self._batch_sizes[k], self._step_s[k],
-                                               self._num_samples[k], self._last_s[k],
-                                               strict=True))
-                for k in self.measured_ks()}
+        return {k: tuple(self._points[k]) for k in self.measured_ks()}
 
 
 class StepCostMedians:
