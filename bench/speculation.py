@@ -69,6 +69,7 @@ from bench.speculation_rounds import (
     Round,
     interleaved,
     level_round,
+    levels_arg,
     profiled,
     prompts_needed,
     rollout_lengths,
@@ -242,7 +243,7 @@ async def measure(opts: argparse.Namespace, services: Services, label: str,
             return lambda tail: console.print(f"  {what}: {tail}")
 
         results: dict[str, dict[str, list[float]]] = {}
-        for c in (int(c) for c in opts.concurrency.split(",")):
+        for c in opts.concurrency:
             results[f"c={c}"] = await interleaved(
                 modes(level_round(off, c, opts.waves),
                       lambda spec, _, c=c: level_round(spec, c, opts.waves), f"c{c}"),
@@ -273,10 +274,9 @@ async def run(opts: argparse.Namespace, noises: list[float], console: Console) -
     back, then another seed's main model (:data:`MOVED_POLICY_SEED`) to every service."""
     size = opts.model.removeprefix("embedded:")
     checkpoints = [ensure_model(size, init=WeightInit(draft_noise=n)) for n in noises]
-    levels = [int(c) for c in opts.concurrency.split(",")]
-    max_level = max([*levels, opts.rollout_prompts])
+    max_level = max([*opts.concurrency, opts.rollout_prompts])
     prompts = tuple(p for p, _ in arithmetic_prompts(
-        prompts_needed(levels, opts.waves, opts.rollout_prompts)))
+        prompts_needed(opts.concurrency, opts.waves, opts.rollout_prompts)))
     workload = Workload(prompts=prompts, max_tokens=opts.max_tokens,
                         temperature=opts.temperature)
     scratch = Path(opts.logs or tempfile.mkdtemp(prefix="bench-speculation-"))
@@ -334,13 +334,13 @@ def parse_options(argv: list[str] | None = None) -> tuple[argparse.Namespace, li
                         "noise's drafter after a main push of another seed's model")
     parser.add_argument("--stale-only", action="store_true", help="the stale run alone "
                         "(the first noise's services, no fresh run before it)")
-    parser.add_argument("--concurrency", default="1,4,16,64", help="comma-separated levels")
+    parser.add_argument("--concurrency", type=levels_arg, default="1,4,16,64",
+                        help="comma-separated levels (empty: the rollout only)")
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--waves", type=int, default=1,
                         help="a fixed-concurrency round sends c x WAVES requests, c in flight "
                         "(closed loop), a rollout round runs WAVES rollouts back to back: "
-                        "longer rounds, less spread (one wave of 16 x 256 tokens is under a "
-                        "second on a GPU)")
+                        "longer rounds, less spread (16 x 256 tokens: < 1 s on a GPU)")
     parser.add_argument("--rollout-prompts", type=int, default=512,
                         help="prompts of the decaying rollout (0: no rollout)")
     parser.add_argument("--rollout-max-tokens", type=int, default=1024)

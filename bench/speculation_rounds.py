@@ -88,7 +88,13 @@ def level_round(http: HttpMode, concurrency: int, waves: int) -> Round:
 
 def prompts_needed(levels: list[int], waves: int, rollout_prompts: int) -> int:
     """Distinct prompts for the largest level's round and for the rollout."""
-    return max(max(levels) * waves, rollout_prompts)
+    return max(max(levels, default=0) * waves, rollout_prompts)
+
+
+def levels_arg(text: str) -> list[int]:
+    """``--concurrency``: comma-separated levels; an empty string runs none (the rollout
+    alone, as ``LEVELS= bash tools/gpu/batch.sh spec-bench`` asks)."""
+    return [int(c) for c in text.split(",") if c.strip()]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)

@@ -126,7 +126,7 @@ def test_a_level_round_keeps_c_in_flight_for_c_times_waves_requests() -> None:
     out of prompts at its warm-up)."""
     import asyncio
 
-    from bench.speculation_rounds import level_round, prompts_needed
+    from bench.speculation_rounds import level_round, levels_arg, prompts_needed
 
     class Recorder:  # the one method of HttpMode a round calls
         calls: list[tuple[int, int]] = []
@@ -141,6 +141,8 @@ def test_a_level_round_keeps_c_in_flight_for_c_times_waves_requests() -> None:
     assert recorder.calls == [(16, 64), (1, 1)]
     assert prompts_needed([1, 16, 64], 3, 0) == 192
     assert prompts_needed([1, 16], 4, 512) == 512
+    assert levels_arg("") == [] and levels_arg("16, 64") == [16, 64]  # LEVELS= : rollout only
+    assert prompts_needed(levels_arg(""), 3, 512) == 512
 
 
 def test_a_rollouts_tail_is_its_last_finishers_and_their_drafts() -> None:

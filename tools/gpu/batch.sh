@@ -175,7 +175,9 @@ for s in "$@"; do
         --rollout-prompts 0 --drafter-at-k0 run,skip --logs "$out/spec-ab-logs" ;;
     spec-bench)  # the benchmark, one drafter a call (NOISE, default 0.1; STALE=1:
       # that drafter made stale instead): c = LEVELS (1,16,64,256) and the decaying rollout
-      # of PROMPTS (512; 0: none), to split a drafter over two calls if one is too long;
+      # of PROMPTS (512; 0: none; LEVELS= empty: the rollout alone), to split a drafter
+      # over two calls if one is too long; NOISE=0.3,0.6: drafters pushed one after another
+      # on the same services (a step log named spec-bench-0.3_0.6);
       # DRAFTER_AT_K0=run,skip: both controllers (a third engine). Three engines on an H100
       # need two calls: LEVELS=1,16,64 PROMPTS=0, then LEVELS=256 (c = 1..64 took the whole
       # 570 s at 91b7212); `python -m bench.speculation_log` reads both logs into one report.
@@ -188,9 +190,10 @@ for s in "$@"; do
       # at 3 7550-7770 over 4; c = 256 and the rollout at 1 took 425 s with the starts).
       # STATIC_K (0,1,2,3): the pinned K modes; STATIC_K=0 keeps only the floor, for the
       # controller / spec-off target of a drafter in one call
-      step "spec-bench-${NOISE:-0.1}${STALE:+-stale}" 570 python3 -m bench.speculation \
-        --model embedded:1b --draft-noise "${NOISE:-0.1}" --k-max 3 \
-        --concurrency "${LEVELS:-1,16,64,256}" --max-tokens 256 --rounds "${ROUNDS:-3}" \
+      noise="${NOISE:-0.1}"
+      step "spec-bench-${noise//,/_}${STALE:+-stale}" 570 python3 -m bench.speculation \
+        --model embedded:1b --draft-noise "$noise" --k-max 3 \
+        --concurrency "${LEVELS-1,16,64,256}" --max-tokens 256 --rounds "${ROUNDS:-3}" \
         --waves "${WAVES:-3}" \
         --rollout-prompts "${PROMPTS:-512}" --rollout-max-tokens 1024 \
         --drafter-at-k0 "${DRAFTER_AT_K0:-auto}" ${STALE:+--stale-only} \
