@@ -174,7 +174,8 @@ for s in "$@"; do
         --k-max 3 --static-k 0 --concurrency 16,64 --max-tokens 256 --rounds 5 \
         --rollout-prompts 0 --drafter-at-k0 run,skip --logs "$out/spec-ab-logs" ;;
     spec-bench)  # the benchmark, one drafter a call (NOISE, default 0.1; STALE=1:
-      # that drafter made stale instead): c = LEVELS (1,16,64,256) and the decaying rollout
+      # that drafter made stale instead; STALE=also: the fresh runs, then the first noise's
+      # drafter made stale): c = LEVELS (1,16,64,256) and the decaying rollout
       # of PROMPTS (512; 0: none; LEVELS= empty: the rollout alone), to split a drafter
       # over two calls if one is too long; NOISE=0.3,0.6: drafters pushed one after another
       # on the same services (a step log named spec-bench-0.3_0.6);
@@ -190,13 +191,14 @@ for s in "$@"; do
       # at 3 7550-7770 over 4; c = 256 and the rollout at 1 took 425 s with the starts).
       # STATIC_K (0,1,2,3): the pinned K modes; STATIC_K=0 keeps only the floor, for the
       # controller / spec-off target of a drafter in one call
-      noise="${NOISE:-0.1}"
+      noise="${NOISE:-0.1}" stale=()
+      case "${STALE:-}" in "") ;; also) stale=(--stale-drafter) ;; *) stale=(--stale-only) ;; esac
       step "spec-bench-${noise//,/_}${STALE:+-stale}" 570 python3 -m bench.speculation \
         --model embedded:1b --draft-noise "$noise" --k-max 3 \
         --concurrency "${LEVELS-1,16,64,256}" --max-tokens 256 --rounds "${ROUNDS:-3}" \
         --waves "${WAVES:-3}" \
         --rollout-prompts "${PROMPTS:-512}" --rollout-max-tokens 1024 \
-        --drafter-at-k0 "${DRAFTER_AT_K0:-auto}" ${STALE:+--stale-only} \
+        --drafter-at-k0 "${DRAFTER_AT_K0:-auto}" "${stale[@]}" \
         ${STATIC_K:+--static-k "$STATIC_K"} \
         ${CAPTURE_TOKENS:+--max-capture-tokens "$CAPTURE_TOKENS"} \
         ${CALIBRATE_TO:+--calibration-max-batch-size "$CALIBRATE_TO"} \
