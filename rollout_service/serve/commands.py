@@ -59,6 +59,9 @@ class CommandResult(BaseModel):
     checksums: dict[str, str] | None = None
     copy_checksums: dict[int, str] | None = None
     """``load``, ``nccl``: the replica's stored copy's ``StoredPush.copy_checksums``."""
+    report: messages.ReplicaHealth | None = None
+    """``commit``: the replica's state right after it applied the command, so the
+    coordinator's view of it (``/health``) is not one poll behind when the push returns."""
 
 
 class Snapshot(BaseModel):

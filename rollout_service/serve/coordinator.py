@@ -16,9 +16,12 @@ A push from the trainer goes through the ingress to here. ``begin`` and
 ``update`` are validated exactly as the standalone service validates them
 (``weights/intake.py``) and only buffered (JSON, small). ``finish`` hands the
 whole push to every live replica, waits for all acks, then sends every replica a
-``commit`` with the deployment's versions; replicas hold new requests from the
-moment they start loading until that commit, so no replica generates with the
-new version while another still serves the old one.
+``commit`` with the deployment's versions and waits (briefly) for those acks too;
+replicas hold new requests from the moment they start loading until that commit, so
+no replica generates with the new version while another still serves the old one.
+Each commit's ack carries the replica's state after it, so when ``finish`` returns,
+every replica has committed and ``/health`` shows each as it is now, not as its
+last poll before the commit.
 
 When some replicas loaded and others failed, the ones that loaded keep the new
 version (it is the deployment's version now), the push fails naming the others,
@@ -56,6 +59,12 @@ __all__ = ["Command", "CommandResult", "Snapshot", "StoredPush", "WeightsCoordin
 T = TypeVar("T")
 
 logger = logging.getLogger(__name__)
+
+COMMIT_ACK_TIMEOUT_S = 5.0
+"""How long a push waits for each replica's answer to its ``commit``. Applying one loads
+nothing (the versions change and the gate opens), so a live replica answers within a
+poll's round trip; the trainer's push waits on it, and a missing answer fails nothing
+(``WeightsCoordinator._commit``), so this is short, not ``push_ack_timeout_s``."""
 
 
 class WeightsCoordinator(ReplicaMailbox, GroupRoutes):
@@ -221,11 +230,7 @@ class WeightsCoordinator(ReplicaMailbox, GroupRoutes):
             self._last_stored, self._holders = (stored, loaded) if self.groups is None else \
                 self.groups.sources(stored, {r: results[r] for r in loaded})
             stored = self._last_stored
-        commit = Command(id=uuid.uuid4().hex, kind="commit", main_version=self.main_version,
-                         draft_version=self.draft_version)
-        for replica_id, state in self._live():
-            if state.is_registered:
-                state.queue.put_nowait(commit)
+        await self._commit()
         if failed:
             names = "; ".join(f"replica {r}: {res.message}" for r, res in failed.items())
             if loaded:
@@ -247,6 +252,24 @@ class WeightsCoordinator(ReplicaMailbox, GroupRoutes):
             self.groups.catch_up(stored, loaded)
         return slowest.model_copy(update={"replicas": loaded, "num_requests_held": held,
                                           "receive_peak_bytes": peaks or None})
+
+    async def _commit(self) -> None:
+        """Every registered live replica (not only the push's targets: one that failed
+        must learn it lags) takes the deployment's versions and opens its gate; each
+        answers with its state, so when the trainer's push returns ``/health`` shows
+        every replica as it is after the commit, not as its last poll before it. A
+        missing answer fails nothing: the versions are the deployment's already, and a
+        replica that died is reported gone by the liveness rule."""
+        commit = Command(id=uuid.uuid4().hex, kind="commit", main_version=self.main_version,
+                         draft_version=self.draft_version)
+        registered = [r for r, s in self._live() if s.is_registered]
+        results = await self.collect(self.dispatch(registered, commit), commit.id,
+                                     timeout_s=COMMIT_ACK_TIMEOUT_S)
+        for replica_id, result in results.items():
+            if not result.ok:
+                logger.warning("replica %s did not answer the commit of versions (main, "
+                               "draft) %s: %s", replica_id,
+                               (self.main_version, self.draft_version), result.message)
 
     async def checksums(self) -> dict[str, dict[str, str]]:
         """Every live replica's parameter digests (``main``, ``draft``), by replica."""

@@ -19,7 +19,8 @@ Life of a replica:
    the coordinator's validated push through the same
    :class:`~rollout_service.weights.manager.WeightPushManager` as the standalone
    service (``load``: no second validation), acknowledges, and keeps the gate closed until
-   the coordinator's ``commit``: every replica has loaded by then.
+   the coordinator's ``commit``: every replica has loaded by then. The commit is
+   acknowledged too, with the replica's state after it (the push waits for that).
 3. ``check_health`` raises once the engine is dead or a load tore the weights;
    Ray Serve then replaces the replica, and the new one replays (step 1).
 """
@@ -233,8 +234,8 @@ class EngineReplica:
                 await asyncio.sleep(1.0)
                 continue
             for command in commands:
-                if command.kind == "commit":
-                    self._commit(command)
+                if command.kind == "commit":  # applied and answered before later ones start
+                    await self._commit(command)
                 elif command.kind == "group_leave":  # at once: it ends a receive in progress
                     asyncio.create_task(self._run_group(command))
                 else:
@@ -301,12 +302,20 @@ class EngineReplica:
                            f"{where} ({exc}); it refuses generation until the next push")
             logger.warning("replica %s: %s", self._id, self._stale)
 
-    def _commit(self, command: Command) -> None:
+    async def _commit(self, command: Command) -> None:
+        """Serve the deployment's versions and open the gate, then answer with the state
+        that leaves (computed after it): the trainer's push returns once every replica
+        has, and ``/health`` shows this one as it is now, not as its last poll."""
         self._expected = (command.main_version, command.draft_version)
         if self._reopen is not None:
             self._reopen.cancel()
             self._reopen = None
         self._open.set()
+        try:
+            await self._coordinator.ack.remote(self._id, command.id, CommandResult(
+                ok=True, report=await self._report()))
+        except Exception:  # the coordinator restarting: the next poll reports the state
+            logger.exception("replica %s: acknowledging a commit failed", self._id)
 
     async def _reopen_later(self) -> None:
         """Never hold requests forever: without a commit (coordinator lost), reopen."""

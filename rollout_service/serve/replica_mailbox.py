@@ -4,10 +4,11 @@ reported, and the commands queued to each, answered by acks with a deadline.
 Runs in the coordinator's Ray Serve replica, as the base of
 :class:`~rollout_service.serve.coordinator.WeightsCoordinator` (no Ray import). Replicas
 come to it: each long-polls :meth:`ReplicaMailbox.poll`, which carries its state and
-returns the commands queued for it, and answers each command with :meth:`ack`. A replica
-that stops polling is gone (:data:`GONE_AFTER_S`; a starting one, whose event loop is busy
-loading the engine, :data:`STARTING_GONE_AFTER_S`), and its unanswered commands fail by
-name (503), as do those unanswered by the ack deadline (504).
+returns the commands queued for it, and answers each command with :meth:`ack` (a
+``commit``'s answer carries its state too, so its report is fresh when the push returns).
+A replica that stops polling is gone (:data:`GONE_AFTER_S`; a starting one, whose event
+loop is busy loading the engine, :data:`STARTING_GONE_AFTER_S`), and its unanswered
+commands fail by name (503), as do those unanswered by the ack deadline (504).
 """
 
 from __future__ import annotations
@@ -73,6 +74,11 @@ class ReplicaMailbox:
         return commands
 
     async def ack(self, replica_id: str, command_id: str, result: CommandResult) -> None:
+        """A replica's answer to a command; one that carries the replica's state (a
+        ``commit``'s) replaces its last report, even past the ack's deadline: it is newer
+        than any poll's."""
+        if result.report is not None and replica_id in self._replicas:
+            self._touch(result.report)
         future = self._acks.pop((command_id, replica_id), None)
         if future is not None and not future.done():
             future.set_result(result)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -19,6 +20,7 @@ from rollout_service.protocol import messages
 from rollout_service.protocol.placement import ShmLocation, TensorPlacement
 from rollout_service.protocol.shm import Segment
 from rollout_service.protocol.tensors import checkpoint_tensors
+from rollout_service.serve import coordinator as coordinator_module
 from rollout_service.serve.coordinator import CommandResult, WeightsCoordinator
 from rollout_service.weights.intake import PushError
 from tests.support.waiting import until
@@ -31,23 +33,38 @@ TIMINGS = messages.PushTimings(pause_s=0, load_main_s=0, finalize_main_s=0, load
 
 class FakeReplica:
     """FAKE engine replica: registers, polls, and answers each load with ``answer``
-    (None: never answers); records the versions each commit tells it."""
+    (None: never answers). Like an engine replica, a load moves its versions and it
+    reports ``lagging`` until a commit tells it the deployment's versions, which it
+    records and acknowledges with its report (unless ``answers_commits`` is off); each
+    poll's commands reach it ``latency_s`` after the coordinator hands them out (Ray's
+    round trip, which a real replica's commit also waits out)."""
 
     def __init__(self, coordinator: WeightsCoordinator, name: str,
                  answer: CommandResult | None,
-                 speculation: messages.SpeculationInfo | None = None) -> None:
+                 speculation: messages.SpeculationInfo | None = None, *,
+                 latency_s: float = 0.0, answers_commits: bool = True) -> None:
         self.coordinator, self.name, self.answer = coordinator, name, answer
         self.speculation = speculation
+        self.latency_s, self.answers_commits = latency_s, answers_commits
         self.versions: tuple[int | None, int | None] = (None, None)
+        self.expected: tuple[int | None, int | None] = (None, None)
         self.committed: tuple[int | None, int | None] | None = None
 
     async def run(self) -> None:
-        await self.coordinator.register(self.report())
+        snapshot = await self.coordinator.register(self.report())
+        self.expected = (snapshot.main_version, snapshot.draft_version)
         await self.coordinator.replayed(self.name)
         while True:
-            for command in await self.coordinator.poll(self.report()):
+            commands = await self.coordinator.poll(self.report())
+            if commands and self.latency_s:
+                await asyncio.sleep(self.latency_s)
+            for command in commands:
                 if command.kind == "commit":
-                    self.committed = (command.main_version, command.draft_version)
+                    self.committed = self.expected = (command.main_version,
+                                                      command.draft_version)
+                    if self.answers_commits:
+                        await self.coordinator.ack(self.name, command.id, CommandResult(
+                            ok=True, report=self.report()))
                 elif command.kind == "load" and self.answer is not None:
                     if self.answer.ok:
                         version = command.push.begin.version
@@ -55,7 +72,9 @@ class FakeReplica:
                     await self.coordinator.ack(self.name, command.id, self.answer)
 
     def report(self) -> messages.ReplicaHealth:
-        return messages.ReplicaHealth(replica=self.name, status="ok",
+        return messages.ReplicaHealth(replica=self.name,
+                                      status="ok" if self.versions == self.expected
+                                      else "lagging",
                                       main_version=self.versions[0],
                                       draft_version=self.versions[1],
                                       speculation=self.speculation)
@@ -95,11 +114,11 @@ async def _push(coordinator: WeightsCoordinator, segment: Segment, version: int
 
 
 async def _with(answers: dict[str, CommandResult | None], ack_timeout_s: float = 5.0,
-                push_timeout_s: float = 10.0
+                push_timeout_s: float = 10.0, **fake: Any
                 ) -> tuple[WeightsCoordinator, dict[str, FakeReplica], list[asyncio.Task]]:
     coordinator = WeightsCoordinator(CHECKPOINT, has_draft=True, push_timeout_s=push_timeout_s,
                                      ack_timeout_s=ack_timeout_s)
-    replicas = {n: FakeReplica(coordinator, n, a) for n, a in answers.items()}
+    replicas = {n: FakeReplica(coordinator, n, a, **fake) for n, a in answers.items()}
     tasks = [asyncio.create_task(r.run()) for r in replicas.values()]
     await _until_registered(coordinator, len(replicas))
     return coordinator, replicas, tasks
@@ -112,14 +131,9 @@ async def _until_registered(coordinator: WeightsCoordinator, count: int) -> None
     await until(registered, lambda n: n >= count, timeout_s=30, interval_s=0.01)
 
 
-async def _until_committed(replicas: dict[str, FakeReplica],
-                           versions: tuple[int, int]) -> None:
-    """Until every replica has been told to commit ``versions`` (its next poll brings the
-    commit; a busy machine may take seconds)."""
-    async def committed() -> set[tuple[int | None, int | None] | None]:
-        return {r.committed for r in replicas.values()}
-
-    await until(committed, lambda seen: seen == {versions}, timeout_s=30, interval_s=0.05)
+def _served(coordinator: WeightsCoordinator) -> set[tuple[int | None, int | None, str]]:
+    """What ``/health`` lists for the replicas: each one's versions and status."""
+    return {(r.main_version, r.draft_version, r.status) for r in coordinator.replicas()}
 
 
 LOADED = CommandResult(ok=True, finish=messages.PushFinishResponse(
@@ -131,10 +145,48 @@ async def test_every_replica_loads_then_all_commit(segment: Segment) -> None:
     finished = await _push(coordinator, segment, version=1)
     assert sorted(finished.replicas) == ["a", "b"]
     assert finished.num_requests_held == 6  # every replica's held requests crossed the push
-    await _until_committed(replicas, (1, 1))
+    assert {r.committed for r in replicas.values()} == {(1, 1)}
     assert coordinator.status().consistent and coordinator.status().main_version == 1
     for task in tasks:
         task.cancel()
+
+
+async def test_when_a_push_returns_every_replica_reports_the_committed_versions(
+        segment: Segment) -> None:
+    """``finish`` returns once every replica has applied the commit and answered with
+    its state: ``/health`` (``replicas()``) then lists each at the new versions, ``ok``.
+    Each replica's polls bring its state one poll late (here ``latency_s``), so without
+    those answers a replica showed its versions from before the load, or ``lagging``."""
+    coordinator, replicas, tasks = await _with({"a": LOADED, "b": LOADED}, latency_s=0.3)
+    await _push(coordinator, segment, version=1)
+    assert _served(coordinator) == {(1, 1, "ok")}
+    assert {r.committed for r in replicas.values()} == {(1, 1)}
+    for task in tasks:
+        task.cancel()
+
+
+async def test_a_commit_left_unanswered_fails_no_push(segment: Segment,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """The versions are the deployment's once a replica loaded them: a replica that does
+    not answer its commit (within a shortened deadline here) is logged, not failed."""
+    monkeypatch.setattr(coordinator_module, "COMMIT_ACK_TIMEOUT_S", 0.5)
+    coordinator, replicas, tasks = await _with({"a": LOADED}, answers_commits=False)
+    finished = await _push(coordinator, segment, version=1)
+    assert finished.replicas == ["a"] and replicas["a"].committed == (1, 1)
+    assert coordinator.status().main_version == 1
+    assert coordinator.status().last_push.outcome == "loaded"
+    for task in tasks:
+        task.cancel()
+
+
+async def test_an_answer_from_an_unknown_replica_adds_nothing() -> None:
+    """A commit's answer carries a report; from a replica the coordinator does not know
+    (forgotten after :data:`KEEP_GONE_S`, or never seen) it lists nothing."""
+    coordinator = WeightsCoordinator(CHECKPOINT, has_draft=True, push_timeout_s=10.0,
+                                     ack_timeout_s=5.0)
+    await coordinator.ack("stranger", "c1", CommandResult(ok=True, report=(
+        messages.ReplicaHealth(replica="stranger", status="ok", main_version=1))))
+    assert coordinator.replicas() == []
 
 
 async def test_a_replica_failing_names_it_and_the_others_roll_forward(segment: Segment
@@ -147,8 +199,9 @@ async def test_a_replica_failing_names_it_and_the_others_roll_forward(segment: S
     assert "replica b: the engine failed while loading" in str(failed.value)
     assert "loaded on a" in str(failed.value)
     # the deployment's version moved with the replica that loaded; b must refuse (lagging)
-    await _until_committed(replicas, (1, 1))
+    assert {r.committed for r in replicas.values()} == {(1, 1)}
     assert replicas["b"].versions == (None, None)
+    assert _served(coordinator) == {(1, 1, "ok"), (None, None, "lagging")}
     status = coordinator.status()
     assert status.main_version == 1 and not status.consistent
     assert status.last_push.outcome == "failed"
