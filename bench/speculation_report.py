@@ -54,6 +54,9 @@ def print_report(console: Console, drafter: str,
                 best = max(static, key=lambda m: statistics.median(static[m]))
                 ratio(label, f"{controller} / best static ({best})", rates[controller],
                       static[best], CONTROLLER_OVER_BEST_STATIC)
+            if f"frozen{suffix}" in rates:  # its K pinned: what its deciding costs
+                ratio(label, f"{controller} / frozen{suffix}", rates[controller],
+                      rates[f"frozen{suffix}"], None)
             if f"k=0{suffix}" in rates:  # the floor: what the drafter costs at K = 0
                 ratio(label, f"k=0{suffix} / spec-off (floor)", rates[f"k=0{suffix}"],
                       rates["spec-off"], None)

@@ -54,10 +54,44 @@ class Mode:
     setup: Callable[[], Awaitable[object]] | None = None
 
 
-def with_pin(client: RolloutClient, schedule: dict[int, int] | None, run: Round) -> Mode:
-    """``run`` with ``schedule`` pinned before it (None: the controller decides); the pin
-    is in force when its call returns, and its time is not the round's."""
-    return Mode(run=run, setup=lambda: client.pin_schedule(schedule))
+class Frozen:
+    """The pin of :data:`FROZEN`."""
+
+
+FROZEN = Frozen()
+"""A mode's pin: the controller's own schedule (``controller_k`` per bucket) as it stands
+before the round. The mode runs the K the controller chose without its deciding during
+the round: where ``controller`` runs slower than this mode, what costs is the controller
+running, not the K it chose (on the H100 the controller ran at 0.94 of pinned K = 3 on a
+rollout where its schedule was K = 3 above 4 running, docs/speculation-control.md)."""
+
+Pin = dict[int, int] | Frozen | None
+"""What a mode pins before its rounds: a schedule, :data:`FROZEN`, or None (the
+controller decides)."""
+
+
+def with_pin(client: RolloutClient, schedule: Pin, run: Round) -> Mode:
+    """``run`` with ``schedule`` pinned before it; the pin is in force when its call
+    returns, and its time is not the round's."""
+    async def pin() -> None:
+        if isinstance(schedule, Frozen):
+            await client.pin_schedule(await controller_schedule(client))
+        else:
+            await client.pin_schedule(schedule)
+
+    return Mode(run=run, setup=pin)
+
+
+async def controller_schedule(client: RolloutClient) -> dict[int, int]:
+    """The controller's own K per bucket upper edge (``/health``; shown while pinned too).
+
+    Raises:
+        ValueError: the service runs no speculation control.
+    """
+    control = (await client.health()).speculation_control
+    if control is None:
+        raise ValueError("the service runs no speculation control: nothing to freeze")
+    return {b.batch_size: b.controller_k for b in control.buckets}
 
 
 def profiled(mode: Mode, pid: int, out_dir: Path, label: str) -> Mode:

@@ -10,7 +10,7 @@ import pytest
 from rich.console import Console
 from rich.table import Table
 
-from bench.speculation import per_engine_memory
+from bench.speculation_options import per_engine_memory
 from bench.speculation_report import model_check, print_report
 from bench.speculation_rounds import rollout_lengths, rollout_tail
 from rollout_service.protocol.speculation import BucketStatus, SpeculationControlStatus
@@ -83,6 +83,46 @@ def test_skip_and_run_are_compared_round_by_round() -> None:
     assert "k=0 skip / k=0 run (control)" not in text
 
 
+def test_the_frozen_mode_pins_the_controllers_own_schedule_and_is_compared_per_round(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """``--frozen``: before its round the mode pins ``controller_k`` per bucket as
+    ``/health`` shows it (not the pin in force), and the report pairs the controller
+    with it round by round; ``--profile-modes frozen`` needs ``--frozen``."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from bench.speculation_options import parse_options
+    from bench.speculation_rounds import FROZEN, with_pin
+
+    class Client:  # the two methods of RolloutClient a pin calls
+        pins: list[dict[int, int] | None] = []
+
+        async def health(self) -> SimpleNamespace:
+            return SimpleNamespace(speculation_control=SimpleNamespace(buckets=[
+                SimpleNamespace(batch_size=4, k=0, controller_k=2),
+                SimpleNamespace(batch_size=256, k=0, controller_k=3)]))
+
+        async def pin_schedule(self, schedule: dict[int, int] | None) -> None:
+            self.pins.append(schedule)
+
+    client = Client()
+    mode = with_pin(client, FROZEN, lambda: asyncio.sleep(0, 1))  # type: ignore[arg-type]
+    assert mode.setup is not None
+    asyncio.run(mode.setup())
+    assert client.pins == [{4: 2, 256: 3}]
+
+    console = Console(record=True, width=200)
+    print_report(console, "noise 0.3", {"rollout 512": {
+        "spec-off": [100.0, 100.0, 100.0], "k=3": [110.0, 110.0, 110.0],
+        "frozen": [100.0, 110.0, 120.0], "controller": [90.0, 110.0, 96.0]}})
+    assert "0.900" in console.export_text().split("controller / frozen")[1]  # .9, 1, .8
+
+    assert parse_options(["--frozen", "--profile-modes", "frozen"])[0].frozen
+    with pytest.raises(SystemExit):
+        parse_options(["--profile-modes", "frozen"])
+    assert "--profile-modes" in capsys.readouterr().err
+
+
 def test_the_capture_ceiling_reaches_every_cuda_engine(tmp_path: Path) -> None:
     """``--max-capture-tokens``: spec-off and the spec engines get the same ceiling (an
     A/B of graphs, not of engines); unset, vLLM's own."""
@@ -105,7 +145,7 @@ def test_the_defaults_parse_and_bad_flags_are_refused_by_name(
         capsys: pytest.CaptureFixture[str]) -> None:
     """The default ``--drafter-at-k0`` (``auto``, the service's default) is a valid
     choice; ``batch.sh spec-bench`` runs it. Bad values exit naming their flag."""
-    from bench.speculation import parse_options
+    from bench.speculation_options import parse_options
 
     opts, noises = parse_options([])
     assert opts.drafter_at_k0 == ["auto"] and opts.waves == 1 and noises == [0.25]

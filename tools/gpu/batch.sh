@@ -77,8 +77,10 @@ errors() {  # the first error lines of the logs a failed step wrote (servers', e
   done
 }
 
-step() {  # step NAME LIMIT_S COMMAND...
-  local name="$1" limit="$2" rc; shift 2
+step() {  # step NAME LIMIT_S COMMAND... (STEP_LIMIT_S overrides LIMIT_S: under the device's
+  # time left, so that the step's logs are still packed when its command is stopped; a
+  # call cut by the device tool itself loses the step's packed logs)
+  local name="$1" limit="${STEP_LIMIT_S:-$2}" rc; shift 2
   clean
   touch "$out/.step-start"
   echo "== $name (limit ${limit}s)"
@@ -190,7 +192,8 @@ for s in "$@"; do
       # under a second, and spec-off alone spread 5324-7851 tok/s over 3 rounds on an H100,
       # at 3 7550-7770 over 4; c = 256 and the rollout at 1 took 425 s with the starts).
       # STATIC_K (0,1,2,3): the pinned K modes; STATIC_K=0 keeps only the floor, for the
-      # controller / spec-off target of a drafter in one call
+      # controller / spec-off target of a drafter in one call. FROZEN=1: one more mode, the
+      # controller's own schedule pinned before each round (what its deciding costs)
       noise="${NOISE:-0.1}" stale=()
       case "${STALE:-}" in "") ;; also) stale=(--stale-drafter) ;; *) stale=(--stale-only) ;; esac
       step "spec-bench-${noise//,/_}${STALE:+-stale}" 570 python3 -m bench.speculation \
@@ -199,7 +202,7 @@ for s in "$@"; do
         --waves "${WAVES:-3}" \
         --rollout-prompts "${PROMPTS:-512}" --rollout-max-tokens 1024 \
         --drafter-at-k0 "${DRAFTER_AT_K0:-auto}" "${stale[@]}" \
-        ${STATIC_K:+--static-k "$STATIC_K"} \
+        ${STATIC_K:+--static-k "$STATIC_K"} ${FROZEN:+--frozen} \
         ${CAPTURE_TOKENS:+--max-capture-tokens "$CAPTURE_TOKENS"} \
         ${CALIBRATE_TO:+--calibration-max-batch-size "$CALIBRATE_TO"} \
         --logs "$out/spec-bench-logs" ;;
