@@ -68,7 +68,6 @@ from bench.speculation_rounds import (
     Mode,
     Pin,
     Rollout,
-    RolloutTail,
     Round,
     interleaved,
     level_round,
@@ -76,6 +75,7 @@ from bench.speculation_rounds import (
     prompts_needed,
     rollout_lengths,
     rollout_round,
+    watched,
     with_pin,
 )
 from rollout_service.client import RolloutClient
@@ -193,6 +193,9 @@ async def measure(opts: argparse.Namespace, services: Services, label: str,
                 for name, schedule in schedules.items():
                     mode = mode_name(name, d, opts.drafter_at_k0)
                     chosen[mode] = with_pin(clients[d], schedule, on_spec(spec, mode))
+                    if schedule is None:  # the controller: did its schedule move mid-run?
+                        chosen[mode] = watched(clients[d], chosen[mode], printer(
+                            f"{label} {level}, {mode}"))
             for name in opts.profile_modes:  # checked against the modes in main()
                 pid = (off if name == "spec-off" else specs[opts.drafter_at_k0[0]]).server.pid
                 chosen[name] = profiled(chosen[name], pid, Path(opts.profile_dir),
@@ -220,8 +223,8 @@ async def measure(opts: argparse.Namespace, services: Services, label: str,
                                                   concurrency, control,
                                                   results[f"c={concurrency}"], suffix))
 
-        def tail_printer(what: str) -> Callable[[RolloutTail], None]:
-            return lambda tail: console.print(f"  {what}: {tail}")
+        def printer(what: str) -> Callable[[object], None]:
+            return lambda line: console.print(f"  {what}: {line}")
 
         results: dict[str, dict[str, list[float]]] = {}
         for c in opts.concurrency:
@@ -236,11 +239,11 @@ async def measure(opts: argparse.Namespace, services: Services, label: str,
                                                       opts.rollout_max_tokens))
             results[f"rollout {opts.rollout_prompts}"] = await interleaved(
                 modes(rollout_round(off, rollout, opts.temperature,
-                                    tail_printer(f"{label} rollout, spec-off"),
+                                    printer(f"{label} rollout, spec-off"),
                                     waves=opts.waves),
                       lambda spec, mode: rollout_round(
                           spec, rollout, opts.temperature,
-                          tail_printer(f"{label} rollout, {mode}"), waves=opts.waves),
+                          printer(f"{label} rollout, {mode}"), waves=opts.waves),
                       "rollout"),
                 opts.rounds, f"{label} rollout", console)
             await show_controller("the rollout")

@@ -22,6 +22,7 @@ from bench.quiet import before_round, rest_level
 from bench.serving import HttpMode
 from rollout_service.client import RolloutClient
 from rollout_service.protocol import messages
+from rollout_service.protocol.speculation import SpeculationControlStatus
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -48,10 +49,11 @@ Round = Callable[[], Awaitable[int]]
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
 class Mode:
     """One mode of :func:`interleaved`: ``setup`` before each of its rounds, untimed, then
-    ``run``, timed."""
+    ``run``, timed, then ``after``, untimed."""
 
     run: Round
     setup: Callable[[], Awaitable[object]] | None = None
+    after: Callable[[], Awaitable[object]] | None = None
 
 
 class Frozen:
@@ -83,15 +85,42 @@ def with_pin(client: RolloutClient, schedule: Pin, run: Round) -> Mode:
 
 
 async def controller_schedule(client: RolloutClient) -> dict[int, int]:
-    """The controller's own K per bucket upper edge (``/health``; shown while pinned too).
+    """The controller's own K per bucket upper edge (``/health``; shown while pinned too)."""
+    return {b.batch_size: b.controller_k for b in (await control_status(client)).buckets}
+
+
+async def control_status(client: RolloutClient) -> SpeculationControlStatus:
+    """The service's ``speculation_control`` in ``/health``.
 
     Raises:
         ValueError: the service runs no speculation control.
     """
     control = (await client.health()).speculation_control
     if control is None:
-        raise ValueError("the service runs no speculation control: nothing to freeze")
-    return {b.batch_size: b.controller_k for b in control.buckets}
+        raise ValueError("the service runs no speculation control")
+    return control
+
+
+def watched(client: RolloutClient, mode: Mode, report: Callable[[str], None]) -> Mode:
+    """``mode`` (the unpinned controller) with what its engine ran during each run
+    reported: how many schedules the engine took while the run lasted, and the one in
+    force at its end. A pinned mode's K cannot change mid-round; the controller's can,
+    and on the H100 its rounds ran below the pinned K it showed after them
+    (docs/speculation-control.md): this says whether its schedule moved meanwhile."""
+    applied: list[int] = []
+
+    async def setup() -> None:
+        if mode.setup is not None:
+            await mode.setup()
+        applied.append((await control_status(client)).num_applied)
+
+    async def after() -> None:
+        control = await control_status(client)
+        schedule = ", ".join(f"B<={e.batch_size}: {e.k}" for e in control.engine_schedule or ())
+        report(f"{control.num_applied - applied.pop()} schedules applied during the run; "
+               f"in force at its end: {schedule or 'none'}")
+
+    return Mode(run=mode.run, setup=setup, after=after)
 
 
 def profiled(mode: Mode, pid: int, out_dir: Path, label: str) -> Mode:
@@ -206,6 +235,8 @@ async def interleaved(modes: dict[str, Mode], num_rounds: int, label: str,
         if mode.setup is not None:
             await mode.setup()
         await mode.run()
+        if mode.after is not None:
+            await mode.after()
     at_rest = await rest_level()
     rates: dict[str, list[float]] = {m: [] for m in names}
     for r in range(num_rounds):
@@ -217,6 +248,8 @@ async def interleaved(modes: dict[str, Mode], num_rounds: int, label: str,
             start = time.perf_counter()
             tokens = await modes[name].run()
             rates[name].append(tokens / (time.perf_counter() - start))
+            if modes[name].after is not None:
+                await modes[name].after()
         console.print(f"  {label} round {r + 1}: " + ", ".join(
             f"{m} {rates[m][-1]:.0f}" for m in names) + " tok/s")
     # what a workload costs in wall-clock, warm-ups, pins and waits for rest included:

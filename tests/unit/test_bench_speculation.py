@@ -83,24 +83,28 @@ def test_skip_and_run_are_compared_round_by_round() -> None:
     assert "k=0 skip / k=0 run (control)" not in text
 
 
-def test_the_frozen_mode_pins_the_controllers_own_schedule_and_is_compared_per_round(
+def test_the_frozen_mode_pins_the_controllers_schedule_and_its_runs_report_changes(
         capsys: pytest.CaptureFixture[str]) -> None:
     """``--frozen``: before its round the mode pins ``controller_k`` per bucket as
     ``/health`` shows it (not the pin in force), and the report pairs the controller
-    with it round by round; ``--profile-modes frozen`` needs ``--frozen``."""
+    with it round by round; ``--profile-modes frozen`` needs ``--frozen``. The
+    controller's own runs report the schedules its engine took while they lasted."""
     import asyncio
     from types import SimpleNamespace
 
     from bench.speculation_options import parse_options
-    from bench.speculation_rounds import FROZEN, with_pin
+    from bench.speculation_rounds import FROZEN, watched, with_pin
 
     class Client:  # the two methods of RolloutClient a pin calls
         pins: list[dict[int, int] | None] = []
+        num_applied = 7
 
         async def health(self) -> SimpleNamespace:
             return SimpleNamespace(speculation_control=SimpleNamespace(buckets=[
                 SimpleNamespace(batch_size=4, k=0, controller_k=2),
-                SimpleNamespace(batch_size=256, k=0, controller_k=3)]))
+                SimpleNamespace(batch_size=256, k=0, controller_k=3)],
+                num_applied=self.num_applied, engine_schedule=[
+                    SimpleNamespace(batch_size=4, k=2), SimpleNamespace(batch_size=256, k=3)]))
 
         async def pin_schedule(self, schedule: dict[int, int] | None) -> None:
             self.pins.append(schedule)
@@ -110,6 +114,25 @@ def test_the_frozen_mode_pins_the_controllers_own_schedule_and_is_compared_per_r
     assert mode.setup is not None
     asyncio.run(mode.setup())
     assert client.pins == [{4: 2, 256: 3}]
+
+    async def run_changing_two_schedules() -> int:
+        client.num_applied += 2
+        return 1
+
+    lines: list[object] = []
+    controller = watched(client, with_pin(client, None, run_changing_two_schedules),  # type: ignore[arg-type]
+                         lines.append)
+
+    async def one_run() -> None:
+        assert controller.setup is not None and controller.after is not None
+        await controller.setup()
+        await controller.run()
+        await controller.after()
+
+    asyncio.run(one_run())
+    assert client.pins[-1] is None
+    assert lines == ["2 schedules applied during the run; in force at its end: B<=4: 2, "
+                     "B<=256: 3"]
 
     console = Console(record=True, width=200)
     print_report(console, "noise 0.3", {"rollout 512": {
