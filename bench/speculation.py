@@ -14,7 +14,10 @@ The modes: ``spec-off`` (the ``off`` service); ``k=0`` .. ``k=<k-max>``, the ``s
 service pinned to one K at every batch size (``POST /speculation/schedule``), so a static
 K costs no engine of its own (``k=0`` against ``spec-off`` is the floor the controller can
 reach: with ``drafter_at_k0: run`` vLLM still runs the MTP drafter at K = 0; the best
-static K of a rollout is taken over K >= 1); ``controller``, the ``spec`` service unpinned.
+static K of a rollout is taken over K >= 1); ``controller``, the ``spec`` service unpinned
+(each run followed by the schedules its engine took meanwhile); with ``--frozen``,
+``frozen``, the controller's own schedule pinned before each round (``controller /
+frozen``: what its deciding during a round costs, apart from the K it chose).
 
 Two workloads, each measured round by round with the modes' order rotated (drift of the
 machine hits every mode alike; a pin is applied before its mode's round, untimed, and is
@@ -92,8 +95,6 @@ from trainer_client.push import WeightPusher
 WEIGHTS_TOKEN = "bench-speculation"
 MOVED_POLICY_SEED = 1
 """Seed of the main model that makes a drafter stale (the checkpoints' own seed is 0)."""
-
-
 
 
 def service_config(opts: argparse.Namespace, model: Path, *,
