@@ -65,7 +65,7 @@ FROZEN = Frozen()
 before the round. The mode runs the K the controller chose without its deciding during
 the round: where ``controller`` runs slower than this mode, what costs is the controller
 running, not the K it chose (on the H100 the controller ran at 0.94 of pinned K = 3 on a
-rollout where its schedule was K = 3 above 4 running, docs/speculation-control.md)."""
+rollout where its schedule was K = 3 above 4 running, docs/speculation-benchmark.md)."""
 
 Pin = dict[int, int] | Frozen | None
 """What a mode pins before its rounds: a schedule, :data:`FROZEN`, or None (the
@@ -106,7 +106,7 @@ def watched(client: RolloutClient, mode: Mode, report: Callable[[str], None]) ->
     reported: how many schedules the engine took while the run lasted, and the one in
     force at its end. A pinned mode's K cannot change mid-round; the controller's can,
     and on the H100 its rounds ran below the pinned K it showed after them
-    (docs/speculation-control.md): this says whether its schedule moved meanwhile."""
+    (docs/speculation-benchmark.md): this says whether its schedule moved meanwhile."""
     applied: list[int] = []
 
     async def setup() -> None:

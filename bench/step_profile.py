@@ -2,7 +2,7 @@
 held at K = 0, the same batches on both, the last round under vLLM's own torch profiler,
 their GPU kernels summed per generated token side by side.
 
-The issue's benchmark (docs/speculation-control.md) measures the floor: the controlled
+The issue's benchmark (docs/speculation-benchmark.md) measures the floor: the controlled
 engine pinned at K = 0 ran at 0.80-0.96x spec-off on an H100, lowest at 256 requests,
 with the drafter skipped. Throughput says how much, not where. This script starts both
 engines in its own process (``start_engine``, as ``bench.spec_cost`` does), pins the

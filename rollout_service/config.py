@@ -118,7 +118,7 @@ class SpeculationControlSettings(BaseModel):
         "drafter's cache stale, which may lower its acceptance once K comes back. auto "
         "(the default): skip where the engine can, else run, logged; /health's "
         "speculation_control.drafter_at_k0 says which runs. On an H100 skip's K = 0 ran "
-        "faster than run's at every level measured (docs/speculation-control.md)."))
+        "faster than run's at every level measured (docs/speculation-benchmark.md)."))
     full_cuda_graphs: FullGraphPolicy = Field("align", description=(
         "The controller on a CUDA engine whose CUDA graphs include FULL ones (vLLM's "
         "default FULL_AND_PIECEWISE). With its default capture sizes vLLM 0.32.0 died of an "
