@@ -193,10 +193,10 @@ async def measure(opts: argparse.Namespace, services: Services, label: str,
             for d, spec in specs.items():
                 for name, schedule in schedules.items():
                     mode = mode_name(name, d, opts.drafter_at_k0)
-                    chosen[mode] = with_pin(clients[d], schedule, on_spec(spec, mode))
-                    if schedule is None:  # the controller: did its schedule move mid-run?
-                        chosen[mode] = watched(clients[d], chosen[mode], printer(
-                            f"{label} {level}, {mode}"))
+                    chosen[mode] = (  # the controller: did its schedule move mid-run?
+                        watched(clients[d], on_spec(spec, mode), printer(
+                            f"{label} {level}, {mode}")) if schedule is None
+                        else with_pin(clients[d], schedule, on_spec(spec, mode)))
             for name in opts.profile_modes:  # checked against the modes in main()
                 pid = (off if name == "spec-off" else specs[opts.drafter_at_k0[0]]).server.pid
                 chosen[name] = profiled(chosen[name], pid, Path(opts.profile_dir),
@@ -209,20 +209,18 @@ async def measure(opts: argparse.Namespace, services: Services, label: str,
             tokens/s per K and bucket, the cost table, the acceptance) into ``logs``;
             after a fixed ``concurrency``, its model against the pinned modes."""
             for d, client in clients.items():
-                await client.pin_schedule(None)
-                control = (await client.health()).speculation_control
-                if control is not None:
-                    console.print(f"  {label} after {after}: controller ({d}) K "
-                                  + ", ".join(f"B<={b.batch_size}: {b.k} ({b.reason})"
-                                              for b in control.buckets)
-                                  + f"; first-position acceptance {control.acceptance[:1]}")
-                    name = f"controller-{label}-{d}-after-{after}".replace(" ", "-")
-                    (services.logs / f"{name}.json").write_text(control.model_dump_json())
-                    if concurrency is not None:
-                        suffix = mode_name("", d, opts.drafter_at_k0)
-                        console.print(model_check(f"{label} c={concurrency} ({d})",
-                                                  concurrency, control,
-                                                  results[f"c={concurrency}"], suffix))
+                control = await client.pin_schedule(None)  # answers with the state
+                console.print(f"  {label} after {after}: controller ({d}) K "
+                              + ", ".join(f"B<={b.batch_size}: {b.k} ({b.reason})"
+                                          for b in control.buckets)
+                              + f"; first-position acceptance {control.acceptance[:1]}")
+                name = f"controller-{label}-{d}-after-{after}".replace(" ", "-")
+                (services.logs / f"{name}.json").write_text(control.model_dump_json())
+                if concurrency is not None:
+                    suffix = mode_name("", d, opts.drafter_at_k0)
+                    console.print(model_check(f"{label} c={concurrency} ({d})",
+                                              concurrency, control,
+                                              results[f"c={concurrency}"], suffix))
 
         def printer(what: str) -> Callable[[object], None]:
             return lambda line: console.print(f"  {what}: {line}")

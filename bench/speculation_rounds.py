@@ -101,18 +101,16 @@ async def control_status(client: RolloutClient) -> SpeculationControlStatus:
     return control
 
 
-def watched(client: RolloutClient, mode: Mode, report: Callable[[str], None]) -> Mode:
-    """``mode`` (the unpinned controller) with what its engine ran during each run
+def watched(client: RolloutClient, run: Round, report: Callable[[str], None]) -> Mode:
+    """``run`` unpinned (the controller decides), with what its engine ran during each run
     reported: how many schedules the engine took while the run lasted, and the one in
     force at its end. A pinned mode's K cannot change mid-round; the controller's can,
     and on the H100 its rounds ran below the pinned K it showed after them
     (docs/speculation-benchmark.md): this says whether its schedule moved meanwhile."""
     applied: list[int] = []
 
-    async def setup() -> None:
-        if mode.setup is not None:
-            await mode.setup()
-        applied.append((await control_status(client)).num_applied)
+    async def setup() -> None:  # the unpin answers with the state: no second read
+        applied.append((await client.pin_schedule(None)).num_applied)
 
     async def after() -> None:
         control = await control_status(client)
@@ -120,7 +118,7 @@ def watched(client: RolloutClient, mode: Mode, report: Callable[[str], None]) ->
         report(f"{control.num_applied - applied.pop()} schedules applied during the run; "
                f"in force at its end: {schedule or 'none'}")
 
-    return Mode(run=mode.run, setup=setup, after=after)
+    return Mode(run=run, setup=setup, after=after)
 
 
 def profiled(mode: Mode, pid: int, out_dir: Path, label: str) -> Mode:

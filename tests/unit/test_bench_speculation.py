@@ -106,8 +106,9 @@ def test_the_frozen_mode_pins_the_controllers_schedule_and_its_runs_report_chang
                 num_applied=self.num_applied, engine_schedule=[
                     SimpleNamespace(batch_size=4, k=2), SimpleNamespace(batch_size=256, k=3)]))
 
-        async def pin_schedule(self, schedule: dict[int, int] | None) -> None:
+        async def pin_schedule(self, schedule: dict[int, int] | None) -> SimpleNamespace:
             self.pins.append(schedule)
+            return (await self.health()).speculation_control
 
     client = Client()
     mode = with_pin(client, FROZEN, lambda: asyncio.sleep(0, 1))  # type: ignore[arg-type]
@@ -120,8 +121,7 @@ def test_the_frozen_mode_pins_the_controllers_schedule_and_its_runs_report_chang
         return 1
 
     lines: list[object] = []
-    controller = watched(client, with_pin(client, None, run_changing_two_schedules),  # type: ignore[arg-type]
-                         lines.append)
+    controller = watched(client, run_changing_two_schedules, lines.append)  # type: ignore[arg-type]
 
     async def one_run() -> None:
         assert controller.setup is not None and controller.after is not None
