@@ -17,7 +17,10 @@ from this process with aiohttp:
   machine without httptools (``rollout_service/cli.py`` names httptools now);
 - ``service-httpx``: the same through a third service process whose engine sends through
   httpx's ``AsyncClient`` over aiohttp's pool (``httpx_aiohttp``), the engine's client
-  until aiohttp took its place (``engines/sglang/http_client.py``).
+  until aiohttp took its place (``engines/sglang/http_client.py``);
+- ``service-baseline`` (with ``--baseline REV``): the same as ``service`` through a service
+  process run from a git worktree of commit ``REV``: a change to the service's request
+  path against the code before it, in the same rounds.
 
 Per round and mode, in rotating order: the median latency of one request at a time
 (``--serial`` of them), and a closed loop of ``--requests`` at ``--concurrency`` in
@@ -26,6 +29,7 @@ The table gives the medians over rounds (min - max), the latency the service add
 median minus ``direct``'s, per round) and the service's CPU per request.
 
     python -m bench.front_end --rounds 5
+    python -m bench.front_end --rounds 9 --modes direct,service --baseline HEAD~1
 """
 
 from __future__ import annotations
@@ -35,9 +39,11 @@ import asyncio
 import json
 import os
 import statistics
+import subprocess
 import sys
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from tempfile import TemporaryDirectory
 from typing import Any
@@ -53,6 +59,7 @@ from rollout_service.embedded import ensure_model
 from rollout_service.tools.launch import ChildProcess, free_port, wait_http_ok
 
 MODES = ("direct", "service", "service-sglang", "service-h11", "service-httpx")
+BASELINE = "service-baseline"
 PROMPT_IDS = list(range(1, 65))
 MAX_TOKENS = 256
 BODIES = {
@@ -61,7 +68,7 @@ BODIES = {
     "service": {"prompt_token_ids": PROMPT_IDS, "max_tokens": MAX_TOKENS,
                 "temperature": 1.0, "ignore_eos": True},
 }
-BODIES["service-h11"] = BODIES["service-httpx"] = BODIES["service"]
+BODIES["service-h11"] = BODIES["service-httpx"] = BODIES[BASELINE] = BODIES["service"]
 BODIES["service-sglang"] = BODIES["direct"]
 """The same request in each mode's dialect: 64 prompt tokens, 256 generated."""
 
@@ -145,7 +152,7 @@ def report(console: Console, rounds: list[dict[str, tuple[float, float]]],
     table = Table("mode", "latency, one at a time (ms)", "added by the service (ms)",
                   f"service CPU ms / request at {opts.concurrency} in flight",
                   "CPU / service's, per round")
-    for mode in MODES:
+    for mode in opts.modes:
         latency = [1e3 * r[mode][0] for r in rounds]
         added = [1e3 * (r[mode][0] - r["direct"][0]) for r in rounds]
         cpu = [1e3 * r[mode][1] for r in rounds]
@@ -162,25 +169,52 @@ def report(console: Console, rounds: list[dict[str, tuple[float, float]]],
     console.print("(direct's CPU column: what the idle service spends meanwhile)")
 
 
+@contextmanager
+def worktree(rev: str | None, scratch: Path) -> Iterator[Path | None]:
+    """A git worktree of this repository at ``rev`` under ``scratch`` (None: none), removed
+    on the way out."""
+    if rev is None:
+        yield None
+        return
+    repo = Path(__file__).resolve().parents[1]
+    tree = scratch / "baseline"
+    subprocess.run(["git", "-C", str(repo), "worktree", "add", "--detach", "--quiet",
+                    str(tree), rev], check=True)
+    try:
+        yield tree
+    finally:
+        subprocess.run(["git", "-C", str(repo), "worktree", "remove", "--force", str(tree)],
+                       check=False)
+
+
+SERVICE_COMMANDS = {
+    "service": [sys.executable, "-m", "rollout_service.cli"],
+    "service-h11": [sys.executable, "-c", "from bench.front_end import serve_h11; serve_h11()"],
+    "service-httpx": [sys.executable, "-c",
+                      "from bench.front_end import serve_httpx; serve_httpx()"],
+    BASELINE: [sys.executable, "-m", "rollout_service.cli"]}
+"""The service process behind each mode (``service-sglang`` shares ``service``'s);
+``BASELINE``'s runs in the baseline's worktree, where ``-m`` imports that tree's code."""
+
+
 async def run(opts: argparse.Namespace, console: Console
               ) -> list[dict[str, tuple[float, float]]]:
     """The rounds' measurements (``one_round``'s), after printing them and the table."""
+    modes: tuple[str, ...] = opts.modes
     fake_port = free_port()
     fake_url = f"http://127.0.0.1:{fake_port}"
-    with TemporaryDirectory() as scratch:
-        config = Path(scratch) / "service.json"
+    with TemporaryDirectory() as scratch_dir, worktree(opts.baseline,
+                                                       Path(scratch_dir)) as baseline:
+        scratch = Path(scratch_dir)
+        config = scratch / "service.json"
         config.write_text(json.dumps({"model": str(ensure_model("tiny")), "engine": "sglang",
                                       "engine_url": fake_url, "served_model_name": "tiny"}))
         fake = ChildProcess(
             [sys.executable, "-m", "uvicorn", "--factory", "bench.front_end:fake_app",
              "--port", str(fake_port), "--log-level", "warning", "--no-access-log",
-             "--timeout-keep-alive", "90"], Path(scratch) / "fake.log", env=dict(os.environ))
-        commands = {
-            "service": [sys.executable, "-m", "rollout_service.cli"],
-            "service-h11": [sys.executable, "-c",
-                            "from bench.front_end import serve_h11; serve_h11()"],
-            "service-httpx": [sys.executable, "-c",
-                              "from bench.front_end import serve_httpx; serve_httpx()"]}
+             "--timeout-keep-alive", "90"], scratch / "fake.log", env=dict(os.environ))
+        commands = {mode: command for mode, command in SERVICE_COMMANDS.items()
+                    if mode in modes}
         ports = {mode: free_port() for mode in commands}
         procs: dict[str, ChildProcess] = {}
         try:
@@ -188,8 +222,8 @@ async def run(opts: argparse.Namespace, console: Console
             for mode, command in commands.items():
                 procs[mode] = ChildProcess(
                     [*command, "serve", "--config", str(config), "--host", "127.0.0.1",
-                     "--port", str(ports[mode])], Path(scratch) / f"{mode}.log",
-                    env=dict(os.environ))
+                     "--port", str(ports[mode])], scratch / f"{mode}.log",
+                    env=dict(os.environ), cwd=baseline if mode == BASELINE else None)
                 await asyncio.to_thread(wait_http_ok, f"http://127.0.0.1:{ports[mode]}/health",
                                         procs[mode], 120.0)
             services = {mode: psutil.Process(proc.pid) for mode, proc in procs.items()}
@@ -198,21 +232,33 @@ async def run(opts: argparse.Namespace, console: Console
                     **{mode: f"http://127.0.0.1:{port}/generate" for mode, port in ports.items()}}
             rounds = []
             async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
-                for mode in MODES:  # warm-up: connections opened, code paths run once
+                for mode in modes:  # warm-up: connections opened, code paths run once
                     await closed_loop(sender(session, urls[mode], BODIES[mode], []),
                                       opts.concurrency, opts.concurrency)
                 for r in range(opts.rounds):
-                    order = MODES[r % len(MODES):] + MODES[:r % len(MODES)]
+                    order = modes[r % len(modes):] + modes[:r % len(modes)]
                     rounds.append(await one_round(session, urls, services, order, opts))
                     console.print(f"  round {r + 1}: " + ", ".join(
                         f"{m} {1e3 * rounds[-1][m][0]:.2f} ms, service CPU "
-                        f"{1e3 * rounds[-1][m][1]:.3f} ms/request" for m in MODES))
+                        f"{1e3 * rounds[-1][m][1]:.3f} ms/request" for m in modes))
         finally:
             for proc in procs.values():
                 proc.stop()
             fake.stop()
     report(console, rounds, opts)
     return rounds
+
+
+def modes_arg(text: str) -> tuple[str, ...]:
+    """``--modes``: names of ``MODES``, comma-separated; ``direct`` and ``service`` are the
+    references every other mode is read against."""
+    modes = tuple(m.strip() for m in text.split(",") if m.strip())
+    unknown = [m for m in modes if m not in MODES]
+    if unknown:
+        raise argparse.ArgumentTypeError(f"unknown modes {unknown}; known: {', '.join(MODES)}")
+    if not {"direct", "service"} <= set(modes):
+        raise argparse.ArgumentTypeError("must include direct and service (the references)")
+    return modes
 
 
 def parser() -> argparse.ArgumentParser:
@@ -223,11 +269,23 @@ def parser() -> argparse.ArgumentParser:
     parser.add_argument("--requests", type=int, default=1024,
                         help="requests of the closed loop per round and mode")
     parser.add_argument("--concurrency", type=int, default=128)
+    parser.add_argument("--modes", type=modes_arg, default=MODES,
+                        help=f"comma-separated, of {', '.join(MODES)} (default: all)")
+    parser.add_argument("--baseline", metavar="REV", default=None,
+                        help=f"add {BASELINE}: the service at git commit REV")
     return parser
 
 
+def parse_options(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line, ``--baseline`` adding its mode to ``--modes``."""
+    opts = parser().parse_args(argv)
+    if opts.baseline is not None:
+        opts.modes = (*opts.modes, BASELINE)
+    return opts
+
+
 def main() -> None:
-    asyncio.run(run(parser().parse_args(), Console(width=160)))
+    asyncio.run(run(parse_options(), Console(width=160)))
 
 
 if __name__ == "__main__":

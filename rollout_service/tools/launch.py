@@ -60,7 +60,7 @@ class ChildProcess:
     """
 
     def __init__(self, args: list[str], log_path: Path, *, env: dict[str, str] | None = None,
-                 graceful_leader: bool = False) -> None:
+                 graceful_leader: bool = False, cwd: Path | None = None) -> None:
         self.args = args
         self.log_path = log_path
         self._graceful_leader = graceful_leader
@@ -68,7 +68,7 @@ class ChildProcess:
         log_path.parent.mkdir(parents=True, exist_ok=True)
         with log_path.open("wb") as log:
             self._proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT,
-                                          env=env, start_new_session=True)
+                                          env=env, cwd=cwd, start_new_session=True)
 
     @property
     def pid(self) -> int:

@@ -1,12 +1,16 @@
 """``bench/front_end.py`` end to end, cut short: each service process really serves its
 mode (its CPU per request is that of a request through it, not of the idle service the
 ``direct`` mode leaves alone; the SGLang dialect's through the same process), the h11
-one parses with h11, the httpx one's engine sends
-through httpx, and every mode is timed every round."""
+one parses with h11, the httpx one's engine sends through httpx, the baseline one runs
+the code of its commit, and every mode is timed every round."""
 
 from __future__ import annotations
 
+import argparse
 import asyncio
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 from rich.console import Console
@@ -19,22 +23,54 @@ def test_the_service_mode_goes_through_the_service_and_direct_does_not() -> None
     # psutil reads CPU time in scheduler ticks (10 ms): over 64 requests one tick of the
     # idle service read 0.156 ms a request on CI, a quarter of a request through it then.
     # Over 512, a request through the service (about 1 ms) outweighs a few idle ticks.
-    opts = front_end.parser().parse_args(["--rounds", "2", "--serial", "5",
-                                          "--requests", "512", "--concurrency", "16"])
+    opts = front_end.parse_options(["--rounds", "2", "--serial", "5", "--requests", "512",
+                                    "--concurrency", "16", "--baseline", "HEAD"])
     console = Console(record=True, width=160)
     rounds = asyncio.run(front_end.run(opts, console))
 
     assert len(rounds) == 2
     for measured in rounds:
         assert set(measured) == {"direct", "service", "service-sglang", "service-h11",
-                                 "service-httpx"}
+                                 "service-httpx", "service-baseline"}
         assert all(latency > 0 for latency, _ in measured.values())
         # a request through the service costs it far more than one that passes it by
         assert measured["service"][1] > 5 * measured["direct"][1]
         assert measured["service-sglang"][1] > 5 * measured["direct"][1]
         assert measured["service-h11"][1] > 5 * measured["direct"][1]
         assert measured["service-httpx"][1] > 5 * measured["direct"][1]
-    assert "added by the service" in console.export_text()
+        assert measured["service-baseline"][1] > 5 * measured["direct"][1]
+    text = console.export_text()
+    assert "added by the service" in text and "service-baseline" in text
+
+
+def test_the_baseline_tree_is_the_commit_and_its_code_is_what_m_imports(
+        tmp_path: Path) -> None:
+    """``worktree`` checks ``REV`` out, ``-m`` run in it imports that tree's package (not
+    the editable install's), and the tree is gone afterwards."""
+    head = subprocess.run(["git", "rev-parse", "HEAD~1"], capture_output=True, text=True,
+                          check=True, cwd=Path(front_end.__file__).parents[1]).stdout.strip()
+    with front_end.worktree("HEAD~1", tmp_path) as tree:
+        assert tree is not None
+        checked_out = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True,
+                                     text=True, check=True, cwd=tree).stdout.strip()
+        imported = subprocess.run(
+            [sys.executable, "-c", "import rollout_service; print(rollout_service.__file__)"],
+            capture_output=True, text=True, check=True, cwd=tree).stdout.strip()
+    assert checked_out == head
+    assert Path(imported).resolve().is_relative_to(tree.resolve())
+    assert not tree.exists()
+
+
+@pytest.mark.parametrize("modes", ["direct", "service,service-sglang", "direct,service,nope"])
+def test_modes_without_the_references_or_unknown_are_refused(modes: str) -> None:
+    with pytest.raises(argparse.ArgumentTypeError):
+        front_end.modes_arg(modes)
+
+
+def test_the_baseline_adds_its_mode_to_those_asked() -> None:
+    opts = front_end.parse_options(["--modes", "direct,service", "--baseline", "abc123"])
+    assert opts.modes == ("direct", "service", "service-baseline")
+    assert front_end.parse_options([]).modes == front_end.MODES
 
 
 def test_the_h11_mode_serves_with_h11(monkeypatch: pytest.MonkeyPatch) -> None:
