@@ -64,8 +64,8 @@ FROZEN = Frozen()
 """A mode's pin: the controller's own schedule (``controller_k`` per bucket) as it stands
 before the round. The mode runs the K the controller chose without its deciding during
 the round: where ``controller`` runs slower than this mode, what costs is the controller
-running, not the K it chose (on the H100 the controller ran at 0.94 of pinned K = 3 on a
-rollout where its schedule was K = 3 above 4 running, docs/speculation-benchmark.md)."""
+running, not the K it chose (on the H100 the controller ran below pinned K = 3 on a
+rollout where its schedule was K = 3 above 4 running: docs/speculation-benchmark.md)."""
 
 Pin = dict[int, int] | Frozen | None
 """What a mode pins before its rounds: a schedule, :data:`FROZEN`, or None (the

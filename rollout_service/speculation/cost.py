@@ -163,6 +163,10 @@ class StepCostTable:
         """Per K > 0, the batch sizes measured for both K and K = 0 and K's ratio there:
         built on first use after a record (the decision reads them for every bucket and K
         at each finished sequence; samples arrive far less often)."""
+        self._estimates: dict[tuple[int, int, int], float | None] = {}
+        """:meth:`estimate_s` per ``(k, batch_size, reach_from)`` since the last record:
+        the decision asks for every K at every bucket at each finished sequence, and the
+        answer changes only with the table."""
         for sample in samples:
             self.record(sample)
 
@@ -183,6 +187,7 @@ class StepCostTable:
                                         last_step_s=sample.step_s))
         self._fitted[sample.k] = nondecreasing_fit([p.step_s for p in points])
         self._pairs.clear()
+        self._estimates.clear()
 
     def measured_ks(self) -> tuple[int, ...]:
         """The K values with at least one sample, ascending."""
@@ -220,6 +225,12 @@ class StepCostTable:
         :meth:`cost_ratio` at the nearest batch size measured for both (the module
         docstring says why). None: K = 0 is not measured at ``batch_size``, K and K = 0
         share no measured range, or that nearest batch size lies below ``reach_from``."""
+        key = (k, batch_size, reach_from)
+        if key not in self._estimates:
+            self._estimates[key] = self._estimate_s(k, batch_size, reach_from)
+        return self._estimates[key]
+
+    def _estimate_s(self, k: int, batch_size: int, reach_from: int) -> float | None:
         if self.covers(k, batch_size):
             if not self.covers(0, batch_size):
                 return self.step_s(k, batch_size)

@@ -47,6 +47,10 @@ class SpeculationMetrics:
         self._k = {b: k.labels(**labels, bucket=str(b)) for b in buckets}
         self._reasons = {b: {r: reason.labels(**labels, bucket=str(b), reason=r)
                              for r in reasons} for b in buckets}
+        self._shown_k: dict[int, int] = {}
+        self._shown_reason: dict[int, str] = {}
+        """What the gauges hold: the controller shows its state after every finished
+        sequence, and mostly nothing changed (only changes are written)."""
         self._collapsed = Gauge("rollout_speculation_collapsed", "1 while the drafter's "
                                 "acceptance has collapsed (K = 0 everywhere).", names,
                                 registry=registry).labels(**labels)
@@ -58,18 +62,24 @@ class SpeculationMetrics:
         """The K in force and its reason, per bucket upper edge.
 
         Raises:
-            ValueError: an unknown bucket or reason.
+            ValueError: an unknown bucket or reason (nothing is written).
         """
-        for bucket, value in k.items():
-            if bucket not in self._k:
-                raise ValueError(f"bucket {bucket} is not one of {sorted(self._k)}")
-            self._k[bucket].set(value)
+        unknown = [b for b in (*k, *reasons) if b not in self._k]
+        if unknown:
+            raise ValueError(f"bucket {unknown[0]} is not one of {sorted(self._k)}")
         for bucket, reason in reasons.items():
-            children = self._reasons[bucket]
-            if reason not in children:
-                raise ValueError(f"reason {reason!r} is not one of {sorted(children)}")
-            for name, child in children.items():
-                child.set(1 if name == reason else 0)
+            if reason not in self._reasons[bucket]:
+                raise ValueError(f"reason {reason!r} is not one of "
+                                 f"{sorted(self._reasons[bucket])}")
+        for bucket, value in k.items():
+            if self._shown_k.get(bucket) != value:
+                self._k[bucket].set(value)
+                self._shown_k[bucket] = value
+        for bucket, reason in reasons.items():
+            if self._shown_reason.get(bucket) != reason:
+                for name, child in self._reasons[bucket].items():
+                    child.set(1 if name == reason else 0)
+                self._shown_reason[bucket] = reason
 
     def set_collapsed(self, is_collapsed: bool) -> None:
         self._collapsed.set(1 if is_collapsed else 0)

@@ -47,9 +47,9 @@ def test_the_baseline_tree_is_the_commit_and_its_code_is_what_m_imports(
         tmp_path: Path) -> None:
     """``worktree`` checks ``REV`` out, ``-m`` run in it imports that tree's package (not
     the editable install's), and the tree is gone afterwards."""
-    head = subprocess.run(["git", "rev-parse", "HEAD~1"], capture_output=True, text=True,
+    head = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
                           check=True, cwd=Path(front_end.__file__).parents[1]).stdout.strip()
-    with front_end.worktree("HEAD~1", tmp_path) as tree:
+    with front_end.worktree("HEAD", tmp_path) as tree:
         assert tree is not None
         checked_out = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True,
                                      text=True, check=True, cwd=tree).stdout.strip()

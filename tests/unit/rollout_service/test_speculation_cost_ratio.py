@@ -135,3 +135,22 @@ def test_beyond_its_batch_sizes_a_k_is_priced_from_the_pairs_near_its_last() -> 
 def test_a_window_below_1_is_refused() -> None:
     with pytest.raises(ValueError, match="ratio_window"):
         CostConfig(ratio_window=0.5)
+
+
+@given(st.lists(st.tuples(st.integers(0, 2), st.sampled_from([1, 2, 8, 16, 64, 256]),
+                          st.floats(0.001, 0.1)), min_size=1, max_size=30))
+def test_the_estimates_follow_every_record(samples: list[tuple[int, int, float]]) -> None:
+    """The decision's estimates are kept between records (they are read for every bucket
+    and K at each finished sequence): after each record they are those of a table built
+    afresh from the same samples."""
+    table = StepCostTable(CostConfig())
+    for at, (k, batch_size, step_s) in enumerate(samples):
+        for kk in range(3):  # read before the record: what a stale table would keep
+            table.estimate_s(kk, 16, reach_from=2)
+        table.record(StepCostSample(k=k, batch_size=batch_size, step_s=step_s))
+        fresh = StepCostTable(CostConfig(), [StepCostSample(k=k_, batch_size=b_, step_s=s_)
+                                             for k_, b_, s_ in samples[:at + 1]])
+        for kk in range(3):
+            for b in (1, 16, 100, 512):
+                assert table.estimate_s(kk, b, reach_from=2) == fresh.estimate_s(
+                    kk, b, reach_from=2)
