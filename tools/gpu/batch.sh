@@ -46,6 +46,10 @@
 #   bash tools/gpu/batch.sh sglang-serving-long # ~5-7 min: 128 in flight, 8 waves, py-spy
 #   bash tools/gpu/batch.sh sglang-serving-mixed  # ~4-6 min: 128 in flight, lengths +-50%
 #   bash tools/gpu/batch.sh sglang-sync         # ~4-6 min: 1b shm and cuda_ipc pushes vs disk
+#
+# BATCH_DRY_RUN=1 prints each step's name, limit and command (one argument a line) and
+# runs nothing: on any machine, what a call would run (tests/unit/test_batch_sh.py parses
+# the bench steps' arguments with the benches' own parsers).
 set -uo pipefail
 out="${OUT:-/tmp/gpu-batch}"; mkdir -p "$out"; export OUT="$out"
 export COLUMNS="${COLUMNS:-200}"  # rich tables in full in the logs, not cut at 80
@@ -81,6 +85,9 @@ step() {  # step NAME LIMIT_S COMMAND... (STEP_LIMIT_S overrides LIMIT_S: under 
   # time left, so that the step's logs are still packed when its command is stopped; a
   # call cut by the device tool itself loses the step's packed logs)
   local name="$1" limit="${STEP_LIMIT_S:-$2}" rc; shift 2
+  if [ -n "${BATCH_DRY_RUN:-}" ]; then
+    echo "== $name (limit ${limit}s)"; printf '%s\n' "$@"; echo "== end"; return 0
+  fi
   clean
   touch "$out/.step-start"
   echo "== $name (limit ${limit}s)"
@@ -296,4 +303,4 @@ for s in "$@"; do
     *) echo "unknown step: $s (tests spec-tests trainer starts serving serving-dialects sync sync7b load spec spec-skip spec-profile spec-floor spec-full spec-repro spec-repro-eager churn churn-modes churn-pin churn-pin-static churn-upstream churn-align churn-tests spec-ab spec-bench sglang-smoke sglang-tests sglang-ipc-tests sglang-nccl-tests sglang-dialect-tests sglang-serving sglang-serving-128 sglang-serving-long sglang-serving-mixed sglang-sync rayserve rayserve-load)" >&2; exit 2 ;;
   esac
 done
-clean
+[ -n "${BATCH_DRY_RUN:-}" ] || clean
