@@ -12,7 +12,7 @@ cost table filled as the start-up calibration fills it (every K at every bucket 
 decisions move.
 
 Each measurement runs in a process of its own; with ``--baseline REV`` a second one runs
-the same measurement on the code of commit ``REV`` (a git worktree, ``bench.front_end``'s),
+the same measurement on the code of commit ``REV`` (a git worktree, ``bench.baseline``),
 the two in alternating order round by round. The table: microseconds per observed
 sequence, median (min - max) over rounds, and the ratio to the baseline per round.
 
@@ -169,12 +169,11 @@ def main() -> None:
     from rich.console import Console
     from rich.table import Table
 
-    from bench.front_end import worktree
+    from bench.baseline import REPO, worktree
     from bench.spread import median_spread
 
-    repo = Path(__file__).resolve().parents[1]
     with TemporaryDirectory() as scratch, worktree(opts.baseline, Path(scratch)) as base:
-        trees = {"this tree": repo, **({f"baseline {opts.baseline}": base} if base else {})}
+        trees = {"this tree": REPO, **({f"baseline {opts.baseline}": base} if base else {})}
         names = list(trees)
         per_round: list[dict[str, float]] = []
         for r in range(opts.rounds):

@@ -19,8 +19,8 @@ from this process with aiohttp:
   httpx's ``AsyncClient`` over aiohttp's pool (``httpx_aiohttp``), the engine's client
   until aiohttp took its place (``engines/sglang/http_client.py``);
 - ``service-baseline`` (with ``--baseline REV``): the same as ``service`` through a service
-  process run from a git worktree of commit ``REV``: a change to the service's request
-  path against the code before it, in the same rounds.
+  process run from a git worktree of commit ``REV`` (``bench.baseline``): a change to the
+  service's request path against the code before it, in the same rounds.
 
 Per round and mode, in rotating order: the median latency of one request at a time
 (``--serial`` of them), and a closed loop of ``--requests`` at ``--concurrency`` in
@@ -39,11 +39,9 @@ import asyncio
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
-from collections.abc import Awaitable, Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from tempfile import TemporaryDirectory
 from typing import Any
@@ -53,6 +51,7 @@ import psutil
 from rich.console import Console
 from rich.table import Table
 
+from bench.baseline import worktree
 from bench.serving_http import closed_loop
 from bench.spread import median_spread
 from rollout_service.embedded import ensure_model
@@ -167,24 +166,6 @@ def report(console: Console, rounds: list[dict[str, tuple[float, float]]],
                   f"at a time, then {opts.requests} at {opts.concurrency} in flight")
     console.print(table)
     console.print("(direct's CPU column: what the idle service spends meanwhile)")
-
-
-@contextmanager
-def worktree(rev: str | None, scratch: Path) -> Iterator[Path | None]:
-    """A git worktree of this repository at ``rev`` under ``scratch`` (None: none), removed
-    on the way out."""
-    if rev is None:
-        yield None
-        return
-    repo = Path(__file__).resolve().parents[1]
-    tree = scratch / "baseline"
-    subprocess.run(["git", "-C", str(repo), "worktree", "add", "--detach", "--quiet",
-                    str(tree), rev], check=True)
-    try:
-        yield tree
-    finally:
-        subprocess.run(["git", "-C", str(repo), "worktree", "remove", "--force", str(tree)],
-                       check=False)
 
 
 SERVICE_COMMANDS = {

@@ -16,6 +16,7 @@ import pytest
 from rich.console import Console
 
 from bench import front_end
+from bench.baseline import worktree
 from rollout_service import cli
 
 
@@ -49,7 +50,7 @@ def test_the_baseline_tree_is_the_commit_and_its_code_is_what_m_imports(
     the editable install's), and the tree is gone afterwards."""
     head = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
                           check=True, cwd=Path(front_end.__file__).parents[1]).stdout.strip()
-    with front_end.worktree("HEAD", tmp_path) as tree:
+    with worktree("HEAD", tmp_path) as tree:
         assert tree is not None
         checked_out = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True,
                                      text=True, check=True, cwd=tree).stdout.strip()
