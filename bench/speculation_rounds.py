@@ -222,9 +222,21 @@ def rollout_round(http: HttpMode, rollout: Rollout, temperature: float,
     return run
 
 
+def round_order(names: list[str], r: int) -> list[str]:
+    """The modes' order in round ``r`` (from 0): rotated by ``r // 2``, and reversed in
+    odd rounds, so over each pair of rounds a mode runs once before and once after each
+    neighbour. Rotation alone keeps neighbours in one order: on the H100 ``frozen`` ran
+    right after ``controller``, on the same engine, in every round (2026-12-07), so a
+    cost of that slot could not be told from a cost of the mode."""
+    shift = (r // 2) % len(names)
+    rotated = names[shift:] + names[:shift]
+    return rotated[::-1] if r % 2 else rotated
+
+
 async def interleaved(modes: dict[str, Mode], num_rounds: int, label: str,
                       console: Console) -> dict[str, list[float]]:
-    """One warm-up per mode, then ``num_rounds`` rotated rounds; tokens/s per round. Each
+    """One warm-up per mode, then ``num_rounds`` rounds in :func:`round_order`; tokens/s
+    per round, in the modes' order of ``modes``. Each
     timed round starts once the mode's setup is done and the bench's servers are back at
     rest (``bench/quiet.py``: the server of the round before may still be busy)."""
     names = list(modes)
@@ -238,7 +250,8 @@ async def interleaved(modes: dict[str, Mode], num_rounds: int, label: str,
     at_rest = await rest_level()
     rates: dict[str, list[float]] = {m: [] for m in names}
     for r in range(num_rounds):
-        for name in names[r % len(names):] + names[:r % len(names)]:
+        order = round_order(names, r)
+        for name in order:
             if modes[name].setup is not None:
                 await modes[name].setup()
             if (busy := await before_round(at_rest)) is not None:
@@ -248,8 +261,8 @@ async def interleaved(modes: dict[str, Mode], num_rounds: int, label: str,
             rates[name].append(tokens / (time.perf_counter() - start))
             if modes[name].after is not None:
                 await modes[name].after()
-        console.print(f"  {label} round {r + 1}: " + ", ".join(
-            f"{m} {rates[m][-1]:.0f}" for m in names) + " tok/s")
+        console.print(f"  {label} round {r + 1}: " + ", ".join(  # in the order they ran
+            f"{m} {rates[m][-1]:.0f}" for m in order) + " tok/s")
     # what a workload costs in wall-clock, warm-ups, pins and waits for rest included:
     # what a device call's plan has to fit in
     console.print(f"  {label}: warm-ups and {num_rounds} rounds of {len(names)} modes in "

@@ -7,12 +7,14 @@ import statistics
 from pathlib import Path
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 from rich.console import Console
 from rich.table import Table
 
 from bench.speculation_options import per_engine_memory
 from bench.speculation_report import model_check, print_report
-from bench.speculation_rounds import rollout_lengths, rollout_tail
+from bench.speculation_rounds import rollout_lengths, rollout_tail, round_order
 from rollout_service.protocol.speculation import BucketStatus, SpeculationControlStatus
 
 
@@ -255,3 +257,17 @@ def test_a_rollout_round_sends_each_prompt_its_length_and_counts_as_the_mode_doe
     assert sorted(sent[:3]) == [("a", 5, 0), ("b", 1, 1), ("c", 30, 2)]  # wave 1 first
     assert sorted(sent[3:]) == [("a", 5, 3), ("b", 1, 4), ("c", 30, 5)]
     assert [t.num_sequences for t in tails] == [3, 3]
+
+
+@given(num_modes=st.integers(2, 9), pair=st.integers(0, 20))
+def test_each_pair_of_rounds_runs_every_neighbour_in_both_orders(num_modes: int,
+                                                                   pair: int) -> None:
+    """A mode that always followed the same one would carry that slot's cost (on the H100
+    ``frozen`` always ran right after ``controller``): over rounds 2p and 2p + 1 each
+    mode runs once, and each pair of neighbours runs once in each order."""
+    names = [f"m{i}" for i in range(num_modes)]
+    first, second = round_order(names, 2 * pair), round_order(names, 2 * pair + 1)
+    assert sorted(first) == sorted(second) == sorted(names)
+    neighbours = set(zip(first, first[1:]))
+    assert {(b, a) for a, b in zip(second, second[1:])} == neighbours
+    assert round_order(names, 0) == names
