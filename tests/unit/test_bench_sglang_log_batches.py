@@ -70,3 +70,33 @@ def test_the_full_batch_rates_are_those_logged_at_the_most_running_requests() ->
                         + prefill(5, 123) + decode(127, 39000.0))
     assert got.full_batch_rates == (40838.5, 42000.0)
     assert read_batching(prefill(1, 0)).full_batch_rates == ()
+
+
+def timed_prefill(new_seq: int, running: int, new_tokens: int, rate: float,
+                  replay: int | None = None) -> str:
+    """A prefill line as SGLang 0.5.23 writes it: ``rate`` is ``new_tokens`` (and the
+    replayed ones) over the time since the previous prefill line."""
+    replayed = "" if replay is None else f"#replay-token: {replay}, "
+    return (f"[2026-12-07 19:49:48] Prefill batch, #new-seq: {new_seq}, #new-token: "
+            f"{new_tokens}, #cached-token: 0, token usage: 0.00, #running-req: {running}, "
+            f"#queue-req: 0, #pending-token: 0, {replayed}cuda graph: True, "
+            f"input throughput (token/s): {rate}\n")
+
+
+def test_a_refill_spans_the_gaps_of_its_batches_after_the_first() -> None:
+    """The first batch's gap is the decoding before the wave: not the wave's."""
+    log = (timed_prefill(4, 0, 400, 10.0)                  # 40 s since the last prefill
+           + timed_prefill(10, 4, 300, 1000.0)             # 0.3 s later
+           + timed_prefill(6, 14, 100, 500.0, replay=150)  # 0.5 s later: 250 tokens
+           + decode(20)
+           + timed_prefill(20, 0, 10, 1.0) + decode(20))   # one batch: no span
+    got = read_batching(log)
+    assert [(r.requests, r.span_s) for r in got.refills] == [(20, 0.8), (20, 0.0)]
+
+
+def test_a_refill_with_a_line_lacking_its_rate_has_no_span() -> None:
+    got = read_batching(timed_prefill(4, 0, 400, 10.0) + prefill(6, 4)
+                        + timed_prefill(2, 10, 10, 0.0) + decode(12))
+    assert [(r.requests, r.span_s) for r in got.refills] == [(12, None)]
+    assert read_batching(timed_prefill(4, 0, 400, 10.0) + timed_prefill(2, 4, 10, 0.0)
+                         ).refills[0].span_s is None
