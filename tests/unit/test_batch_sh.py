@@ -109,3 +109,17 @@ def test_the_sglang_serving_knobs_reach_the_command(monkeypatch: pytest.MonkeyPa
     assert opts.engine == "sglang" and opts.rounds == 6
     assert command[command.index("--concurrency") + 1] == "512"
     assert command[command.index("--modes") + 1] == "service,sglang-server"
+
+
+def test_the_mixed_lengths_step_takes_the_512_knobs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``sglang-serving-mixed`` at 512 in flight: the gap of ``sglang-serving`` on lengths
+    that do not all end in one step; by default 128 in flight, 3 rounds, every mode."""
+    [(_, _, command)] = dry_run("sglang-serving-mixed", MODES="service,sglang-server",
+                                LEVELS="512", ROUNDS="5")
+    opts = parses(command[2], command[3:], monkeypatch)
+    assert (opts.rounds, opts.length_spread) == (5, 0.5)
+    assert command[command.index("--concurrency") + 1] == "512"
+    assert command[command.index("--modes") + 1] == "service,sglang-server"
+    [(_, _, default)] = dry_run("sglang-serving-mixed")
+    assert default[default.index("--concurrency") + 1] == "128" and "--modes" not in default
+    assert default[default.index("--rounds") + 1] == "3"

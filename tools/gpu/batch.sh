@@ -256,10 +256,12 @@ for s in "$@"; do
         --model embedded:small --concurrency 128 --max-tokens 256 --rounds 3 --waves 8 \
         --profile-service "$out/sglang-serving-profile" --logs "$out/sglang-serving-logs" ;;
     sglang-serving-mixed)  # 128 in flight, lengths spread +-50% (mean 256): requests that
-      # do not all end in one engine step, so their replacements do not reach SGLang as a burst
+      # do not all end in one engine step, so their replacements do not reach SGLang as a burst;
+      # LEVELS=512 MODES=service,sglang-server ROUNDS=5: the 512 gap on the lengths of a rollout
       step sglang-serving-mixed 540 python3 -m bench.serving --engine sglang \
-        --model embedded:small --concurrency 128 --max-tokens 256 --length-spread 0.5 \
-        --rounds 3 --waves 4 --logs "$out/sglang-serving-logs" ;;
+        --model embedded:small --concurrency "${LEVELS:-128}" --max-tokens 256 \
+        --length-spread 0.5 --rounds "${ROUNDS:-3}" --waves 4 ${MODES:+--modes "$MODES"} \
+        --logs "$out/sglang-serving-logs" ;;
     sglang-ipc-tests)  # test_sglang_cuda_ipc_live.py: its own SGLang server (tiny) and a
       # cuda_ipc service on it; staged and in-place pushes of main + drafter, a refused one
       STALL_S=100000 step sglang-ipc-tests 360 env ROLLOUT_TEST_TARGET=sglang python3 -m pytest \
