@@ -19,8 +19,9 @@ static K of a rollout is taken over K >= 1); ``controller``, the ``spec`` servic
 ``frozen``, the controller's own schedule pinned before each round (``controller /
 frozen``: what its deciding during a round costs, apart from the K it chose).
 
-Two workloads, each measured round by round with the modes' order rotated (drift of the
-machine hits every mode alike; a pin is applied before its mode's round, untimed, and is
+Two workloads, each measured round by round with the modes' order rotated and reversed
+every other round (``round_order``: drift of the machine hits every mode alike, and no
+mode always follows the same one; a pin is applied before its mode's round, untimed, and is
 in force when the pin call returns; a round starts once the servers are back at rest,
 ``bench/quiet.py``):
 
