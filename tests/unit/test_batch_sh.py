@@ -123,3 +123,15 @@ def test_the_mixed_lengths_step_takes_the_512_knobs(monkeypatch: pytest.MonkeyPa
     [(_, _, default)] = dry_run("sglang-serving-mixed")
     assert default[default.index("--concurrency") + 1] == "128" and "--modes" not in default
     assert default[default.index("--rounds") + 1] == "3"
+
+
+def test_sglang_args_reach_both_serving_steps(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``SGLANG_ARGS="k=v ..."``: one ``--sglang-arg`` each, parsed by the bench; none
+    by default."""
+    for step in ("sglang-serving", "sglang-serving-mixed"):
+        [(_, _, command)] = dry_run(step, SGLANG_ARGS="tokenizer_worker_num=2 "
+                                    "schedule_policy=lpm")
+        opts = parses(command[2], command[3:], monkeypatch)
+        assert opts.sglang_arg == [("tokenizer_worker_num", 2), ("schedule_policy", "lpm")]
+        [(_, _, default)] = dry_run(step)
+        assert "--sglang-arg" not in default
