@@ -4,8 +4,27 @@ how much of the GPU each takes (``bench.serving``, ``bench.speculation``)."""
 from __future__ import annotations
 
 import argparse
+import json
+from typing import Any
 
 from rollout_service.engines.vllm.start_method import spawn_engine_core_on_cuda
+
+
+def json_object(text: str) -> dict[str, Any]:
+    """An argparse type: engine kwargs as a JSON object (``--engine-kwargs`` of
+    ``bench.weight_sync``, ``--sglang-kwargs`` of ``bench.serving``), merged over a
+    bench's defaults.
+
+    Raises:
+        argparse.ArgumentTypeError: not JSON, or JSON but not an object.
+    """
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"not JSON: {exc}") from exc
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"must be a JSON object, got {text!r}")
+    return value
 
 
 def add_device_arguments(parser: argparse.ArgumentParser, *,

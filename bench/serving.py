@@ -70,7 +70,7 @@ import psutil
 from rich.console import Console
 from rich.table import Table
 
-from bench.engine_options import add_device_arguments, resolve_device
+from bench.engine_options import add_device_arguments, json_object, resolve_device
 from bench.profiling import start_profiler, stop_profiler
 from bench.quiet import before_round, rest_level
 from bench.serving_http import (  # noqa: F401 - re-exported for bench.speculation, tests
@@ -84,7 +84,7 @@ from bench.serving_http import (  # noqa: F401 - re-exported for bench.speculati
     start_http,
 )
 from bench.serving_ray import RAY_MODE, start_ray_serve
-from bench.serving_sglang import SGLANG_MODES, server_arg, sglang_config, start_sglang_server
+from bench.serving_sglang import SGLANG_MODES, sglang_config, start_sglang_server
 from bench.spread import min_max
 from rollout_service.config import ServiceConfig, load_config
 from rollout_service.embedded.corpus import arithmetic_prompts
@@ -317,10 +317,9 @@ def main() -> None:
     parser.add_argument("--temperature", type=float, default=1.0, help="0 decodes greedily")
     parser.add_argument("--engine", choices=("vllm", "sglang"), default="vllm",
                         help="sglang: GPU only, the sglang bundle on the path")
-    parser.add_argument("--sglang-arg", type=server_arg, action="append", default=[],
-                        metavar="KEY=VALUE", help=(
-                            "--engine sglang: one more launch_server argument of both servers "
-                            "(engine_kwargs spelling; repeatable)"))
+    parser.add_argument("--sglang-kwargs", type=json_object, default={}, help=(
+        "--engine sglang: a JSON object of launch_server arguments (engine_kwargs spelling) "
+        "merged over both servers' defaults"))
     parser.add_argument("--modes", default=None, help=(
         f"comma-separated subset of {','.join(MODES)}; default {','.join(DEFAULT_MODES)} "
         f"(vllm), {','.join(SGLANG_MODES)} (sglang)"))
@@ -337,8 +336,8 @@ def main() -> None:
     if unknown or opts.rounds < 1 or opts.waves < 1 or opts.ray_replicas < 1:
         parser.error(f"bad --modes {unknown} for --engine {opts.engine}" if unknown
                      else "--rounds, --waves and --ray-replicas must be >= 1")
-    if opts.sglang_arg and not is_sglang:
-        parser.error("--sglang-arg: for --engine sglang only")
+    if opts.sglang_kwargs and not is_sglang:
+        parser.error("--sglang-kwargs: for --engine sglang only")
     try:
         spread_lengths(0, opts.max_tokens, opts.length_spread)  # its own bounds, checked once
     except ValueError as exc:

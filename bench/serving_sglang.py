@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 from pathlib import Path
 from typing import Any
@@ -29,25 +28,6 @@ SGLANG_MODES = ("service", "service-sglang", "sglang-server")
 STARTUP_TIMEOUT_S = 900.0
 
 
-def server_arg(text: str) -> tuple[str, Any]:
-    """``--sglang-arg KEY=VALUE``: a ``launch_server`` argument as an ``engine_kwargs``
-    entry (underscores, as in the service's config), its value read as JSON where it is
-    JSON (``2``, ``true``, ``0.5``) and as a string otherwise.
-
-    Raises:
-        argparse.ArgumentTypeError: no ``=``, or an empty or dashed key.
-    """
-    key, sep, value = text.partition("=")
-    if not sep or not key or key.startswith("-") or not key.replace("_", "").isalnum():
-        raise argparse.ArgumentTypeError(
-            f"expected KEY=VALUE with KEY an engine_kwargs name (tokenizer_worker_num=2), "
-            f"got {text!r}")
-    try:
-        return key, json.loads(value)
-    except json.JSONDecodeError:
-        return key, value
-
-
 def server_args(opts: argparse.Namespace, max_concurrency: int) -> dict[str, Any]:
     """The SGLang server arguments of both servers.
 
@@ -55,13 +35,13 @@ def server_args(opts: argparse.Namespace, max_concurrency: int) -> dict[str, Any
     largest concurrency (SGLang caps running requests at 48 under speculative decoding
     unless told otherwise), sampling in PyTorch (FlashInfer's sampling kernels would
     JIT-compile with the image's nvcc on the first request), FA3 attention, CUDA graphs
-    unless ``--eager``; then ``--sglang-arg``'s, which win (``tokenizer_worker_num=2``:
+    unless ``--eager``; then ``--sglang-kwargs``, which win (``{"tokenizer_worker_num": 2}``:
     SGLang's HTTP front end in two processes, in both servers).
     """
     return {"mem_fraction_static": opts.gpu_memory_utilization,
             "max_running_requests": max_concurrency, "sampling_backend": "pytorch",
             "attention_backend": "fa3", "disable_cuda_graph": opts.eager,
-            **dict(opts.sglang_arg)}
+            **opts.sglang_kwargs}
 
 
 def sglang_config(opts: argparse.Namespace, max_concurrency: int) -> ServiceConfig:

@@ -51,6 +51,7 @@ import torch
 from rich.console import Console
 from safetensors.torch import load_file
 
+from bench.engine_options import json_object
 from bench.weight_sync_modes import (
     PUSH_MODES,
     REFERENCE_MODES,
@@ -197,17 +198,10 @@ async def bench(opts: argparse.Namespace, console: Console) -> tuple[dict[str, T
     return {n: results[n] for n in names}, sum(t.nbytes for t in tensors.values())
 
 
-def engine_kwargs(overrides: str, is_cuda: bool,
-                  parser: argparse.ArgumentParser) -> dict[str, Any]:
+def engine_kwargs(overrides: dict[str, Any], is_cuda: bool) -> dict[str, Any]:
     """The engine kwargs of every engine: the defaults of vLLM's platform (several
     engines share one GPU) with ``--engine-kwargs`` on top."""
-    try:
-        extra = json.loads(overrides)
-    except json.JSONDecodeError as exc:
-        parser.error(f"--engine-kwargs: not JSON: {exc}")
-    if not isinstance(extra, dict):
-        parser.error("--engine-kwargs: must be a JSON object")
-    return {**ENGINE_KWARGS["cuda" if is_cuda else "cpu"], **extra}
+    return {**ENGINE_KWARGS["cuda" if is_cuda else "cpu"], **overrides}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -221,7 +215,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         f"comma-separated subset of {','.join([*PUSH_MODES, *REFERENCE_MODES])}; default "
         f"{DEFAULT_MODES['cpu']} (cpu), {DEFAULT_MODES['cuda']} (cuda)"))
     parser.add_argument("--rounds", type=int, default=5, help="timed rounds (after 1 warm-up)")
-    parser.add_argument("--engine-kwargs", default="{}",
+    parser.add_argument("--engine-kwargs", type=json_object, default={},
                         help="JSON object merged over the engine kwargs of every engine")
     parser.add_argument("--json", type=Path, default=None, help="also write the raw runs here")
     opts = parser.parse_args(argv)
@@ -241,7 +235,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
     if opts.device == "cuda" and not current_platform.is_cuda():
         parser.error(f"--device cuda: vLLM runs on {current_platform.device_type} here")
-    opts.engine_kwargs = engine_kwargs(opts.engine_kwargs, current_platform.is_cuda(), parser)
+    opts.engine_kwargs = engine_kwargs(opts.engine_kwargs, current_platform.is_cuda())
     opts.engine_device = current_platform.device_type
     return opts
 

@@ -125,13 +125,13 @@ def test_the_mixed_lengths_step_takes_the_512_knobs(monkeypatch: pytest.MonkeyPa
     assert default[default.index("--rounds") + 1] == "3"
 
 
-def test_sglang_args_reach_both_serving_steps(monkeypatch: pytest.MonkeyPatch) -> None:
-    """``SGLANG_ARGS="k=v ..."``: one ``--sglang-arg`` each, parsed by the bench; none
-    by default."""
+def test_sglang_kwargs_reach_both_serving_steps(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``SGLANG_KWARGS='{...}'``: ``--sglang-kwargs``, parsed by the bench; none by
+    default."""
     for step in ("sglang-serving", "sglang-serving-mixed"):
-        [(_, _, command)] = dry_run(step, SGLANG_ARGS="tokenizer_worker_num=2 "
-                                    "schedule_policy=lpm")
+        [(_, _, command)] = dry_run(step, SGLANG_KWARGS='{"tokenizer_worker_num": 2, '
+                                    '"schedule_policy": "lpm"}')
         opts = parses(command[2], command[3:], monkeypatch)
-        assert opts.sglang_arg == [("tokenizer_worker_num", 2), ("schedule_policy", "lpm")]
+        assert opts.sglang_kwargs == {"tokenizer_worker_num": 2, "schedule_policy": "lpm"}
         [(_, _, default)] = dry_run(step)
-        assert "--sglang-arg" not in default
+        assert "--sglang-kwargs" not in default

@@ -98,9 +98,6 @@ step() {  # step NAME LIMIT_S COMMAND... (STEP_LIMIT_S overrides LIMIT_S: under 
   flatten "$name"
 }
 
-sglang_args=()  # SGLANG_ARGS="k=v ...": --sglang-arg k=v each, for the SGLang serving steps
-for a in ${SGLANG_ARGS:-}; do sglang_args+=(--sglang-arg "$a"); done
-
 for s in "$@"; do
   case "$s" in
     tests) STALL_S=100000 step tests 420 bash tools/gpu/run_gpu_tests.sh gpu-marked cuda-ipc \
@@ -244,13 +241,13 @@ for s in "$@"; do
       # starts take ~300 s, a round of 2 waves ~30 s at 512 and ~8 s at 128 for the 3 modes;
       # LEVELS=512 ROUNDS=4 took 480 s; MODES=service,sglang-server LEVELS=512 ROUNDS=6 289 s).
       # MODES=service,sglang-server drops the dialect's mode (it costs the service what the
-      # native one does, bench.front_end): 1/3 more rounds. SGLANG_ARGS="k=v ...": more
-      # launch_server arguments of both servers (tokenizer_worker_num=2: SGLang's own front
-      # end in two processes)
+      # native one does, bench.front_end): 1/3 more rounds. SGLANG_KWARGS='{"k": v}': more
+      # launch_server arguments of both servers ('{"tokenizer_worker_num": 2}': SGLang's own
+      # front end in two processes)
       step sglang-serving 540 python3 -m bench.serving --engine sglang \
         --model embedded:small --concurrency "${LEVELS:-128,512}" --max-tokens 256 \
         --rounds "${ROUNDS:-3}" --waves "${WAVES:-2}" ${MODES:+--modes "$MODES"} \
-        "${sglang_args[@]}" --logs "$out/sglang-serving-logs" ;;
+        ${SGLANG_KWARGS:+--sglang-kwargs "$SGLANG_KWARGS"} --logs "$out/sglang-serving-logs" ;;
     sglang-serving-128)  # 128 in flight only, 9 rounds: rounds are short (2 waves, ~3 s a
       # mode) beside the servers' start, and 3 rounds spread wider than any gap
       step sglang-serving-128 540 python3 -m bench.serving --engine sglang \
@@ -267,7 +264,7 @@ for s in "$@"; do
       step sglang-serving-mixed 540 python3 -m bench.serving --engine sglang \
         --model embedded:small --concurrency "${LEVELS:-128}" --max-tokens 256 \
         --length-spread 0.5 --rounds "${ROUNDS:-3}" --waves 4 ${MODES:+--modes "$MODES"} \
-        "${sglang_args[@]}" --logs "$out/sglang-serving-logs" ;;
+        ${SGLANG_KWARGS:+--sglang-kwargs "$SGLANG_KWARGS"} --logs "$out/sglang-serving-logs" ;;
     sglang-ipc-tests)  # test_sglang_cuda_ipc_live.py: its own SGLang server (tiny) and a
       # cuda_ipc service on it; staged and in-place pushes of main + drafter, a refused one
       STALL_S=100000 step sglang-ipc-tests 360 env ROLLOUT_TEST_TARGET=sglang python3 -m pytest \

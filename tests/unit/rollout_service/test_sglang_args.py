@@ -86,7 +86,7 @@ def test_the_live_tests_own_server_and_a_server_without_speculation() -> None:
 
 def test_the_serving_benchmarks_servers() -> None:
     opts = argparse.Namespace(model="embedded:small", num_speculative_tokens=1,
-                              gpu_memory_utilization=0.25, eager=False, sglang_arg=[])
+                              gpu_memory_utilization=0.25, eager=False, sglang_kwargs={})
     args = resolved(launch_command(sglang_config(opts, max_concurrency=512), port=25002))
     assert (args["max_running_requests"], args["disable_cuda_graph"],
             args["speculative_num_draft_tokens"]) == (512, False, 2)
@@ -94,9 +94,10 @@ def test_the_serving_benchmarks_servers() -> None:
 
 
 def test_the_serving_benchmarks_front_end_in_two_processes() -> None:
-    """``SGLANG_ARGS=tokenizer_worker_num=2`` (``--sglang-arg``): a flag SGLang takes."""
+    """``SGLANG_KWARGS='{"tokenizer_worker_num": 2}'`` (``--sglang-kwargs``): a flag SGLang
+    takes."""
     opts = argparse.Namespace(model="embedded:small", num_speculative_tokens=1,
                               gpu_memory_utilization=0.25, eager=False,
-                              sglang_arg=[("tokenizer_worker_num", 2)])
+                              sglang_kwargs={"tokenizer_worker_num": 2})
     args = resolved(launch_command(sglang_config(opts, max_concurrency=512), port=25003))
     assert (args["tokenizer_worker_num"], args["max_running_requests"]) == (2, 512)
