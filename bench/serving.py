@@ -56,23 +56,19 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import dataclasses
 import os
 import statistics
 import tempfile
-import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from subprocess import Popen
 from typing import Any
 
-import psutil
 from rich.console import Console
 from rich.table import Table
 
 from bench.engine_options import add_device_arguments, json_object, resolve_device
 from bench.profiling import start_profiler, stop_profiler
-from bench.quiet import before_round, rest_level
 from bench.serving_http import (  # noqa: F401 - re-exported for bench.speculation, tests
     HttpMode,
     Workload,
@@ -83,8 +79,14 @@ from bench.serving_http import (  # noqa: F401 - re-exported for bench.speculati
     spread_lengths,
     start_http,
 )
+from bench.serving_measure import FrontEnd, Rates, RoundFn, measure
 from bench.serving_ray import RAY_MODE, start_ray_serve
-from bench.serving_sglang import SGLANG_MODES, sglang_config, start_sglang_server
+from bench.serving_sglang import (
+    SGLANG_MODES,
+    launched_server_pid,
+    sglang_config,
+    start_sglang_server,
+)
 from bench.spread import min_max
 from rollout_service.config import ServiceConfig, load_config
 from rollout_service.embedded.corpus import arithmetic_prompts
@@ -102,8 +104,6 @@ RATIOS = (("service", "asyncllm", 0.90), ("service", "vllm-server", 1.0),
 DIALECT_MODES = ("service", "service-openai", "service-sglang")
 """The service's modes that share one service process (the same engine, three dialects)."""
 
-RoundFn = Callable[[int, int], Awaitable[int]]
-"""``run_round(concurrency, num_requests) -> tokens generated``."""
 
 
 async def start_asyncllm(cfg: ServiceConfig, workload: Workload) -> tuple[RoundFn, Callable]:
@@ -138,64 +138,6 @@ async def start_asyncllm(cfg: ServiceConfig, workload: Workload) -> tuple[RoundF
     return run_round, engine.shutdown
 
 
-@dataclasses.dataclass(kw_only=True, slots=True)
-class Rates:
-    """Per-round figures of each mode at one concurrency, in round order: tokens/s, and
-    the CPU the bench process (the client; for ``asyncllm`` also the front end) and the
-    mode's front-end process used, in cores (1.0 = one core busy the whole round; for a
-    front end of several processes, Ray Serve's, the busiest one). A front end near 1.0
-    is a saturated event loop; so is a client near 1.0."""
-
-    by_mode: dict[str, list[float]] = dataclasses.field(default_factory=dict)
-    client_cpu: dict[str, list[float]] = dataclasses.field(default_factory=dict)
-    front_end_cpu: dict[str, list[float]] = dataclasses.field(default_factory=dict)
-
-    def add(self, mode: str, rate: float, client_cpu: float, front_end_cpu: float) -> None:
-        self.by_mode.setdefault(mode, []).append(rate)
-        self.client_cpu.setdefault(mode, []).append(client_cpu)
-        self.front_end_cpu.setdefault(mode, []).append(front_end_cpu)
-
-
-def cpu_seconds(process: psutil.Process) -> float:
-    times = process.cpu_times()
-    return times.user + times.system
-
-
-async def measure(rounds: dict[str, RoundFn], front_ends: dict[str, tuple[int, ...]],
-                  concurrency: int,
-                  num_requests: int, num_rounds: int, console: Console) -> Rates:
-    """A warm-up round per mode, then ``num_rounds`` rounds with the modes' order rotated;
-    each round ``num_requests`` requests, ``concurrency`` in flight, started once the
-    servers are back at rest (``bench/quiet.py``).
-
-    ``front_ends`` names each mode's front-end processes (the ones that run vLLM's output
-    handler and the HTTP server: this process for ``asyncllm``, the server's otherwise,
-    Serve's proxy, ingress and engine replicas for ``ray-serve``)."""
-    modes = list(rounds)
-    for mode in modes:
-        await rounds[mode](concurrency, num_requests)
-    me = psutil.Process()
-    processes = {mode: [psutil.Process(pid) for pid in pids]
-                 for mode, pids in front_ends.items()}
-    at_rest = await rest_level()
-    rates = Rates()
-    for r in range(num_rounds):
-        order = modes[r % len(modes):] + modes[:r % len(modes)]
-        for mode in order:
-            if (busy := await before_round(at_rest)) is not None:
-                console.print(f"  c={concurrency} round {r + 1}, {mode}: {busy}")
-            client, front = cpu_seconds(me), [cpu_seconds(p) for p in processes[mode]]
-            start = time.perf_counter()
-            tokens = await rounds[mode](concurrency, num_requests)
-            wall = time.perf_counter() - start
-            rates.add(mode, tokens / wall, (cpu_seconds(me) - client) / wall,
-                      max(cpu_seconds(p) - f for p, f in zip(processes[mode], front)) / wall)
-        console.print(f"  c={concurrency} round {r + 1}: " + ", ".join(
-            f"{m} {rates.by_mode[m][-1]:.0f} (front end {rates.front_end_cpu[m][-1]:.2f}, "
-            f"client {rates.client_cpu[m][-1]:.2f} cores)" for m in modes) + " tok/s")
-    return rates
-
-
 def print_report(console: Console, results: dict[int, Rates], workload: Workload,
                  num_rounds: int, waves: int, length_spread: float) -> None:
     tokens = (f"{workload.max_tokens} +- {length_spread:.0%}" if length_spread
@@ -205,14 +147,18 @@ def print_report(console: Console, results: dict[int, Rates], workload: Workload
                   f"requests in a closed loop; 1 warm-up + {num_rounds} timed rounds per "
                   "mode, modes interleaved")
     table = Table("concurrency", "mode", "median tok/s", "range tok/s",
-                  "front-end CPU (cores)", "client CPU (cores)")
+                  "front-end CPU (cores)", "front end ms/req",
+                  "engine's front end ms/req", "client CPU (cores)")
     ratios = Table("concurrency", "ratio", "median", "range", "target", "met")
     for concurrency, rates in results.items():
         for mode, values in rates.by_mode.items():
             table.add_row(str(concurrency), mode, f"{statistics.median(values):.0f}",
                           min_max(values),
-                          f"{statistics.median(rates.front_end_cpu[mode]):.2f}",
-                          f"{statistics.median(rates.client_cpu[mode]):.2f}")
+                          f"{statistics.median(rates.front_end_cores(mode)):.2f}",
+                          f"{statistics.median(rates.front_end_ms(mode)):.3f}",
+                          f"{statistics.median(rates.engine_front_end_ms(mode)):.3f}"
+                          if any(rates.engine_front_end_ms(mode)) else "-",
+                          f"{statistics.median(rates.client_cores(mode)):.2f}")
         for num, den, target in RATIOS:
             if num in rates.by_mode and den in rates.by_mode:
                 per_round = [a / b for a, b in zip(rates.by_mode[num], rates.by_mode[den])]
@@ -257,7 +203,7 @@ async def run(opts: argparse.Namespace, console: Console) -> dict[int, Rates]:
                       f"{non_default_engine_args(engine_args(cfg))}")
     rounds: dict[str, RoundFn] = {}
     servers: dict[str, HttpMode] = {}
-    front_ends: dict[str, tuple[int, ...]] = {}
+    front_ends: dict[str, FrontEnd] = {}
     closers: list[Callable[[], Awaitable[None]]] = []
     profiler: Popen[bytes] | None = None
     try:
@@ -265,17 +211,17 @@ async def run(opts: argparse.Namespace, console: Console) -> dict[int, Rates]:
             console.print(f"starting {mode} ...")
             if mode == "asyncllm":
                 run_round, shutdown = await start_asyncllm(cfg, workload)
-                front_ends[mode] = (os.getpid(),)
+                front_ends[mode] = FrontEnd((os.getpid(),))
 
                 async def close(shutdown: Callable = shutdown) -> None:
                     shutdown()
             elif mode == RAY_MODE:
-                http, front_ends[mode], app = await start_ray_serve(
+                http, pids, app = await start_ray_serve(
                     cfg, workload, scratch, max(levels), num_replicas=opts.ray_replicas,
                     device=opts.device)
+                front_ends[mode] = FrontEnd(pids)
                 console.print(f"  {app.num_replicas} replicas, {app.ray_actor_options}, "
-                              f"engine_kwargs {app.engine_kwargs}; front-end processes "
-                              f"{front_ends[mode]}")
+                              f"engine_kwargs {app.engine_kwargs}; front-end processes {pids}")
                 run_round, close = http.run_round, http.close
             else:
                 shared = next((h for m, h in servers.items() if m in DIALECT_MODES), None)
@@ -287,7 +233,9 @@ async def run(opts: argparse.Namespace, console: Console) -> dict[int, Rates]:
                     http = await start_http(mode, cfg, workload, scratch, max(levels))
                 servers[mode] = http
                 run_round, close = http.run_round, http.close
-                front_ends[mode] = (http.server.pid,)
+                front_ends[mode] = FrontEnd(
+                    (http.server.pid,),
+                    launched_server_pid(http.server.pid) if mode in DIALECT_MODES else None)
                 if mode == "service" and opts.profile_service:
                     profiler = start_profiler(http.server.pid, Path(opts.profile_service))
             rounds[mode] = run_round

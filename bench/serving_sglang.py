@@ -18,6 +18,8 @@ import os
 from pathlib import Path
 from typing import Any
 
+import psutil
+
 from bench.serving_http import SERVER_KEEP_ALIVE_S, HttpMode, Workload
 from rollout_service.config import ServiceConfig, load_config
 from rollout_service.engines.sglang.launch import build_launch_command, free_port_below_ephemeral
@@ -81,3 +83,16 @@ async def start_sglang_server(cfg: ServiceConfig, workload: Workload, scratch: P
 
     return HttpMode(server, url, "/generate", body, lambda answer: len(answer["output_ids"]),
                     max_concurrency)
+
+
+def launched_server_pid(service_pid: int) -> int | None:
+    """The SGLang server a service process launched (its child running
+    ``sglang.launch_server``: the HTTP server and tokenizer manager every request of the
+    service crosses), or None (a vLLM service, or one given an ``engine_url``)."""
+    for child in psutil.Process(service_pid).children():
+        try:
+            if "sglang.launch_server" in child.cmdline():
+                return child.pid
+        except psutil.NoSuchProcess:
+            continue
+    return None
