@@ -135,3 +135,12 @@ def test_sglang_kwargs_reach_both_serving_steps(monkeypatch: pytest.MonkeyPatch)
         assert opts.sglang_kwargs == {"tokenizer_worker_num": 2, "schedule_policy": "lpm"}
         [(_, _, default)] = dry_run(step)
         assert "--sglang-kwargs" not in default
+
+
+def test_model_reaches_both_serving_steps(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``MODEL=embedded:1b``: the serving steps on the 1b; ``embedded:small`` by default."""
+    for step in ("sglang-serving", "sglang-serving-mixed"):
+        [(_, _, command)] = dry_run(step, MODEL="embedded:1b")
+        assert parses(command[2], command[3:], monkeypatch).model == "embedded:1b"
+        [(_, _, default)] = dry_run(step)
+        assert default[default.index("--model") + 1] == "embedded:small"

@@ -243,9 +243,10 @@ for s in "$@"; do
       # MODES=service,sglang-server drops the dialect's mode (it costs the service what the
       # native one does, bench.front_end): 1/3 more rounds. SGLANG_KWARGS='{"k": v}': more
       # launch_server arguments of both servers ('{"tokenizer_worker_num": 2}': SGLang's own
-      # front end in two processes)
+      # front end in two processes). MODEL (embedded:small): embedded:1b's steps take longer,
+      # so a wave's refill, when the front ends hand 512 requests on, is less of a round
       step sglang-serving 540 python3 -m bench.serving --engine sglang \
-        --model embedded:small --concurrency "${LEVELS:-128,512}" --max-tokens 256 \
+        --model "${MODEL:-embedded:small}" --concurrency "${LEVELS:-128,512}" --max-tokens 256 \
         --rounds "${ROUNDS:-3}" --waves "${WAVES:-2}" ${MODES:+--modes "$MODES"} \
         ${SGLANG_KWARGS:+--sglang-kwargs "$SGLANG_KWARGS"} --logs "$out/sglang-serving-logs" ;;
     sglang-serving-128)  # 128 in flight only, 9 rounds: rounds are short (2 waves, ~3 s a
@@ -260,9 +261,10 @@ for s in "$@"; do
         --profile-service "$out/sglang-serving-profile" --logs "$out/sglang-serving-logs" ;;
     sglang-serving-mixed)  # 128 in flight, lengths spread +-50% (mean 256): requests that
       # do not all end in one engine step, so their replacements do not reach SGLang as a burst;
-      # LEVELS=512 MODES=service,sglang-server ROUNDS=5: the 512 gap on the lengths of a rollout
+      # LEVELS=512 MODES=service,sglang-server ROUNDS=5: the 512 gap on the lengths of a
+      # rollout; MODEL as sglang-serving's
       step sglang-serving-mixed 540 python3 -m bench.serving --engine sglang \
-        --model embedded:small --concurrency "${LEVELS:-128}" --max-tokens 256 \
+        --model "${MODEL:-embedded:small}" --concurrency "${LEVELS:-128}" --max-tokens 256 \
         --length-spread 0.5 --rounds "${ROUNDS:-3}" --waves 4 ${MODES:+--modes "$MODES"} \
         ${SGLANG_KWARGS:+--sglang-kwargs "$SGLANG_KWARGS"} --logs "$out/sglang-serving-logs" ;;
     sglang-ipc-tests)  # test_sglang_cuda_ipc_live.py: its own SGLang server (tiny) and a
