@@ -243,8 +243,8 @@ for s in "$@"; do
       # MODES=service,sglang-server drops the dialect's mode (it costs the service what the
       # native one does, bench.front_end): 1/3 more rounds. SGLANG_KWARGS='{"k": v}': more
       # launch_server arguments of both servers ('{"tokenizer_worker_num": 2}': SGLang's own
-      # front end in two processes). MODEL (embedded:small): embedded:1b's steps take longer,
-      # so a wave's refill, when the front ends hand 512 requests on, is less of a round
+      # front end in two processes). MODEL (embedded:small): another checkpoint
+      # (MODEL=embedded:1b MODES=service,sglang-server LEVELS=512 ROUNDS=4: 460 s on an H100)
       step sglang-serving 540 python3 -m bench.serving --engine sglang \
         --model "${MODEL:-embedded:small}" --concurrency "${LEVELS:-128,512}" --max-tokens 256 \
         --rounds "${ROUNDS:-3}" --waves "${WAVES:-2}" ${MODES:+--modes "$MODES"} \
