@@ -105,7 +105,6 @@ DIALECT_MODES = ("service", "service-openai", "service-sglang")
 """The service's modes that share one service process (the same engine, three dialects)."""
 
 
-
 async def start_asyncllm(cfg: ServiceConfig, workload: Workload) -> tuple[RoundFn, Callable]:
     """``AsyncLLM`` in this process; returns its round function and its shutdown."""
     from vllm import SamplingParams
