@@ -155,8 +155,8 @@ def print_report(console: Console, results: dict[int, Rates], workload: Workload
                           min_max(values),
                           f"{statistics.median(rates.front_end_cores(mode)):.2f}",
                           f"{statistics.median(rates.front_end_ms(mode)):.3f}",
-                          f"{statistics.median(rates.engine_front_end_ms(mode)):.3f}"
-                          if any(rates.engine_front_end_ms(mode)) else "-",
+                          "-" if (engine := rates.engine_front_end_ms(mode)) is None
+                          else f"{statistics.median(engine):.3f}",
                           f"{statistics.median(rates.client_cores(mode)):.2f}")
         for num, den, target in RATIOS:
             if num in rates.by_mode and den in rates.by_mode:

@@ -40,11 +40,11 @@ class FrontEnd:
 class RoundCpu:
     """One mode's round: the CPU seconds the bench process (the client; for ``asyncllm``
     also the front end), the busiest front-end process and the engine's front end
-    (:class:`FrontEnd`; 0 without one) used, the round's wall seconds and requests."""
+    (:class:`FrontEnd`; None without one) used, the round's wall seconds and requests."""
 
     client_s: float
     front_end_s: float
-    engine_front_end_s: float
+    engine_front_end_s: float | None
     wall_s: float
     num_requests: int
 
@@ -74,8 +74,11 @@ class Rates:
         """The busiest front-end process's CPU ms per request, per round."""
         return [1e3 * c.front_end_s / c.num_requests for c in self.cpu[mode]]
 
-    def engine_front_end_ms(self, mode: str) -> list[float]:
-        return [1e3 * c.engine_front_end_s / c.num_requests for c in self.cpu[mode]]
+    def engine_front_end_ms(self, mode: str) -> list[float] | None:
+        """The engine's front end's CPU ms per request, per round; None: the mode has none."""
+        if self.cpu[mode][0].engine_front_end_s is None:
+            return None
+        return [1e3 * (c.engine_front_end_s or 0.0) / c.num_requests for c in self.cpu[mode]]
 
 
 def cpu_seconds(process: psutil.Process) -> float:
@@ -108,8 +111,8 @@ async def measure(rounds: dict[str, RoundFn], front_ends: dict[str, FrontEnd],
         console.print(f"  c={concurrency} round {r + 1}: " + ", ".join(
             f"{m} {rates.by_mode[m][-1]:.0f} (front end {rates.front_end_cores(m)[-1]:.2f} "
             f"cores, {rates.front_end_ms(m)[-1]:.3f} ms/request"
-            + (f", engine's {rates.engine_front_end_ms(m)[-1]:.3f}"
-               if front_ends[m].engine_pid is not None else "")
+            + (f", engine's {engine[-1]:.3f}"
+               if (engine := rates.engine_front_end_ms(m)) is not None else "")
             + f"; client {rates.client_cores(m)[-1]:.2f} cores)" for m in modes) + " tok/s")
     return rates
 
@@ -127,7 +130,8 @@ class CpuMeter:
         self._engine_0 = cpu_seconds(self._engine) if self._engine is not None else 0.0
 
     def read(self, wall_s: float, num_requests: int) -> RoundCpu:
-        engine = cpu_seconds(self._engine) - self._engine_0 if self._engine is not None else 0.0
+        engine = (cpu_seconds(self._engine) - self._engine_0
+                  if self._engine is not None else None)
         return RoundCpu(client_s=cpu_seconds(self._me) - self._client_0,
                         front_end_s=max(cpu_seconds(p) - s
                                         for p, s in zip(self._front, self._front_0)),

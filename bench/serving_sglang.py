@@ -22,7 +22,11 @@ import psutil
 
 from bench.serving_http import SERVER_KEEP_ALIVE_S, HttpMode, Workload
 from rollout_service.config import ServiceConfig, load_config
-from rollout_service.engines.sglang.launch import build_launch_command, free_port_below_ephemeral
+from rollout_service.engines.sglang.launch import (
+    LAUNCH_MODULE,
+    build_launch_command,
+    free_port_below_ephemeral,
+)
 from rollout_service.local import engine_spec
 from rollout_service.tools.launch import ChildProcess, wait_http_ok
 
@@ -91,7 +95,7 @@ def launched_server_pid(service_pid: int) -> int | None:
     service crosses), or None (a vLLM service, or one given an ``engine_url``)."""
     for child in psutil.Process(service_pid).children():
         try:
-            if "sglang.launch_server" in child.cmdline():
+            if LAUNCH_MODULE in child.cmdline():
                 return child.pid
         except psutil.NoSuchProcess:
             continue

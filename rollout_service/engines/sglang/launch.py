@@ -31,6 +31,9 @@ from rollout_service.engines.speculative import MTPSettings, build_sglang_server
 
 logger = logging.getLogger(__name__)
 
+LAUNCH_MODULE = "sglang.launch_server"
+"""The module the service runs as SGLang's server (``python -m``)."""
+
 _RESERVED = ("model_path", "host", "port")
 _STOP_TIMEOUT_S = 60.0
 _PORT_RANGE = (20000, 29999)
@@ -73,7 +76,7 @@ def build_launch_command(model_path: str, engine_kwargs: Mapping[str, Any], mtp:
     speculative = build_sglang_server_args(mtp, engine_kwargs)
     user = {key: value for key, value in engine_kwargs.items() if key not in speculative}
     args = {"model_path": model_path, "host": host, "port": port, **user, **speculative}
-    command = [python, "-m", "sglang.launch_server"]
+    command = [python, "-m", LAUNCH_MODULE]
     for key, value in args.items():
         flag = "--" + key.replace("_", "-")
         if value is None or value is False:
